@@ -1,0 +1,96 @@
+"""The direct side of ``rollserve bench overhead``: the batch straight through AsyncLLM.
+
+Run as a child process by ``overhead.py`` (vLLM wants a fresh process and a
+``__main__`` guard). Reads the groups as JSON on stdin; prints one JSON line with
+the wall time of each timed repeat and the output tokens of the last one.
+
+The engine is built from the same ``EngineSettings`` defaults and the same
+``build_engine_args`` as the engine service, and each sample is requested the
+same way (n=1, seed + i, one logprob per token, delta outputs), so the only
+difference from the rollserve side is everything rollserve adds around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollserve.bench.workload import BenchGroup
+
+
+async def _one_sample(llm: Any, params: Any, prompt: Any, request_id: str) -> int:
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    async for out in llm.generate(prompt, params, request_id):
+        completion = out.outputs[0]
+        tokens.extend(completion.token_ids)
+        lp = completion.logprobs
+        if lp is not None:
+            logprobs.extend(
+                lp.logprobs[: len(completion.token_ids)] if hasattr(lp, "logprobs") else []
+            )
+    return len(tokens)
+
+
+async def _run(model: Path, groups: list[BenchGroup], repeats: int) -> dict[str, Any]:
+    from rollserve.engine.service import build_engine_args
+    from rollserve.engine.settings import EngineSettings, apply_environment, resolve_device
+
+    settings = EngineSettings(model=model)
+    device = resolve_device(settings)
+    apply_environment(settings, device)
+
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
+    try:
+        walls: list[float] = []
+        tokens = 0
+        for rep in range(repeats + 1):  # the first round warms up and is not counted
+            start = time.perf_counter()
+            jobs = []
+            for g in groups:
+                prompt = tokens_input(list(g.prompt_token_ids))
+                for i in range(g.n):
+                    params = SamplingParams(
+                        n=1,
+                        max_tokens=g.max_tokens,
+                        temperature=1.0,
+                        seed=g.seed + i,
+                        logprobs=0,
+                        flat_logprobs=True,
+                        detokenize=False,
+                        output_kind=RequestOutputKind.DELTA,
+                    )
+                    jobs.append(_one_sample(llm, params, prompt, f"r{rep}-{g.index}/{i}"))
+            counts = await asyncio.gather(*jobs)
+            wall = time.perf_counter() - start
+            if rep > 0:
+                walls.append(wall)
+                tokens = sum(counts)
+        return {"wall_s": walls, "output_tokens": tokens}
+    finally:
+        llm.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollserve.bench.direct")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    groups = [BenchGroup(**g) for g in json.load(sys.stdin)]
+    result = asyncio.run(_run(args.model, groups, args.repeats))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The asyncio twin of :class:`rollserve.client.RolloutClient`, over grpc.aio and redis.asyncio.
+
+```python
+async with AsyncRolloutClient("scheduler:50051", "redis://redis:6379/0", "grpo-7") as client:
+    await client.submit(groups)
+    async for received in client.groups(limit=64, timeout_s=600):
+        train_on(received.result)
+        await received.done()
+```
+
+The consumer bookkeeping (read order, duplicates, decoding) is the same object
+as the sync client's, :class:`rollserve.client.consumer.ConsumerState`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import grpc
+import redis
+import redis.asyncio
+from rollserve.client.client import (
+    DEFAULT_BLOCK_MS,
+    DEFAULT_CLAIM_IDLE_MS,
+    DEFAULT_RPC_TIMEOUT_S,
+)
+from rollserve.client.consumer import (
+    CLAIM_START_CURSOR,
+    DEFAULT_DEDUPE_CAPACITY,
+    DEFAULT_READ_COUNT,
+    Batch,
+    Budget,
+    Claim,
+    ConsumerConfig,
+    ConsumerState,
+    Deliver,
+    NextRead,
+    ReadNew,
+    ReceivedBase,
+    default_consumer_name,
+    is_busygroup,
+    is_nogroup,
+    parse_delivery_count,
+    parse_xautoclaim,
+    parse_xreadgroup,
+)
+from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
+from rollserve.client.types import (
+    CancelResult,
+    PromptGroup,
+    SchedulerStatus,
+    cancel_request,
+    submit_request,
+)
+from rollserve.client.wire import GroupResult
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+
+class AsyncReceivedGroup(ReceivedBase):
+    """A finished group from the stream. ``await done()`` acknowledges it (XACK)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(
+        self,
+        result: GroupResult,
+        entry_id: str,
+        delivery_count: int,
+        client: AsyncRolloutClient,
+    ) -> None:
+        super().__init__(result, entry_id, delivery_count)
+        self._client = client
+
+    async def done(self) -> bool:
+        """Acknowledges the group. False if it was no longer pending in the consumer
+        group (acknowledged already, here or by a consumer it was re-delivered to)."""
+        return await self._client.ack(self) == 1
+
+
+class AsyncRolloutClient:
+    """Same arguments and behaviour as :class:`rollserve.client.RolloutClient`.
+
+    Use it from one event loop; create it inside the loop that uses it.
+    """
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        redis_url: str,
+        run_id: str,
+        *,
+        consumer_group: str = "trainer",
+        consumer_name: str | None = None,
+        claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
+        block_ms: int = DEFAULT_BLOCK_MS,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        read_count: int = DEFAULT_READ_COUNT,
+        dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
+    ) -> None:
+        self.config = ConsumerConfig(
+            run_id=run_id,
+            consumer_group=consumer_group,
+            consumer_name=consumer_name if consumer_name is not None else default_consumer_name(),
+            claim_idle_ms=claim_idle_ms,
+            block_ms=block_ms,
+            read_count=read_count,
+            dedupe_capacity=dedupe_capacity,
+        )
+        self._rpc_timeout_s = rpc_timeout_s
+        self._state = ConsumerState(self.config)
+        self._channel = grpc.aio.insecure_channel(scheduler_address)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._redis = redis.asyncio.Redis.from_url(redis_url)
+
+    @property
+    def run_id(self) -> str:
+        return self.config.run_id
+
+    @property
+    def consumer_name(self) -> str:
+        return self.config.consumer_name
+
+    @property
+    def stream(self) -> str:
+        return self.config.stream
+
+    # ------------------------------------------------------------ scheduler
+
+    async def submit(self, groups: Sequence[PromptGroup]) -> int:
+        """Queues the groups; all or none. Returns how many the scheduler accepted."""
+        request = submit_request(self.run_id, groups)
+        try:
+            response = await self._stub.Submit(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Submit") from exc
+        return response.accepted
+
+    async def cancel(self, group_ids: Sequence[str]) -> CancelResult:
+        """Cancels queued or running groups; cancelled groups are never delivered."""
+        request = cancel_request(self.run_id, group_ids)
+        try:
+            response = await self._stub.Cancel(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Cancel") from exc
+        return CancelResult.from_proto(response)
+
+    async def status(self) -> SchedulerStatus:
+        try:
+            response = await self._stub.Status(pb.StatusRequest(), timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Status") from exc
+        return SchedulerStatus.from_proto(response)
+
+    # --------------------------------------------------------------- stream
+
+    async def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[AsyncReceivedGroup]:
+        """Finished groups of the run, each once; see ``RolloutClient.groups``."""
+        budget = Budget(limit, timeout_s, time.monotonic())
+        self._state.restart()
+        while not budget.exhausted(now := time.monotonic()):
+            batch = await self._read(self._state.next_read(now, budget))
+            counts = await self._delivery_counts(batch)
+            for item in batch.items:
+                if not isinstance(item, Deliver):
+                    raise item
+                self._state.handed_out(item.entry_id, item.result.group_id)
+                budget.took_one()
+                yield AsyncReceivedGroup(
+                    item.result, item.entry_id, counts.get(item.entry_id, 1), self
+                )
+
+    async def ack(self, *received: AsyncReceivedGroup) -> int:
+        """Acknowledges groups (one XACK); returns how many were still pending."""
+        if not received:
+            return 0
+        ids = [r.entry_id for r in received]
+        try:
+            acked = int(await self._redis.xack(self.stream, self.config.consumer_group, *ids))
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        for entry_id in ids:
+            self._state.acked(entry_id)
+        return acked
+
+    async def discard(self, entry_id: str) -> bool:
+        """Acknowledges an entry without reading it (an :class:`UndecodableEntry`)."""
+        try:
+            acked = await self._redis.xack(self.stream, self.config.consumer_group, entry_id)
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        return int(acked) == 1
+
+    @property
+    def in_hand(self) -> int:
+        """Groups handed out by ``groups()`` and not yet acknowledged."""
+        return self._state.in_hand
+
+    async def _read(self, op: NextRead) -> Batch:
+        """Runs one read; returns what to do with its entries (duplicates acked already)."""
+        config, cursor = self.config, CLAIM_START_CURSOR
+        try:
+            await self._ensure_group()
+            if isinstance(op, Claim):
+                reply = await self._redis.xautoclaim(
+                    config.stream,
+                    config.consumer_group,
+                    config.consumer_name,
+                    min_idle_time=op.min_idle_ms,
+                    start_id=op.cursor,
+                    count=op.count,
+                )
+                cursor, entries = parse_xautoclaim(reply)
+            else:
+                entries = parse_xreadgroup(
+                    await self._redis.xreadgroup(
+                        config.consumer_group,
+                        config.consumer_name,
+                        {config.stream: op.start_id},
+                        count=op.count,
+                        block=op.block_ms if isinstance(op, ReadNew) else None,
+                    )
+                )
+            batch = self._state.on_read(op, entries, time.monotonic(), next_cursor=cursor)
+            if batch.drop:
+                await self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            self._state.group_lost()
+            return Batch([], [])
+        return batch
+
+    async def _ensure_group(self) -> None:
+        if self._state.group_ready:
+            return
+        try:
+            await self._redis.xgroup_create(
+                self.stream, self.config.consumer_group, id="0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if not is_busygroup(exc):
+                raise
+        self._state.group_ready = True
+
+    async def _delivery_counts(self, batch: Batch) -> dict[str, int]:
+        """Delivery counts of the redelivered entries of a batch (one round trip)."""
+        ids = batch.redelivered_ids
+        if not ids:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xpending_range(self.stream, self.config.consumer_group, entry_id, entry_id, 1)
+        try:
+            replies = await pipe.execute()
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
+        return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+        await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,311 @@
+"""The trainer's client: submit prompt groups over gRPC, read finished groups from Redis.
+
+```python
+with RolloutClient("scheduler:50051", "redis://redis:6379/0", run_id="grpo-7") as client:
+    client.submit([PromptGroup(group_id="q17-e3", prompt_token_ids=ids, n=8)])
+    for received in client.groups(limit=64, timeout_s=600):
+        train_on(received.result)
+        received.done()  # XACK: only now is the group off the books
+```
+
+Delivery is at least once with duplicates suppressed: an entry stays pending in the
+consumer group until ``done()``; if this process dies first, another consumer (or
+this one, restarted with the same ``consumer_name``) gets it again. See
+:mod:`rollserve.client.consumer` for the read order and the duplicate rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+
+import grpc
+import redis
+from rollserve.client.consumer import (
+    CLAIM_START_CURSOR,
+    DEFAULT_DEDUPE_CAPACITY,
+    DEFAULT_READ_COUNT,
+    Batch,
+    Budget,
+    Claim,
+    ConsumerConfig,
+    ConsumerState,
+    Deliver,
+    NextRead,
+    ReadNew,
+    ReceivedBase,
+    default_consumer_name,
+    is_busygroup,
+    is_nogroup,
+    parse_delivery_count,
+    parse_xautoclaim,
+    parse_xreadgroup,
+)
+from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
+from rollserve.client.types import (
+    CancelResult,
+    PromptGroup,
+    SchedulerStatus,
+    cancel_request,
+    submit_request,
+)
+from rollserve.client.wire import GroupResult
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RPC_TIMEOUT_S = 30.0
+DEFAULT_CLAIM_IDLE_MS = 30_000
+DEFAULT_BLOCK_MS = 1_000
+
+
+class ReceivedGroup(ReceivedBase):
+    """A finished group from the stream. ``done()`` acknowledges it (XACK)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(
+        self, result: GroupResult, entry_id: str, delivery_count: int, client: RolloutClient
+    ) -> None:
+        super().__init__(result, entry_id, delivery_count)
+        self._client = client
+
+    def done(self) -> bool:
+        """Acknowledges the group. False if it was no longer pending in the consumer
+        group (acknowledged already, here or by a consumer it was re-delivered to)."""
+        return self._client.ack(self) == 1
+
+
+class RolloutClient:
+    """Submits prompt groups to a scheduler and reads the run's finished groups.
+
+    scheduler_address: ``host:port`` of the scheduler's gRPC server.
+    redis_url: the Redis the scheduler writes to, e.g. ``redis://host:6379/0``.
+    run_id: the run; its stream is ``rollserve:{run_id}:groups``.
+    consumer_group: trainers that share the work of one run share a group; each
+        entry goes to one consumer of the group.
+    consumer_name: this reader within the group; None picks ``host-pid-random``.
+        Pass a stable name to resume this consumer's unacknowledged entries after
+        a restart right away, rather than after ``claim_idle_ms``.
+    claim_idle_ms: entries another consumer has held unacknowledged this long are
+        taken over (it is presumed dead). Acknowledge faster than this.
+    block_ms: longest single wait for new entries inside ``groups()``.
+    rpc_timeout_s: deadline of each gRPC call.
+    read_count: entries per Redis read.
+    dedupe_capacity: acknowledged group ids remembered to drop duplicates.
+
+    Not for concurrent iteration from several threads; ``ack``/``done`` may be
+    called from another thread than the one iterating.
+    """
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        redis_url: str,
+        run_id: str,
+        *,
+        consumer_group: str = "trainer",
+        consumer_name: str | None = None,
+        claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
+        block_ms: int = DEFAULT_BLOCK_MS,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        read_count: int = DEFAULT_READ_COUNT,
+        dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
+    ) -> None:
+        self.config = ConsumerConfig(
+            run_id=run_id,
+            consumer_group=consumer_group,
+            consumer_name=consumer_name if consumer_name is not None else default_consumer_name(),
+            claim_idle_ms=claim_idle_ms,
+            block_ms=block_ms,
+            read_count=read_count,
+            dedupe_capacity=dedupe_capacity,
+        )
+        self._rpc_timeout_s = rpc_timeout_s
+        self._state = ConsumerState(self.config)
+        self._lock = threading.Lock()
+        self._channel = grpc.insecure_channel(scheduler_address)
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._redis = redis.Redis.from_url(redis_url)
+
+    @property
+    def run_id(self) -> str:
+        return self.config.run_id
+
+    @property
+    def consumer_name(self) -> str:
+        return self.config.consumer_name
+
+    @property
+    def stream(self) -> str:
+        return self.config.stream
+
+    # ------------------------------------------------------------ scheduler
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int:
+        """Queues the groups; all or none. Returns how many the scheduler accepted."""
+        request = submit_request(self.run_id, groups)
+        try:
+            response = self._stub.Submit(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Submit") from exc
+        return response.accepted
+
+    def cancel(self, group_ids: Sequence[str]) -> CancelResult:
+        """Cancels queued or running groups; cancelled groups are never delivered."""
+        request = cancel_request(self.run_id, group_ids)
+        try:
+            response = self._stub.Cancel(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Cancel") from exc
+        return CancelResult.from_proto(response)
+
+    def status(self) -> SchedulerStatus:
+        try:
+            response = self._stub.Status(pb.StatusRequest(), timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Status") from exc
+        return SchedulerStatus.from_proto(response)
+
+    # --------------------------------------------------------------- stream
+
+    def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> Iterator[ReceivedGroup]:
+        """Finished groups of the run, each once, until ``limit`` groups or ``timeout_s``
+        seconds (from the call) have passed; with neither, forever.
+
+        Reads this consumer's own unacknowledged entries first, then takes over
+        entries idle longer than ``claim_idle_ms`` and reads new ones. Raises
+        :class:`UndecodableEntry` for an entry this SDK cannot read (it stays
+        pending; see ``discard``) and :class:`StreamUnavailable` if Redis is down.
+        """
+        budget = Budget(limit, timeout_s, time.monotonic())
+        with self._lock:
+            self._state.restart()
+        while not budget.exhausted(now := time.monotonic()):
+            with self._lock:
+                op = self._state.next_read(now, budget)
+            batch = self._read(op)
+            counts = self._delivery_counts(batch)
+            for item in batch.items:
+                if not isinstance(item, Deliver):
+                    raise item
+                with self._lock:
+                    self._state.handed_out(item.entry_id, item.result.group_id)
+                budget.took_one()
+                yield ReceivedGroup(item.result, item.entry_id, counts.get(item.entry_id, 1), self)
+
+    def ack(self, *received: ReceivedGroup) -> int:
+        """Acknowledges groups (one XACK); returns how many were still pending."""
+        if not received:
+            return 0
+        ids = [r.entry_id for r in received]
+        try:
+            acked = int(self._redis.xack(self.stream, self.config.consumer_group, *ids))
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        with self._lock:
+            for entry_id in ids:
+                self._state.acked(entry_id)
+        return acked
+
+    def discard(self, entry_id: str) -> bool:
+        """Acknowledges an entry without reading it (an :class:`UndecodableEntry`).
+        It stays in the stream, readable with XRANGE; this group will not deliver it."""
+        try:
+            return int(self._redis.xack(self.stream, self.config.consumer_group, entry_id)) == 1
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+
+    @property
+    def in_hand(self) -> int:
+        """Groups handed out by ``groups()`` and not yet acknowledged."""
+        with self._lock:
+            return self._state.in_hand
+
+    def _read(self, op: NextRead) -> Batch:
+        """Runs one read; returns what to do with its entries (duplicates acked already)."""
+        config, cursor = self.config, CLAIM_START_CURSOR
+        try:
+            self._ensure_group()
+            if isinstance(op, Claim):
+                reply = self._redis.xautoclaim(
+                    config.stream,
+                    config.consumer_group,
+                    config.consumer_name,
+                    min_idle_time=op.min_idle_ms,
+                    start_id=op.cursor,
+                    count=op.count,
+                )
+                cursor, entries = parse_xautoclaim(reply)
+            else:
+                entries = parse_xreadgroup(
+                    self._redis.xreadgroup(
+                        config.consumer_group,
+                        config.consumer_name,
+                        {config.stream: op.start_id},
+                        count=op.count,
+                        block=op.block_ms if isinstance(op, ReadNew) else None,
+                    )
+                )
+            with self._lock:
+                batch = self._state.on_read(op, entries, time.monotonic(), next_cursor=cursor)
+            if batch.drop:
+                self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            with self._lock:
+                self._state.group_lost()
+            return Batch([], [])
+        return batch
+
+    def _ensure_group(self) -> None:
+        if self._state.group_ready:
+            return
+        try:
+            self._redis.xgroup_create(
+                self.stream, self.config.consumer_group, id="0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if not is_busygroup(exc):
+                raise
+        self._state.group_ready = True
+
+    def _delivery_counts(self, batch: Batch) -> dict[str, int]:
+        """Delivery counts of the redelivered entries of a batch (one round trip)."""
+        ids = batch.redelivered_ids
+        if not ids:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xpending_range(self.stream, self.config.consumer_group, entry_id, entry_id, 1)
+        try:
+            replies = pipe.execute()
+        except REDIS_DOWN as exc:
+            raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
+        return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        self._redis.close()
+        self._channel.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

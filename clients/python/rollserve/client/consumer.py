@@ -1,0 +1,452 @@
+"""The bookkeeping of one stream consumer, without I/O, shared by both clients.
+
+A reader of the run's stream goes through three kinds of reads, in this order:
+
+1. its own pending entries: ``XREADGROUP ... STREAMS key 0``, then from the last
+   id returned, until a read comes back empty. These were delivered to this
+   consumer name before (a previous process with the same name, or an iterator
+   that stopped early) and never acknowledged. Redis does not block on them.
+2. ``XAUTOCLAIM key group me claim_idle_ms cursor``: entries another consumer
+   took and left unacknowledged for longer than ``claim_idle_ms`` (it died, or
+   is too slow). A scan runs every ``claim_idle_ms / 2`` and walks the whole
+   pending list with the cursor before it rests.
+3. ``XREADGROUP ... STREAMS key >``: new entries, blocking up to ``block_ms``
+   but never past the next claim scan or the caller's deadline.
+
+:class:`ConsumerState` says which read comes next (:meth:`next_read`), is told
+what it returned (:meth:`on_pending_read`, :meth:`on_claim`), and decides what to
+do with each entry (:meth:`classify`):
+
+- deliver it to the caller;
+- keep quiet: it is already in the caller's hands and not yet acknowledged (our
+  own claim scan re-claimed it, which only resets its idle time);
+- acknowledge and drop it: a second entry for a group id this consumer already
+  delivered, or an entry trimmed from the stream while pending (no fields);
+- report it undecodable.
+
+Duplicates are recognised by group id in a bounded set (``dedupe_capacity``, the
+most recent acknowledged group ids) plus the groups in the caller's hands. The
+scheduler writes one entry per group id, so a second entry is rare; the common
+duplicate is the same entry delivered again after a claim, and what no consumer
+can see is whether another consumer processed an entry before it died without
+acknowledging: that case is delivered again with ``delivery_count > 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import secrets
+import socket
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollserve.client.errors import InvalidArgument, UndecodableEntry
+from rollserve.client.wire import (
+    MAX_RUN_ID_LEN,
+    RUN_ID_ALPHABET,
+    GroupResult,
+    SchemaError,
+    decode_entry,
+    stream_key,
+)
+
+log = logging.getLogger(__name__)
+
+PENDING_START_ID = "0"
+NEW_ENTRIES_ID = ">"
+CLAIM_START_CURSOR = "0-0"
+DEFAULT_READ_COUNT = 64  # entries per XREADGROUP / XAUTOCLAIM call
+DEFAULT_DEDUPE_CAPACITY = 100_000  # acknowledged group ids remembered
+
+
+def default_consumer_name() -> str:
+    """``host-pid-random``: unique per process; pass your own to resume after a restart."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class Source(enum.Enum):
+    PENDING = "pending"  # our own unacknowledged entries, read from id 0
+    CLAIMED = "claimed"  # taken over from an idle consumer by XAUTOCLAIM
+    NEW = "new"  # never delivered before
+
+
+@dataclass(frozen=True, slots=True)
+class RawEntry:
+    """One entry as Redis returned it. ``fields`` is empty for an entry trimmed from
+    the stream while it was pending; ``entry_id`` is None when Redis 6.2's
+    XAUTOCLAIM returns such an entry (it does not say which id it was)."""
+
+    entry_id: str | None
+    fields: dict[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPending:
+    start_id: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    cursor: str
+    min_idle_ms: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadNew:
+    count: int
+    block_ms: int  # >= 1: XREADGROUP's BLOCK 0 would mean forever
+    start_id: str = NEW_ENTRIES_ID
+
+
+NextRead = ReadPending | Claim | ReadNew
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    entry_id: str
+    result: GroupResult
+    redelivered: bool  # from our pending list or claimed: its count is in XPENDING
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    entry_id: str
+    reason: str  # why it is acknowledged without being delivered
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What to do with one read's entries, in stream order.
+
+    ``items`` are handed out in order up to the first :class:`UndecodableEntry`,
+    which is raised; ``drop`` are acknowledged at once. Entries in neither list are
+    already in the caller's hands (or are trimmed entries Redis did not name).
+    """
+
+    items: list[Deliver | UndecodableEntry]
+    drop: list[Drop]
+
+    @property
+    def drop_ids(self) -> list[str]:
+        return [d.entry_id for d in self.drop]
+
+    @property
+    def redelivered_ids(self) -> list[str]:
+        return [d.entry_id for d in self.items if isinstance(d, Deliver) and d.redelivered]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """Who reads which stream, and how. Checked once, shared by both clients."""
+
+    run_id: str
+    consumer_group: str
+    consumer_name: str
+    claim_idle_ms: int
+    block_ms: int
+    read_count: int = DEFAULT_READ_COUNT
+    dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if not self.consumer_group:
+            raise InvalidArgument("consumer_group must not be empty")
+        if not self.consumer_name:
+            raise InvalidArgument("consumer_name must not be empty (None picks one)")
+        if self.claim_idle_ms < 1:
+            raise InvalidArgument(f"claim_idle_ms ({self.claim_idle_ms}) must be >= 1")
+        if self.block_ms < 1:
+            raise InvalidArgument(
+                f"block_ms ({self.block_ms}) must be >= 1 (Redis reads 0 as forever)"
+            )
+        if self.read_count < 1:
+            raise InvalidArgument(f"read_count ({self.read_count}) must be >= 1")
+        if self.dedupe_capacity < 1:
+            raise InvalidArgument(f"dedupe_capacity ({self.dedupe_capacity}) must be >= 1")
+
+    @property
+    def stream(self) -> str:
+        return stream_key(self.run_id)
+
+
+def check_run_id(run_id: str) -> None:
+    if not run_id or len(run_id) > MAX_RUN_ID_LEN or not set(run_id) <= RUN_ID_ALPHABET:
+        raise InvalidArgument(
+            f"run_id ({run_id!r}) must be 1..{MAX_RUN_ID_LEN} characters of "
+            "letters, digits, '-', '_' and '.'"
+        )
+
+
+class Budget:
+    """How much one ``groups()`` iteration may still take: groups and time."""
+
+    def __init__(self, limit: int | None, timeout_s: float | None, now: float) -> None:
+        if limit is not None and limit < 0:
+            raise InvalidArgument(f"limit ({limit}) must be >= 0, or None for no limit")
+        if timeout_s is not None and not timeout_s >= 0:
+            raise InvalidArgument(f"timeout_s ({timeout_s}) must be >= 0, or None to wait forever")
+        self._left = limit
+        self._deadline = None if timeout_s is None else now + timeout_s
+
+    def exhausted(self, now: float) -> bool:
+        return self._left == 0 or (self._deadline is not None and now >= self._deadline)
+
+    def max_block_ms(self, now: float) -> int | None:
+        return None if self._deadline is None else _ceil_ms(self._deadline - now)
+
+    @property
+    def max_count(self) -> int | None:
+        return self._left
+
+    def took_one(self) -> None:
+        if self._left is not None:
+            self._left -= 1
+
+
+class _BoundedSet:
+    """The most recent ``capacity`` keys, oldest evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+
+class ConsumerState:
+    """What one consumer has read, handed out and acknowledged. Not thread-safe.
+
+    ``now`` arguments are ``time.monotonic()`` seconds, passed in so that this class
+    does no I/O and reads no clock.
+    """
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        self.group_ready = False  # XGROUP CREATE done (or the group was there)
+        self._acked = _BoundedSet(config.dedupe_capacity)
+        self._in_hand: dict[str, str] = {}  # entry id -> group id, handed out, not acked
+        self._in_hand_groups: dict[str, str] = {}  # group id -> entry id
+        self._pending_cursor: str | None = PENDING_START_ID  # None: pending list done
+        self._claim_cursor = CLAIM_START_CURSOR
+        self._next_claim_at = 0.0  # claim as soon as our own pending list is read
+
+    # ------------------------------------------------------------ read order
+
+    def restart(self) -> None:
+        """A new iteration: read our own pending entries again before anything new.
+
+        Entries left behind by an iterator that stopped early are pending for us; the
+        ones still in the caller's hands are recognised and not handed out twice.
+        """
+        self._pending_cursor = PENDING_START_ID
+
+    def next_read(self, now: float, budget: Budget) -> NextRead:
+        """The next read, within what the caller still wants (``budget``)."""
+        max_count, max_block_ms = budget.max_count, budget.max_block_ms(now)
+        count = (
+            self.config.read_count if max_count is None else min(max_count, self.config.read_count)
+        )
+        count = max(1, count)
+        if self._pending_cursor is not None:
+            return ReadPending(self._pending_cursor, count)
+        if now >= self._next_claim_at:
+            return Claim(self._claim_cursor, self.config.claim_idle_ms, count)
+        block_ms = min(self.config.block_ms, _ceil_ms(self._next_claim_at - now))
+        if max_block_ms is not None:
+            block_ms = min(block_ms, max_block_ms)
+        return ReadNew(count, max(1, block_ms))
+
+    def on_read(
+        self,
+        op: NextRead,
+        entries: Sequence[RawEntry],
+        now: float,
+        *,
+        next_cursor: str = CLAIM_START_CURSOR,
+    ) -> Batch:
+        """What ``op`` returned (and, for a claim, XAUTOCLAIM's next cursor): advances
+        the read order and decides what to do with each entry."""
+        if isinstance(op, Claim):
+            self.on_claim(next_cursor, entries, now)
+            source = Source.CLAIMED
+        elif isinstance(op, ReadPending):
+            self.on_pending_read(entries)
+            source = Source.PENDING
+        else:
+            source = Source.NEW
+        batch = self.classify(entries, source)
+        for drop in batch.drop:
+            log.info(
+                "stream %s: acking entry %s unread: %s",
+                self.config.stream,
+                drop.entry_id,
+                drop.reason,
+            )
+        return batch
+
+    def on_pending_read(self, entries: Sequence[RawEntry]) -> None:
+        if not entries:
+            self._pending_cursor = None
+            return
+        last = entries[-1].entry_id
+        self._pending_cursor = last if last is not None else PENDING_START_ID
+
+    def on_claim(self, next_cursor: str, entries: Sequence[RawEntry], now: float) -> None:
+        self._claim_cursor = next_cursor
+        if next_cursor == CLAIM_START_CURSOR:  # the scan reached the end
+            self._next_claim_at = now + self.config.claim_idle_ms / 2000
+        if any(e.entry_id is None for e in entries):
+            # Redis 6.2 claimed trimmed entries without naming them; they are pending
+            # for us now, and a read of our pending list names them so we can ack them.
+            self._pending_cursor = PENDING_START_ID
+
+    def group_lost(self) -> None:
+        """The stream or the group was deleted (NOGROUP): create it again, start over."""
+        log.warning(
+            "stream %s: consumer group %r is gone; creating it again",
+            self.config.stream,
+            self.config.consumer_group,
+        )
+        self.group_ready = False
+        self._pending_cursor = PENDING_START_ID
+        self._claim_cursor = CLAIM_START_CURSOR
+
+    # ------------------------------------------------------------- decisions
+
+    def classify(self, entries: Sequence[RawEntry], source: Source) -> Batch:
+        items: list[Deliver | UndecodableEntry] = []
+        drop: list[Drop] = []
+        in_batch: set[str] = set()
+        for entry in entries:
+            entry_id = entry.entry_id
+            if entry_id is None or entry_id in self._in_hand:
+                continue
+            if not entry.fields:
+                drop.append(Drop(entry_id, "trimmed from the stream before it was acknowledged"))
+                continue
+            try:
+                result = decode_entry(entry.fields)
+            except SchemaError as exc:
+                items.append(
+                    UndecodableEntry(
+                        f"stream entry {entry_id}: {exc}", entry_id=entry_id, fields=entry.fields
+                    )
+                )
+                continue
+            group_id = result.group_id
+            if group_id in self._acked or group_id in self._in_hand_groups or group_id in in_batch:
+                drop.append(Drop(entry_id, f"duplicate of group {group_id!r}"))
+                continue
+            in_batch.add(group_id)
+            items.append(Deliver(entry_id, result, redelivered=source is not Source.NEW))
+        return Batch(items, drop)
+
+    def handed_out(self, entry_id: str, group_id: str) -> None:
+        """The caller now holds the entry; call it just before giving it out."""
+        self._in_hand[entry_id] = group_id
+        self._in_hand_groups[group_id] = entry_id
+
+    def acked(self, entry_id: str) -> None:
+        group_id = self._in_hand.pop(entry_id, None)
+        if group_id is not None:
+            self._in_hand_groups.pop(group_id, None)
+            self._acked.add(group_id)
+
+    @property
+    def in_hand(self) -> int:
+        """Entries handed out and not yet acknowledged."""
+        return len(self._in_hand)
+
+
+class ReceivedBase:
+    """A finished group read from the stream, not yet acknowledged."""
+
+    __slots__ = ("delivery_count", "entry_id", "result")
+
+    def __init__(self, result: GroupResult, entry_id: str, delivery_count: int) -> None:
+        self.result = result
+        self.entry_id = entry_id
+        self.delivery_count = delivery_count  # 1 on first delivery
+
+    @property
+    def group_id(self) -> str:
+        return self.result.group_id
+
+    @property
+    def redelivered(self) -> bool:
+        """Delivered before: to a consumer that died, or to this name before a restart.
+        The trainer may have used it already if it died after training, before acking."""
+        return self.delivery_count > 1
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(group_id={self.group_id!r}, entry_id={self.entry_id!r}, "
+            f"delivery_count={self.delivery_count}, status={self.result.status.value})"
+        )
+
+
+def _ceil_ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000 + 0.999))
+
+
+def is_nogroup(exc: Exception) -> bool:
+    """A read found no stream or no consumer group (someone deleted them)."""
+    return str(exc).startswith("NOGROUP")
+
+
+def is_busygroup(exc: Exception) -> bool:
+    """XGROUP CREATE found the group already there."""
+    return str(exc).startswith("BUSYGROUP")
+
+
+def parse_entries(raw: Any) -> list[RawEntry]:
+    """redis-py's ``[(id, {field: value}), ...]`` (ids and fields as bytes)."""
+    return [
+        RawEntry(
+            entry_id=_as_str(entry_id) if entry_id is not None else None,
+            fields=dict(fields) if fields else {},
+        )
+        for entry_id, fields in raw or ()
+    ]
+
+
+def parse_xreadgroup(raw: Any) -> list[RawEntry]:
+    """XREADGROUP's reply for one stream, as redis-py gives it: ``[[key, entries]]``
+    (RESP2) or ``{key: [entries]}`` (RESP3); empty or None when it timed out."""
+    if not raw:
+        return []
+    if isinstance(raw, dict):  # RESP3: {key: [[entries]]}
+        (wrapped,) = raw.values()
+        return parse_entries(wrapped[0] if wrapped else ())
+    ((_key, entries),) = raw
+    return parse_entries(entries)
+
+
+def parse_xautoclaim(raw: Any) -> tuple[str, list[RawEntry]]:
+    """XAUTOCLAIM's reply: ``[next_cursor, entries]`` (+ deleted ids on Redis >= 7,
+    which Redis already removed from the pending list)."""
+    return _as_str(raw[0]), parse_entries(raw[1])
+
+
+def parse_delivery_count(raw: Any) -> int:
+    """The delivery count in redis-py's XPENDING range reply for one id (0: not pending)."""
+    if not raw:
+        return 0
+    return int(raw[0]["times_delivered"])
+
+
+def _as_str(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

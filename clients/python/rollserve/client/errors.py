@@ -1,0 +1,77 @@
+"""Errors of the trainer SDK.
+
+Every error the SDK raises is a :class:`RolloutError`. Errors from the scheduler
+keep its message, which names the field and the limit, e.g.
+``groups[3].sampling.max_tokens (9000) exceeds the model's context (4096) minus the prompt (812)``.
+"""
+
+from __future__ import annotations
+
+import grpc
+import redis
+
+
+class RolloutError(Exception):
+    """Base of every error the SDK raises. ``code`` is the gRPC status, if any."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class InvalidArgument(RolloutError, ValueError):
+    """A request the scheduler (or the SDK, before sending it) rejects as malformed."""
+
+
+class ResourceExhausted(RolloutError):
+    """The scheduler's queue cannot take the batch; nothing of it was queued. Retry later."""
+
+
+class SchedulerUnavailable(RolloutError):
+    """The scheduler cannot be reached, or did not answer within the deadline.
+
+    A Submit that ran past its deadline (``code`` DEADLINE_EXCEEDED) may still have
+    been accepted; with UNAVAILABLE it normally never reached the scheduler.
+    """
+
+
+class StreamUnavailable(RolloutError):
+    """Redis, which carries the finished groups, cannot be reached."""
+
+
+class UndecodableEntry(RolloutError):
+    """A stream entry this SDK cannot decode (a newer schema version, or a bad body).
+
+    The entry is not acknowledged: it stays pending in the consumer group, so it is
+    neither lost nor skipped silently. Upgrade the SDK, or give up on the entry with
+    ``client.discard(error.entry_id)`` (it stays readable in the stream with XRANGE).
+    """
+
+    def __init__(self, message: str, *, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        super().__init__(message)
+        self.entry_id = entry_id
+        self.fields = fields
+
+
+# Redis errors that mean "cannot reach it" rather than "it said no".
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+_BY_CODE: dict[grpc.StatusCode, type[RolloutError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: SchedulerUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: SchedulerUnavailable,
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, method: str) -> RolloutError:
+    """The SDK's error for a failed call of ``method`` (e.g. ``"Submit"``)."""
+    code: grpc.StatusCode | None = None
+    details = str(exc)
+    if isinstance(exc, (grpc.Call, grpc.aio.AioRpcError)):
+        code = exc.code()
+        details = exc.details() or code.name
+    cls = _BY_CODE.get(code, RolloutError) if code is not None else RolloutError
+    name = code.name if code is not None else "error"
+    return cls(f"{method}: {details} ({name})", code=code)

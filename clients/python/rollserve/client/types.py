@@ -1,0 +1,229 @@
+"""Typed objects of the trainer SDK: what you submit and what the scheduler reports.
+
+What comes back through the stream (:class:`GroupResult`, :class:`Sample`) is
+defined in :mod:`rollserve.client.wire`, the stream's contract, and re-exported here.
+
+The checks here catch malformed requests before they leave the trainer; the
+scheduler checks again against what only it knows (the model's context length,
+its queue size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from rollserve.client.errors import InvalidArgument
+from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, Sample
+from rollserve.v1 import rollserve_pb2 as pb
+
+__all__ = [
+    "CancelResult",
+    "EngineStatus",
+    "FinishReason",
+    "GroupResult",
+    "GroupStatus",
+    "PromptGroup",
+    "Sample",
+    "SamplingParams",
+    "SchedulerStatus",
+]
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How the n samples of a group are drawn.
+
+    temperature: >= 0; 0 is greedy.
+    top_p: in (0, 1].
+    top_k: -1 (or 0) disables; otherwise >= 1.
+    max_tokens: response tokens per sample, >= 1 (the scheduler also bounds it by
+        the model's context minus the prompt).
+    stop: stop strings (need an engine that detokenizes).
+    stop_token_ids: extra token ids that end a sample.
+    seed: None for random; sample i of a group uses seed + i.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(f"temperature ({self.temperature}) must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p ({self.top_p}) must be in (0, 1]")
+        if self.top_k < -1:
+            raise InvalidArgument(f"top_k ({self.top_k}) must be -1 or 0 (disabled) or >= 1")
+        if not 1 <= self.max_tokens <= INT32_MAX:
+            raise InvalidArgument(f"max_tokens ({self.max_tokens}) must be >= 1")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids ({self.stop_token_ids}) must be >= 0")
+
+    def to_proto(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+        )
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromptGroup:
+    """One prompt and the n samples to draw from it, delivered together.
+
+    group_id: yours, unique within the run; the stream entry carries it back.
+    prompt_token_ids / prompt_text: the prompt, exactly one of the two (text is
+        tokenized by the scheduler with the model's tokenizer).
+    n: samples in the group, >= 1.
+    prompt_key: stable id of the dataset row across epochs; the scheduler keeps
+        length history by it (defaults to nothing: no history).
+    priority: lower runs first.
+    metadata: passed through to the stream entry untouched.
+    """
+
+    group_id: str
+    prompt_token_ids: Sequence[int] = ()
+    prompt_text: str = ""
+    n: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_key: str = ""
+    priority: int = 0
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "metadata", dict(self.metadata))
+        if not self.group_id:
+            raise InvalidArgument("group_id must not be empty")
+        if bool(self.prompt_token_ids) == bool(self.prompt_text):
+            raise InvalidArgument(
+                f"group {self.group_id!r}: give exactly one of prompt_token_ids and prompt_text"
+            )
+        if any(not 0 <= t <= INT32_MAX for t in self.prompt_token_ids):
+            raise InvalidArgument(f"group {self.group_id!r}: prompt_token_ids must be >= 0")
+        if not 1 <= self.n <= INT32_MAX:
+            raise InvalidArgument(f"group {self.group_id!r}: n ({self.n}) must be >= 1")
+        if not -INT32_MAX <= self.priority <= INT32_MAX:
+            raise InvalidArgument(
+                f"group {self.group_id!r}: priority ({self.priority}) must fit in int32"
+            )
+        if any(not isinstance(v, str) for v in self.metadata.values()):
+            raise InvalidArgument(f"group {self.group_id!r}: metadata values must be str")
+
+    def to_proto(self) -> pb.PromptGroup:
+        return pb.PromptGroup(
+            group_id=self.group_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_text=self.prompt_text,
+            n=self.n,
+            sampling=self.sampling.to_proto(),
+            prompt_key=self.prompt_key,
+            priority=self.priority,
+            metadata=dict(self.metadata),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    cancelled: tuple[str, ...]  # were queued or running, now cancelled: never delivered
+    unknown: tuple[str, ...]  # not pending in the run: unknown, or already finished
+
+    @classmethod
+    def from_proto(cls, msg: pb.CancelResponse) -> CancelResult:
+        return cls(cancelled=tuple(msg.cancelled), unknown=tuple(msg.unknown))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    engine_id: str
+    address: str
+    healthy: bool
+    inflight_groups: int
+    inflight_samples: int
+    outstanding_tokens: int  # upper bound of tokens still to generate
+    capacity_samples: int  # most samples the scheduler runs at once on it
+    last_error: str
+
+    @classmethod
+    def from_proto(cls, msg: pb.EngineStatus) -> EngineStatus:
+        return cls(
+            engine_id=msg.engine_id,
+            address=msg.address,
+            healthy=msg.healthy,
+            inflight_groups=msg.inflight_groups,
+            inflight_samples=msg.inflight_samples,
+            outstanding_tokens=msg.outstanding_tokens,
+            capacity_samples=msg.capacity_samples,
+            last_error=msg.last_error,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatus:
+    queue_depth: int  # groups waiting for an engine
+    inflight_groups: int
+    inflight_samples: int
+    groups_delivered: int
+    samples_delivered: int
+    tokens_generated: int  # output tokens of delivered groups
+    groups_failed: int
+    groups_cancelled: int
+    engine_failures: int  # times an engine was marked unhealthy
+    engines: tuple[EngineStatus, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
+        return cls(
+            queue_depth=msg.queue_depth,
+            inflight_groups=msg.inflight_groups,
+            inflight_samples=msg.inflight_samples,
+            groups_delivered=msg.groups_delivered,
+            samples_delivered=msg.samples_delivered,
+            tokens_generated=msg.tokens_generated,
+            groups_failed=msg.groups_failed,
+            groups_cancelled=msg.groups_cancelled,
+            engine_failures=msg.engine_failures,
+            engines=tuple(EngineStatus.from_proto(e) for e in msg.engines),
+        )
+
+    @property
+    def healthy_engines(self) -> int:
+        return sum(e.healthy for e in self.engines)
+
+
+def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitRequest:
+    """The Submit request of a batch; rejects a batch that repeats a group id."""
+    seen: set[str] = set()
+    for i, group in enumerate(groups):
+        if not isinstance(group, PromptGroup):
+            raise InvalidArgument(f"groups[{i}] is a {type(group).__name__}, not a PromptGroup")
+        if group.group_id in seen:
+            raise InvalidArgument(f"groups[{i}].group_id ({group.group_id!r}) repeats in the batch")
+        seen.add(group.group_id)
+    return pb.SubmitRequest(run_id=run_id, groups=[g.to_proto() for g in groups])
+
+
+def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:
+    if isinstance(group_ids, str):
+        raise InvalidArgument("group_ids must be a sequence of ids, not one string")
+    if any(not g for g in group_ids):
+        raise InvalidArgument("group_ids must not contain an empty id")
+    return pb.CancelRequest(run_id=run_id, group_ids=list(group_ids))

@@ -1,0 +1,130 @@
+"""The Redis stream contract between the scheduler (writer) and trainers (readers).
+
+One module owns it so that the writer and every reader agree byte for byte.
+The format is documented for readers in other languages in docs/stream-format.md.
+
+Keys of a run ``R`` (``{R}`` is a Redis hash tag, so a run's keys share a
+cluster slot and the scheduler's Lua scripts may touch them together):
+
+- ``rollserve:{R}:groups``  the stream, one entry per finished or failed group
+- ``rollserve:{R}:pending`` hash group_id -> accepted group (msgpack), until it ends
+- ``rollserve:{R}:ended``   set of group ids that were delivered, failed or cancelled
+
+An entry has three fields:
+
+- ``v``        the schema version, ``"1"``
+- ``group_id`` the caller's group id (lets a reader suppress duplicates cheaply)
+- ``body``     a JSON object, :class:`GroupResult`
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+SCHEMA_VERSION = "1"
+KEY_PREFIX = "rollserve"
+RUNS_KEY = f"{KEY_PREFIX}:runs"  # set of run ids with state in Redis
+
+MAX_RUN_ID_LEN = 128
+RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def stream_key(run_id: str) -> str:
+    return f"{KEY_PREFIX}:{{{run_id}}}:groups"
+
+
+def pending_key(run_id: str) -> str:
+    return f"{KEY_PREFIX}:{{{run_id}}}:pending"
+
+
+def ended_key(run_id: str) -> str:
+    return f"{KEY_PREFIX}:{{{run_id}}}:ended"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class GroupStatus(str, enum.Enum):
+    DELIVERED = "delivered"  # all n samples are in the entry
+    FAILED = "failed"  # no samples; ``error`` says why
+
+
+class VersionSegment(msgspec.Struct, array_like=True, frozen=True):
+    """``length`` consecutive response tokens generated under policy ``version``."""
+
+    version: int
+    length: int
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    sample_id: str  # "<group_id>/<index>"
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]  # one per token, of the distribution actually sampled from
+    finish_reason: FinishReason
+    engine_id: str
+    versions: list[VersionSegment] = []
+    num_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+    resumed_tokens: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    started_at: float = 0.0  # unix seconds, first dispatch of this sample
+    finished_at: float = 0.0
+
+
+class GroupResult(msgspec.Struct, frozen=True, kw_only=True):
+    run_id: str
+    group_id: str
+    status: GroupStatus
+    prompt_key: str = ""
+    prompt_token_ids: list[int] = []
+    samples: list[Sample] = []
+    metadata: dict[str, str] = {}
+    error: str = ""
+    attempts: int = 1  # dispatches it took (more than 1 after engine failures)
+    submitted_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_at - self.submitted_at
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(GroupResult)
+
+
+class SchemaError(ValueError):
+    """An entry that this reader cannot decode (unknown version or bad body)."""
+
+
+def encode_entry(result: GroupResult) -> dict[str, bytes]:
+    return {
+        "v": SCHEMA_VERSION.encode(),
+        "group_id": result.group_id.encode(),
+        "body": _encoder.encode(result),
+    }
+
+
+def decode_entry(fields: dict[bytes, bytes]) -> GroupResult:
+    version = fields.get(b"v")
+    if version != SCHEMA_VERSION.encode():
+        raise SchemaError(f"stream entry schema version {version!r}; this reader knows '1'")
+    body = fields.get(b"body")
+    if body is None:
+        raise SchemaError("stream entry has no 'body' field")
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"stream entry body does not decode: {exc}") from exc

@@ -1,0 +1,1 @@
+"""The ``rollserve`` command: dev stack, demo, models, benchmarks, and the services."""

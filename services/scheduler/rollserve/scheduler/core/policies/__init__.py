@@ -1,0 +1,1 @@
+"""One file per policy. Register new ones in ``rollserve.scheduler.core.policy``."""

@@ -1,0 +1,132 @@
+"""Connections to engines: one gRPC channel each, their health and capacity."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.scheduler.core.snapshot import EngineView
+from rollserve.scheduler.state import GroupSpec
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine says of itself in Stats."""
+
+    max_model_len: int
+    max_num_seqs: int
+    model: str
+
+
+class EngineHandle:
+    """One engine: its channel, what the scheduler has seen of its health, its load."""
+
+    def __init__(self, engine_id: str, address: str, capacity_factor: float) -> None:
+        self.engine_id = engine_id
+        self.address = address
+        self._capacity_factor = capacity_factor
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.info: EngineInfo | None = None
+        self.healthy = False
+        self.failed_probes = 0
+        self.last_error = ""
+        self.last_heartbeat = 0.0
+        self.registered = False  # came through RegisterEngine rather than settings
+
+    @property
+    def capacity_samples(self) -> int:
+        if self.info is None:
+            return 0
+        return max(1, math.ceil(self.info.max_num_seqs * self._capacity_factor))
+
+    def view(self, inflight_samples: int, outstanding_tokens: int) -> EngineView:
+        return EngineView(
+            engine_id=self.engine_id,
+            healthy=self.healthy,
+            capacity_samples=self.capacity_samples,
+            inflight_samples=inflight_samples,
+            outstanding_tokens=outstanding_tokens,
+        )
+
+    async def probe(self, timeout_s: float) -> None:
+        """Raises when the engine is not SERVING; learns its limits the first time."""
+        reply = await self._health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(
+                f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            )
+        if self.info is None:
+            stats = await self.stats(timeout_s)
+            self.info = EngineInfo(stats.max_model_len, stats.max_num_seqs, stats.model)
+
+    async def stats(self, timeout_s: float) -> pb.StatsResponse:
+        reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+        return reply
+
+    def generate(
+        self, spec: GroupSpec, request_id: str
+    ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+        s = spec.sampling
+        sampling = pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+        )
+        if s.seed is not None:
+            sampling.seed = s.seed
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            n=spec.n,
+            sampling=sampling,
+            priority=spec.priority,
+        )
+        return self._stub.Generate(request)
+
+    def mark(self, healthy: bool, error: str = "") -> bool:
+        """Sets health; returns True when it changed."""
+        changed = healthy != self.healthy
+        self.healthy = healthy
+        if error:
+            self.last_error = error
+        if healthy:
+            self.failed_probes = 0
+        if changed:
+            log.warning(
+                "engine %s at %s is now %s%s",
+                self.engine_id,
+                self.address,
+                "healthy" if healthy else "unhealthy",
+                f": {error}" if error else "",
+            )
+        return changed
+
+    def heartbeat(self) -> None:
+        self.last_heartbeat = time.monotonic()
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)

@@ -1,0 +1,214 @@
+"""The scheduler's gRPC edge: validates input, maps errors to status codes, serves."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pydantic
+import redis.exceptions
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from rollserve.client.wire import stream_key
+from rollserve.scheduler.core.policy import create_policy, policy_names
+from rollserve.scheduler.engines import CHANNEL_OPTIONS
+from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
+from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.scheduler.store import DuplicateGroup, Store
+from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+_MAX_ENGINE_ID_LEN = 128
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, runtime: SchedulerRuntime) -> None:
+        self._runtime = runtime
+
+    async def Submit(self, request: pb.SubmitRequest, context: Context) -> pb.SubmitResponse:
+        try:
+            specs = validate_submit(request, self._runtime.limits(), self._runtime.tokenize)
+            await self._runtime.submit(request.run_id, specs)
+        except (ValidationError, DuplicateGroup) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except redis.exceptions.ConnectionError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
+        return pb.SubmitResponse(accepted=len(specs), stream=stream_key(request.run_id))
+
+    async def Cancel(self, request: pb.CancelRequest, context: Context) -> pb.CancelResponse:
+        try:
+            validate_run_id(request.run_id)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.group_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
+        if any(not g for g in request.group_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
+        cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
+        return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
+
+    async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
+        return self._runtime.status()
+
+    async def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: Context
+    ) -> pb.RegisterEngineResponse:
+        if not request.engine_id or len(request.engine_id) > _MAX_ENGINE_ID_LEN:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters",
+            )
+        host, sep, port = request.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address {request.address!r} is not host:port with a port in 1..65535",
+            )
+        await self._runtime.register_engine(request.engine_id, request.address)
+        return pb.RegisterEngineResponse(
+            heartbeat_interval_ms=self._runtime.settings.heartbeat_interval_ms
+        )
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Context
+    ) -> pb.HeartbeatResponse:
+        if not self._runtime.heartbeat(request.engine_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine_id {request.engine_id!r} is unknown: call RegisterEngine first",
+            )
+        return pb.HeartbeatResponse()
+
+
+def load_tokenizer(model_dir: str) -> Callable[[str], list[int]]:
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"tokenizer {model_dir!r} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer.encode(text).ids)
+
+    return tokenize
+
+
+async def serve(
+    settings: SchedulerSettings,
+    ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Runs the scheduler until ``stop`` is set (or SIGTERM/SIGINT when it is None)."""
+    store = Store.from_url(settings.redis_url, settings.stream_maxlen)
+    try:
+        await store.ping()
+    except redis.exceptions.ConnectionError as exc:
+        await store.close()
+        raise SystemExit(f"redis_url {settings.redis_url!r} is unreachable: {exc}") from exc
+    tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
+    runtime = SchedulerRuntime(settings, store, create_policy(settings.policy), tokenize)
+    await runtime.start()
+
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(runtime), server)
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        await runtime.stop()
+        raise SystemExit(f"could not bind {settings.host}:{settings.port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    print(f"rollserve-scheduler ready address={settings.host}:{port}", flush=True)
+    if ready is not None:
+        ready(port)
+
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(settings.shutdown_grace_s)
+        await runtime.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollserve scheduler", description="Run the scheduler.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[ID=]HOST:PORT",
+        help="an engine to use (repeatable)",
+    )
+    p.add_argument("--policy", default="least_outstanding", choices=policy_names())
+    p.add_argument("--tokenizer", help="model dir used to tokenize prompt_text")
+    p.add_argument("--max-queued-groups", type=int, default=100_000)
+    p.add_argument("--max-n", type=int, default=64)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--health-interval-s", type=float, default=1.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
+    return SchedulerSettings(
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
+        policy=args.policy,
+        tokenizer=args.tokenizer,
+        max_queued_groups=args.max_queued_groups,
+        max_n=args.max_n,
+        max_model_len=args.max_model_len,
+        capacity_factor=args.capacity_factor,
+        health_interval_s=args.health_interval_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+    except pydantic.ValidationError as exc:
+        print(f"rollserve scheduler: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The scheduler's settings: one object, each field with a default, bounds and a description."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
+
+
+class EngineEndpoint(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    engine_id: str = Field(min_length=1, max_length=128)
+    address: str = Field(min_length=3, description="host:port the scheduler dials")
+
+    @classmethod
+    def parse(cls, text: str, index: int) -> EngineEndpoint:
+        """``ID=HOST:PORT`` or ``HOST:PORT`` (then the id is ``engine-<index>``)."""
+        engine_id, sep, address = text.partition("=")
+        if not sep:
+            engine_id, address = f"engine-{index}", text
+        return cls(engine_id=engine_id, address=address)
+
+
+class SchedulerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address the gRPC server binds")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
+    engines: tuple[EngineEndpoint, ...] = Field(
+        (), description="engines known at start; more may register over gRPC"
+    )
+    policy: str = Field(DEFAULT_POLICY, description="placement policy")
+    tokenizer: str | None = Field(
+        None, description="model dir whose tokenizer.json tokenizes prompt_text"
+    )
+    max_queued_groups: int = Field(
+        100_000, ge=1, description="groups waiting for an engine before Submit is refused"
+    )
+    max_groups_per_submit: int = Field(10_000, ge=1, description="groups in one Submit call")
+    max_n: int = Field(64, ge=1, le=4096, description="samples per group")
+    max_prompt_tokens: int = Field(131_072, ge=1, description="prompt length in tokens")
+    max_model_len: int | None = Field(
+        None, ge=2, description="context length; None learns it from the engines (their minimum)"
+    )
+    capacity_factor: float = Field(
+        1.25,
+        gt=0,
+        le=16,
+        description="samples in flight per engine, as a multiple of its max_num_seqs",
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=100, description="dispatches of a group before it is reported failed"
+    )
+    health_interval_s: float = Field(1.0, gt=0, le=60, description="engine probe period")
+    health_timeout_s: float = Field(2.0, gt=0, le=60, description="engine probe deadline")
+    health_failures: int = Field(
+        2, ge=1, le=100, description="consecutive failed probes that mark an engine unhealthy"
+    )
+    heartbeat_interval_ms: int = Field(
+        2000, ge=100, le=600_000, description="heartbeat period told to registering engines"
+    )
+    stream_maxlen: int = Field(
+        0, ge=0, description="approximate cap of a run's stream length; 0 keeps every entry"
+    )
+    shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="grace period on SIGTERM")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in policy_names():
+            raise ValueError(f"policy {value!r} is unknown; known: {', '.join(policy_names())}")
+        return value

@@ -1,0 +1,180 @@
+"""Validation of submitted groups: proto in, immutable specs out, or a clear error.
+
+Every message names the field and the limit, so the caller can fix the input
+without reading our code ("groups[3].n (80) is above the limit (64)").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rollserve.client.wire import MAX_RUN_ID_LEN, RUN_ID_ALPHABET
+from rollserve.scheduler.state import GroupSpec, SamplingSpec
+from rollserve.v1 import rollserve_pb2 as pb
+
+MAX_GROUP_ID_LEN = 256
+MAX_METADATA_BYTES = 16 * 1024
+
+
+class ValidationError(ValueError):
+    """Input that breaks a limit; the message names the field and the limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_n: int
+    max_groups_per_submit: int
+    max_prompt_tokens: int
+    max_model_len: int | None  # None until an engine has told us its context
+    vocab_size: int | None = None
+
+
+Tokenize = Callable[[str], list[int]]
+
+
+def validate_run_id(run_id: str) -> None:
+    if not run_id:
+        raise ValidationError("run_id is empty; give the run a name")
+    if len(run_id) > MAX_RUN_ID_LEN:
+        raise ValidationError(f"run_id is {len(run_id)} characters; the limit is {MAX_RUN_ID_LEN}")
+    bad = set(run_id) - RUN_ID_ALPHABET
+    if bad:
+        raise ValidationError(
+            f"run_id {run_id!r} has characters {''.join(sorted(bad))!r}; "
+            "allowed: letters, digits, '-', '_', '.'"
+        )
+
+
+def validate_submit(
+    request: pb.SubmitRequest, limits: Limits, tokenize: Tokenize | None
+) -> list[GroupSpec]:
+    validate_run_id(request.run_id)
+    if not request.groups:
+        raise ValidationError("groups is empty; submit at least one group")
+    if len(request.groups) > limits.max_groups_per_submit:
+        raise ValidationError(
+            f"groups has {len(request.groups)} entries; the limit per call is "
+            f"{limits.max_groups_per_submit}"
+        )
+    context = _Context(request.run_id, limits, tokenize, time.time())
+    seen: set[str] = set()
+    specs = []
+    for i, group in enumerate(request.groups):
+        spec = _validate_group(f"groups[{i}]", group, context)
+        if spec.group_id in seen:
+            raise ValidationError(
+                f"groups[{i}].group_id {spec.group_id!r} appears twice in this request"
+            )
+        seen.add(spec.group_id)
+        specs.append(spec)
+    return specs
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    run_id: str
+    limits: Limits
+    tokenize: Tokenize | None
+    now: float
+
+
+def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> GroupSpec:
+    limits = context.limits
+    if not group.group_id:
+        raise ValidationError(f"{where}.group_id is empty")
+    if len(group.group_id) > MAX_GROUP_ID_LEN:
+        raise ValidationError(
+            f"{where}.group_id is {len(group.group_id)} characters; the limit is {MAX_GROUP_ID_LEN}"
+        )
+    where = f"{where} ({group.group_id})"
+    prompt = _prompt_tokens(where, group, limits, context.tokenize)
+    if group.n < 1:
+        raise ValidationError(f"{where}.n ({group.n}) must be at least 1")
+    if group.n > limits.max_n:
+        raise ValidationError(f"{where}.n ({group.n}) is above the limit ({limits.max_n})")
+    sampling = _validate_sampling(f"{where}.sampling", group.sampling, len(prompt), limits)
+    metadata = tuple(sorted(group.metadata.items()))
+    size = sum(len(k) + len(v) for k, v in metadata)
+    if size > MAX_METADATA_BYTES:
+        raise ValidationError(
+            f"{where}.metadata holds {size} bytes; the limit is {MAX_METADATA_BYTES}"
+        )
+    return GroupSpec(
+        run_id=context.run_id,
+        group_id=group.group_id,
+        prompt_token_ids=prompt,
+        n=group.n,
+        sampling=sampling,
+        prompt_key=group.prompt_key,
+        priority=group.priority,
+        metadata=metadata,
+        submitted_at=context.now,
+    )
+
+
+def _prompt_tokens(
+    where: str, group: pb.PromptGroup, limits: Limits, tokenize: Tokenize | None
+) -> tuple[int, ...]:
+    if group.prompt_token_ids and group.prompt_text:
+        raise ValidationError(f"{where}: give prompt_token_ids or prompt_text, not both")
+    if group.prompt_text:
+        if tokenize is None:
+            raise ValidationError(
+                f"{where}.prompt_text needs a tokenizer: start the scheduler with "
+                "--tokenizer MODEL_DIR, or send prompt_token_ids"
+            )
+        tokens = tuple(tokenize(group.prompt_text))
+    else:
+        tokens = tuple(group.prompt_token_ids)
+    if not tokens:
+        raise ValidationError(f"{where}: the prompt is empty (prompt_token_ids and prompt_text)")
+    if len(tokens) > limits.max_prompt_tokens:
+        raise ValidationError(
+            f"{where}: the prompt has {len(tokens)} tokens; the limit is {limits.max_prompt_tokens}"
+        )
+    low, high = min(tokens), max(tokens)
+    if low < 0:
+        raise ValidationError(f"{where}.prompt_token_ids holds a negative id ({low})")
+    if limits.vocab_size is not None and high >= limits.vocab_size:
+        raise ValidationError(
+            f"{where}.prompt_token_ids holds id {high}; the vocabulary has {limits.vocab_size}"
+        )
+    return tokens
+
+
+def _validate_sampling(
+    where: str, sampling: pb.SamplingParams, prompt_len: int, limits: Limits
+) -> SamplingSpec:
+    if sampling.max_tokens < 1:
+        raise ValidationError(f"{where}.max_tokens ({sampling.max_tokens}) must be at least 1")
+    if limits.max_model_len is not None and prompt_len + sampling.max_tokens > limits.max_model_len:
+        raise ValidationError(
+            f"{where}.max_tokens ({sampling.max_tokens}) exceeds the model's context "
+            f"({limits.max_model_len}) minus the prompt ({prompt_len}): at most "
+            f"{max(0, limits.max_model_len - prompt_len)}"
+        )
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValidationError(f"{where}.temperature ({temperature}) must be >= 0")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValidationError(f"{where}.top_p ({top_p}) must be in (0, 1]")
+    top_k = sampling.top_k if sampling.HasField("top_k") else -1
+    if top_k < -1:
+        raise ValidationError(f"{where}.top_k ({top_k}) must be -1 or 0 (off) or >= 1")
+    if any(t < 0 for t in sampling.stop_token_ids):
+        raise ValidationError(f"{where}.stop_token_ids holds a negative id")
+    if any(not s for s in sampling.stop):
+        raise ValidationError(f"{where}.stop holds an empty string")
+    return SamplingSpec(
+        max_tokens=sampling.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else -1,
+        stop=tuple(sampling.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        seed=sampling.seed if sampling.HasField("seed") else None,
+    )

