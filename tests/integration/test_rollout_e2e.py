@@ -25,8 +25,8 @@ from rollserve.client import (
 from rollserve.client.wire import stream_key
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
-from tests.integration.engine_proc import start_engine_process
 
+from tests.integration.engine_proc import start_engine_process
 from tests.integration.scheduler_proc import start_scheduler
 
 pytestmark = pytest.mark.integration

@@ -13,23 +13,26 @@ A reader of the run's stream goes through three kinds of reads, in this order:
 3. ``XREADGROUP ... STREAMS key >``: new entries, blocking up to ``block_ms``
    but never past the next claim scan or the caller's deadline.
 
-:class:`ConsumerState` says which read comes next (:meth:`next_read`), is told
-what it returned (:meth:`on_pending_read`, :meth:`on_claim`), and decides what to
-do with each entry (:meth:`classify`):
+:class:`ConsumerState` says which read comes next (:meth:`~ConsumerState.next_read`),
+is told what it returned (:meth:`~ConsumerState.on_read`) and answers with a
+:class:`Batch`: what to do with each entry. An entry is
 
-- deliver it to the caller;
-- keep quiet: it is already in the caller's hands and not yet acknowledged (our
+- handed to the caller (:class:`Deliver`);
+- left alone: it is already in the caller's hands, not yet acknowledged (our
   own claim scan re-claimed it, which only resets its idle time);
-- acknowledge and drop it: a second entry for a group id this consumer already
-  delivered, or an entry trimmed from the stream while pending (no fields);
-- report it undecodable.
+- acknowledged unread (:class:`Drop`): a second entry for a group id this
+  consumer already handed out, or an entry trimmed from the stream while pending;
+- reported (:class:`~rollserve.client.errors.UndecodableEntry`), and left pending.
+
+The clients (``client.py`` over redis-py, ``aio.py`` over redis.asyncio) only run
+the reads it asks for and give out what it decides.
 
 Duplicates are recognised by group id in a bounded set (``dedupe_capacity``, the
 most recent acknowledged group ids) plus the groups in the caller's hands. The
 scheduler writes one entry per group id, so a second entry is rare; the common
-duplicate is the same entry delivered again after a claim, and what no consumer
-can see is whether another consumer processed an entry before it died without
-acknowledging: that case is delivered again with ``delivery_count > 1``.
+duplicate is the same entry read again (our pending list, our claim scan). What no
+consumer can see is whether another consumer used an entry before it died without
+acknowledging it: that entry is delivered again, with ``delivery_count > 1``.
 """
 
 from __future__ import annotations

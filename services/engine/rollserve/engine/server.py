@@ -274,7 +274,7 @@ def _reap_children(timeout_s: float) -> None:
 
     multiprocessing's resource tracker is left alone: it exits when this process does.
     """
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     children = [
         child

@@ -37,6 +37,7 @@ __all__ = [
     "SampleOutput",
     "SampleRequest",
     "VllmBackend",
+    "build_engine_args",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,33 +172,9 @@ class VllmBackend:
         Call from the event loop's thread: vLLM starts its engine-core child process from
         the calling thread and attaches its output handler to the running loop.
         """
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if device == "cpu" and settings.block_size % 32 != 0:
-            raise ValueError(
-                f"block_size ({settings.block_size}) must be a multiple of 32 on CPU; use 32 or 64"
-            )
-        device_args: dict[str, object] = (
-            {} if device == "cpu" else {"gpu_memory_utilization": settings.gpu_memory_utilization}
-        )
-        engine_args = AsyncEngineArgs(
-            model=str(settings.model),
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            block_size=settings.block_size,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            seed=settings.seed,
-            dtype=settings.dtype,
-            enforce_eager=settings.enforce_eager,
-            scheduling_policy=settings.scheduling_policy,
-            logprobs_mode="processed_logprobs",
-            enable_chunked_prefill=False,
-            distributed_executor_backend="uni",
-            disable_log_stats=False,
-            **device_args,
-        )
-        llm = AsyncLLM.from_engine_args(engine_args)
+        llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
         try:
             eos = llm.get_tokenizer().eos_token_id
         except (AttributeError, ValueError):
@@ -296,6 +273,35 @@ class VllmBackend:
             llm.shutdown()
             del llm
             gc.collect()
+
+
+def build_engine_args(settings: EngineSettings, device: Device) -> Any:
+    """vLLM's AsyncEngineArgs for these settings (shared with the overhead benchmark)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if device == "cpu" and settings.block_size % 32 != 0:
+        raise ValueError(
+            f"block_size ({settings.block_size}) must be a multiple of 32 on CPU; use 32 or 64"
+        )
+    device_args: dict[str, object] = (
+        {} if device == "cpu" else {"gpu_memory_utilization": settings.gpu_memory_utilization}
+    )
+    return AsyncEngineArgs(
+        model=str(settings.model),
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        seed=settings.seed,
+        dtype=settings.dtype,
+        enforce_eager=settings.enforce_eager,
+        scheduling_policy=settings.scheduling_policy,
+        logprobs_mode="processed_logprobs",
+        enable_chunked_prefill=False,
+        distributed_executor_backend="uni",
+        disable_log_stats=False,
+        **device_args,
+    )
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

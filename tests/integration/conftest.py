@@ -1,0 +1,41 @@
+"""Session fixtures of the integration tests: a tiny model and one real engine shared by all.
+
+Engine start-up takes 10-50 s on these machines, so one engine serves the whole session; a
+test that needs its own engine starts one with `engine_proc.start_engine_process`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rollserve.engine.tiny_model import make_tiny_model
+
+from tests.integration.engine_proc import EngineProcess, start_engine_process
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with its tokenizer (see rollserve.engine.tiny_model)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def engine_process(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    """One engine for the session; stopped with SIGTERM, its process group reaped."""
+    engine = start_engine_process(
+        tiny_model_dir, "engine-it", log_dir=tmp_path_factory.mktemp("engine-logs")
+    )
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_address(engine_process: EngineProcess) -> str:
+    """host:port of the session's engine, serving."""
+    return engine_process.address

@@ -1,0 +1,353 @@
+"""The engine over gRPC against real vLLM on CPU, with the tiny random model.
+
+The model's weights are random: tests check structure (counts, reasons, ranges, ids), not text.
+Long-running requests use greedy decoding so that they are deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.integration.engine_proc import free_port, start_engine_process
+
+pytestmark = pytest.mark.integration
+
+MAX_MODEL_LEN = 2048  # the engine's default
+LONG = 1500  # max_tokens of requests meant to be interrupted
+PROMPT = list(range(100, 164))  # 64 tokens: two full KV blocks of 32
+WAIT_S = 30.0
+
+
+@dataclass
+class Sample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    complete: pb.Complete | None = None
+
+
+@dataclass
+class Result:
+    samples: dict[int, Sample] = field(default_factory=dict)
+    messages: int = 0
+    chunks: list[pb.Chunk] = field(default_factory=list)
+    error: pb.Error | None = None
+
+    def sample(self, index: int) -> Sample:
+        return self.samples.setdefault(index, Sample())
+
+    def add(self, message: pb.GenerateResponse) -> None:
+        self.messages += 1
+        kind = message.WhichOneof("kind")
+        if kind == "chunk":
+            self.chunks.append(message.chunk)
+            for delta in message.chunk.deltas:
+                sample = self.sample(delta.index)
+                assert sample.complete is None, f"chunk for sample {delta.index} after complete"
+                sample.token_ids.extend(delta.token_ids)
+                sample.logprobs.extend(delta.logprobs)
+        elif kind == "complete":
+            sample = self.sample(message.complete.index)
+            assert sample.complete is None, f"two completes for sample {message.complete.index}"
+            sample.token_ids.extend(message.complete.token_ids)
+            sample.logprobs.extend(message.complete.logprobs)
+            sample.complete = message.complete
+        else:
+            self.error = message.error
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples.values())
+
+
+def request(
+    request_id: str,
+    *,
+    n: int = 1,
+    max_tokens: int = 16,
+    prompt: list[int] | None = None,
+    **sampling: float | int,
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=PROMPT if prompt is None else prompt,
+        n=n,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def channel(engine_address: str) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(engine_address) as ch:
+        yield ch
+
+
+@pytest.fixture
+def engine(channel: grpc.aio.Channel) -> pb_grpc.EngineAsyncStub:
+    return pb_grpc.EngineStub(channel)
+
+
+async def generate(engine: pb_grpc.EngineAsyncStub, req: pb.GenerateRequest) -> Result:
+    result = Result()
+    async for message in engine.Generate(req, timeout=120):
+        result.add(message)
+    return result
+
+
+async def wait_idle(engine: pb_grpc.EngineAsyncStub) -> pb.StatsResponse:
+    """Stats once no request runs; fails after WAIT_S."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while True:
+        stats = await engine.Stats(pb.StatsRequest())
+        if stats.running_requests == 0 and stats.running_samples == 0:
+            return stats
+        assert asyncio.get_running_loop().time() < deadline, f"still running: {stats}"
+        await asyncio.sleep(0.1)
+
+
+def check_sample(sample: Sample, max_tokens: int, eos_token_id: int) -> None:
+    assert sample.complete is not None
+    assert len(sample.token_ids) == len(sample.logprobs)
+    assert 1 <= len(sample.token_ids) <= max_tokens
+    assert all(lp <= 1e-6 for lp in sample.logprobs), sample.logprobs
+    reason = sample.complete.finish_reason
+    if reason == pb.FINISH_REASON_LENGTH:
+        assert len(sample.token_ids) == max_tokens
+    else:
+        assert reason == pb.FINISH_REASON_STOP
+        assert sample.token_ids[-1] == eos_token_id
+
+
+async def test_health_serving(channel: grpc.aio.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "rollserve.v1.Engine"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_reflection_lists_engine(channel: grpc.aio.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    names: list[str] = []
+    call = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    async for reply in call:
+        names.extend(s.name for s in reply.list_services_response.service)
+    assert "rollserve.v1.Engine" in names
+    assert "grpc.health.v1.Health" in names
+
+
+async def test_generate_n4(engine: pb_grpc.EngineAsyncStub) -> None:
+    stats = await engine.Stats(pb.StatsRequest())
+    result = await generate(engine, request("n4", n=4, max_tokens=40, seed=7))
+    assert result.error is None
+    assert sorted(result.samples) == [0, 1, 2, 3]
+    for sample in result.samples.values():
+        check_sample(sample, 40, stats.eos_token_id)
+        assert sample.complete is not None
+        assert sample.complete.num_prompt_tokens == len(PROMPT)
+    # The four samples share the prompt: all but the first find its blocks in the cache.
+    cached = sorted(s.complete.num_cached_tokens for s in result.samples.values() if s.complete)
+    assert cached[-1] >= 32
+
+
+async def test_chunks_are_batched(engine: pb_grpc.EngineAsyncStub) -> None:
+    result = await generate(engine, request("batched", n=8, max_tokens=200, temperature=0.0))
+    assert result.error is None
+    assert result.tokens > 0
+    assert result.messages * 2 <= result.tokens, (result.messages, result.tokens)
+    assert max(len(chunk.deltas) for chunk in result.chunks) > 1
+
+
+async def test_max_tokens_gives_length(engine: pb_grpc.EngineAsyncStub) -> None:
+    result = await generate(engine, request("len7", n=2, max_tokens=7, temperature=0.0))
+    for sample in result.samples.values():
+        assert sample.complete is not None
+        assert sample.complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(sample.token_ids) == 7 == len(sample.logprobs)
+
+
+async def test_seed_reproduces_samples(engine: pb_grpc.EngineAsyncStub) -> None:
+    first = await generate(engine, request("seed-a", n=2, max_tokens=24, seed=123))
+    second = await generate(engine, request("seed-b", n=2, max_tokens=24, seed=123))
+    for index in (0, 1):
+        assert first.samples[index].token_ids == second.samples[index].token_ids
+    assert first.samples[0].token_ids != first.samples[1].token_ids  # seed + i per sample
+
+
+INVALID = {
+    "request_id": request(""),
+    "prompt_token_ids is empty": request("bad", prompt=[]),
+    "n (0)": request("bad", n=0),
+    "max_tokens (0)": request("bad", max_tokens=0),
+    "max_tokens (1985)": request("bad", max_tokens=MAX_MODEL_LEN - len(PROMPT) + 1),
+    "temperature (-1.0)": request("bad", temperature=-1.0),
+    "top_p (0.0)": request("bad", top_p=0.0),
+    "top_p (1.5)": request("bad", top_p=1.5),
+    "top_k (-2)": request("bad", top_k=-2),
+    "prompt_token_ids[1] (-1)": request("bad", prompt=[5, -1]),
+    "prompt_token_ids[2] (1000000)": request("bad", prompt=[5, 6, 1_000_000]),
+}
+
+
+@pytest.mark.parametrize("problem", list(INVALID))
+async def test_invalid_argument(engine: pb_grpc.EngineAsyncStub, problem: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(engine, INVALID[problem])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or "")
+
+
+async def test_stop_token_outside_vocab_is_invalid(engine: pb_grpc.EngineAsyncStub) -> None:
+    req = request("bad-stop", max_tokens=4)
+    req.sampling.stop_token_ids.append(99_999)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(engine, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stop_token_ids[0] (99999)" in (info.value.details() or "")
+
+
+async def test_duplicate_request_id_is_rejected(engine: pb_grpc.EngineAsyncStub) -> None:
+    first = engine.Generate(request("dup", max_tokens=LONG, temperature=0.0))
+    try:
+        await first.read()  # running now
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(engine, request("dup", max_tokens=4))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        first.cancel()
+    await wait_idle(engine)
+
+
+async def test_client_cancel_aborts(engine: pb_grpc.EngineAsyncStub) -> None:
+    before = await wait_idle(engine)
+    call = engine.Generate(request("cancel", n=4, max_tokens=LONG, temperature=0.0))
+    message = await call.read()
+    assert isinstance(message, pb.GenerateResponse)
+    assert message.WhichOneof("kind") == "chunk"
+    running = await engine.Stats(pb.StatsRequest())
+    assert running.running_requests >= 1
+    assert running.running_samples >= 1
+    call.cancel()
+    await wait_idle(engine)
+    # vLLM stopped generating for it: the token count settles far below 4 full samples.
+    previous = -1
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while (current := (await engine.Stats(pb.StatsRequest())).generation_tokens) != previous:
+        assert asyncio.get_running_loop().time() < deadline
+        previous = current
+        await asyncio.sleep(0.3)
+    assert current - before.generation_tokens < 4 * LONG // 2
+
+
+async def test_abort_rpc(engine: pb_grpc.EngineAsyncStub) -> None:
+    call = engine.Generate(request("to-abort", n=3, max_tokens=LONG, temperature=0.0))
+    result = Result()
+    first = await call.read()
+    assert isinstance(first, pb.GenerateResponse)
+    result.add(first)
+    reply = await engine.Abort(pb.AbortRequest(request_id="to-abort"))
+    assert reply.found
+    while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+        assert isinstance(message, pb.GenerateResponse)
+        result.add(message)
+    assert result.error is None
+    assert sorted(result.samples) == [0, 1, 2]
+    for sample in result.samples.values():
+        assert sample.complete is not None
+        assert sample.complete.finish_reason == pb.FINISH_REASON_ABORT
+        assert len(sample.token_ids) == len(sample.logprobs) < LONG
+    await wait_idle(engine)
+    missing = await engine.Abort(pb.AbortRequest(request_id="to-abort"))
+    assert not missing.found
+
+
+async def test_stats(engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path) -> None:
+    await generate(engine, request("for-stats", n=2, max_tokens=8))
+    stats = await wait_idle(engine)
+    assert stats.engine_id == "engine-it"
+    assert stats.model == str(tiny_model_dir)
+    assert stats.max_model_len == MAX_MODEL_LEN
+    assert stats.max_num_seqs == 64
+    assert stats.eos_token_id == 1  # "</s>" in the tiny model's tokenizer
+    assert stats.prompt_tokens >= 2 * len(PROMPT)
+    assert stats.generation_tokens >= 16
+    assert stats.prefix_cache_queries >= stats.prefix_cache_hits > 0
+    assert stats.preemptions >= 0
+
+
+class FakeScheduler(pb_grpc.SchedulerServicer):
+    """Records RegisterEngine and Heartbeat calls; the rest of the Scheduler is unimplemented."""
+
+    HEARTBEAT_INTERVAL_MS = 100
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.registrations: list[pb.RegisterEngineRequest] = []
+        self.heartbeats = 0
+
+    def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterEngineResponse:
+        with self.lock:
+            self.registrations.append(request)
+        return pb.RegisterEngineResponse(heartbeat_interval_ms=self.HEARTBEAT_INTERVAL_MS)
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        with self.lock:
+            self.heartbeats += 1
+        return pb.HeartbeatResponse()
+
+    def _unimplemented(self, request: object, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake scheduler")
+        raise AssertionError("unreachable")
+
+    Submit = Cancel = Status = _unimplemented
+
+
+def test_second_engine_registers_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A second engine: registers with a scheduler that comes up late, heartbeats, and on
+    SIGTERM exits 0 leaving no process of its group behind."""
+    scheduler_port = free_port()
+    engine = start_engine_process(
+        tiny_model_dir,
+        "engine-second",
+        ["--scheduler-address", f"127.0.0.1:{scheduler_port}", "--omp-num-threads", "1"],
+        log_dir=tmp_path,
+    )
+    scheduler = FakeScheduler()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    server.add_insecure_port(f"127.0.0.1:{scheduler_port}")
+    server.start()
+    try:
+        assert len(engine.group_pids()) >= 2, "expected the engine and vLLM's engine core"
+        deadline = time.monotonic() + WAIT_S
+        while scheduler.heartbeats < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scheduler.heartbeats >= 2, engine.log_tail()
+        first = scheduler.registrations[0]
+        assert (first.engine_id, first.address) == ("engine-second", engine.address)
+
+        code = engine.stop()
+        assert code == 0, engine.log_tail()
+        assert "rollserve-engine ready engine_id=engine-second" in engine.log_tail(10**6)
+        assert engine.leftover_pids == [], engine.log_tail()
+    finally:
+        server.stop(None)
+        engine.kill()
