@@ -109,4 +109,5 @@ class _Servicer(pb_grpc.EngineServicer):
             model="fake",
             max_model_len=self._e.max_model_len,
             max_num_seqs=self._e.max_num_seqs,
+            vocab_size=1000,
         )

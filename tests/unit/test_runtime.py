@@ -240,3 +240,20 @@ async def test_queue_full_refuses_whole_batch(redis_url: str) -> None:
         assert runtime.status().queue_depth == 2
     finally:
         await runtime.stop()
+
+
+async def test_many_small_groups_through_a_narrow_engine_all_arrive(redis_url: str) -> None:
+    # Two groups fit at a time, so every completion is followed by a dispatch: the dispatch
+    # loop keeps running while groups end, and must survive every interleaving of the two.
+    narrow = await FakeEngine("narrow", max_num_seqs=4, tokens_per_sample=2).start()
+    runtime = await make_runtime(redis_url, [narrow], capacity_factor=1.0)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 150, n=2, max_tokens=4))
+        results = await read_stream(redis_url, run, 150)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await narrow.stop()
+    assert len({r.group_id for r in results}) == 150
+    assert status.queue_depth == 0 and status.inflight_groups == 0

@@ -69,6 +69,30 @@ def test_prompt_text_needs_a_tokenizer_and_uses_it() -> None:
     assert spec.prompt_token_ids == tuple(ord(c) for c in "hello")
 
 
+def test_token_ids_outside_the_vocabulary() -> None:
+    limits = Limits(
+        max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=64, vocab_size=8
+    )
+    with pytest.raises(ValidationError, match="holds id 9; the vocabulary has 8"):
+        validate_submit(
+            submit(
+                pb.PromptGroup(
+                    group_id="v",
+                    prompt_token_ids=[1, 9],
+                    n=1,
+                    sampling=pb.SamplingParams(max_tokens=4),
+                )
+            ),
+            limits,
+            None,
+        )
+    bad = pb.PromptGroup(
+        group_id="v", prompt_token_ids=[-1, 2], n=1, sampling=pb.SamplingParams(max_tokens=4)
+    )
+    with pytest.raises(ValidationError, match="negative id"):
+        validate_submit(submit(bad), limits, None)
+
+
 def test_unknown_context_skips_context_check() -> None:
     limits = Limits(max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=None)
     [spec] = validate_submit(submit(proto_group("a", max_tokens=10_000)), limits, None)

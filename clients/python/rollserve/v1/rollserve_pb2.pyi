@@ -718,6 +718,7 @@ class StatsResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -733,6 +734,9 @@ class StatsResponse(_message.Message):
     prefix_cache_hits: _builtins.int
     preemptions: _builtins.int
     eos_token_id: _builtins.int
+    """-1 when the model has none"""
+    vocab_size: _builtins.int
+    """prompt token ids must be below it"""
     def __init__(
         self,
         *,
@@ -748,10 +752,11 @@ class StatsResponse(_message.Message):
         prefix_cache_hits: _builtins.int = ...,
         preemptions: _builtins.int = ...,
         eos_token_id: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -502,6 +502,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             prefix_cache_hits=counters.prefix_cache_hits,
             preemptions=counters.preemptions,
             eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
+            vocab_size=info.vocab_size,
         )
 
 

@@ -32,6 +32,7 @@ class EngineInfo:
 
     max_model_len: int
     max_num_seqs: int
+    vocab_size: int
     model: str
 
 
@@ -78,7 +79,9 @@ class EngineHandle:
             )
         if self.info is None:
             stats = await self.stats(timeout_s)
-            self.info = EngineInfo(stats.max_model_len, stats.max_num_seqs, stats.model)
+            self.info = EngineInfo(
+                stats.max_model_len, stats.max_num_seqs, stats.vocab_size, stats.model
+            )
 
     async def stats(self, timeout_s: float) -> pb.StatsResponse:
         reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)

@@ -51,6 +51,11 @@ _REJECTIONS = frozenset(
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 
 
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s crashed: %r", task.get_name(), task.exception())
+
+
 class QueueFull(Exception):
     pass
 
@@ -88,6 +93,7 @@ class SchedulerRuntime:
         self._wake = asyncio.Event()
         self._seq = 0
         self._background: list[asyncio.Task[None]] = []
+        self._failed = asyncio.Event()
         self.counters = Counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -105,7 +111,20 @@ class SchedulerRuntime:
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
             asyncio.create_task(self._health_loop(), name="health"),
         ]
+        for task in self._background:
+            task.add_done_callback(self._loop_ended)
         self._wake.set()
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when a background loop died: the process must stop (state is in Redis)."""
+        return self._failed
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        log.critical("the %s loop died: %r", task.get_name(), task.exception())
+        self._failed.set()
 
     async def stop(self) -> None:
         """Stops all work. Running groups stay pending in Redis for the next start."""
@@ -121,13 +140,16 @@ class SchedulerRuntime:
     # ------------------------------------------------------------ API
 
     def limits(self) -> Limits:
-        known = [e.info.max_model_len for e in self._engines.values() if e.info is not None]
-        max_model_len = self.settings.max_model_len or (min(known) if known else None)
+        """Submit limits: settings, and what the engines said of their model (the minimum)."""
+        infos = [e.info for e in self._engines.values() if e.info is not None]
+        contexts = [i.max_model_len for i in infos]
+        vocabs = [i.vocab_size for i in infos if i.vocab_size > 0]
         return Limits(
             max_n=self.settings.max_n,
             max_groups_per_submit=self.settings.max_groups_per_submit,
             max_prompt_tokens=self.settings.max_prompt_tokens,
-            max_model_len=max_model_len,
+            max_model_len=self.settings.max_model_len or (min(contexts) if contexts else None),
+            vocab_size=min(vocabs) if vocabs else None,
         )
 
     async def submit(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
@@ -265,16 +287,20 @@ class SchedulerRuntime:
         record.start(engine.engine_id)
         task = asyncio.create_task(self._run_group(record, engine), name=f"group {key}")
         self._running[key] = task
-        task.add_done_callback(lambda t: self._forget(key, t))
-
-    def _forget(self, key: str, task: asyncio.Task[None]) -> None:
-        if self._running.get(key) is task:
-            del self._running[key]
-        self._wake.set()  # room on an engine
-        if not task.cancelled() and task.exception() is not None:
-            log.error("group %s: %r", key, task.exception())
+        task.add_done_callback(_log_crash)
 
     async def _run_group(self, record: GroupRecord, engine: EngineHandle) -> None:
+        try:
+            await self._attempt(record, engine)
+        finally:
+            # Leave _running in the same step as the group's last state change (no await
+            # in between), so no other task ever sees it running with its record gone.
+            key = record.spec.key
+            if self._running.get(key) is asyncio.current_task():
+                del self._running[key]
+            self._wake.set()  # room on an engine
+
+    async def _attempt(self, record: GroupRecord, engine: EngineHandle) -> None:
         request_id = f"{record.spec.key}#{record.attempts}"
         call = engine.generate(record.spec, request_id)
         try:

@@ -148,13 +148,19 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(runtime.failed.wait())
     try:
-        await stop.wait()
+        await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        stopped.cancel()
+        failed.cancel()
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(settings.shutdown_grace_s)
         await runtime.stop()
+    if runtime.failed.is_set():
+        raise SystemExit("the scheduler stopped after an internal error (see the log)")
 
 
 def build_parser() -> argparse.ArgumentParser:
