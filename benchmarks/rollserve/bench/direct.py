@@ -1,8 +1,11 @@
 """The direct side of ``rollserve bench overhead``: the batch straight through AsyncLLM.
 
 Run as a child process by ``overhead.py`` (vLLM wants a fresh process and a
-``__main__`` guard). Reads the groups as JSON on stdin; prints one JSON line with
-the wall time of each timed repeat and the output tokens of the last one.
+``__main__`` guard). Reads the groups as JSON from a file, builds the engine,
+prints ``ready``, then runs the batch once for every ``run`` line on stdin and
+prints a JSON line ``{"wall_s": …, "output_tokens": …}`` for each; ``quit`` (or
+end of input) shuts the engine down. The parent alternates these runs with
+rollserve's, so slow drift of a shared machine hits both sides alike.
 
 The engine is built from the same ``EngineSettings`` defaults and the same
 ``build_engine_args`` as the engine service, and each sample is requested the
@@ -37,7 +40,7 @@ async def _one_sample(llm: Any, params: Any, prompt: Any, request_id: str) -> in
     return len(tokens)
 
 
-async def _run(model: Path, groups: list[BenchGroup], repeats: int) -> dict[str, Any]:
+async def _serve(model: Path, groups: list[BenchGroup]) -> None:
     from rollserve.engine.service import build_engine_args
     from rollserve.engine.settings import EngineSettings, apply_environment, resolve_device
 
@@ -51,10 +54,12 @@ async def _run(model: Path, groups: list[BenchGroup], repeats: int) -> dict[str,
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
+    loop = asyncio.get_running_loop()
+    print("ready", flush=True)
     try:
-        walls: list[float] = []
-        tokens = 0
-        for rep in range(repeats + 1):  # the first round warms up and is not counted
+        rep = 0
+        while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() == "run":
+            rep += 1
             start = time.perf_counter()
             jobs = []
             for g in groups:
@@ -73,10 +78,9 @@ async def _run(model: Path, groups: list[BenchGroup], repeats: int) -> dict[str,
                     jobs.append(_one_sample(llm, params, prompt, f"r{rep}-{g.index}/{i}"))
             counts = await asyncio.gather(*jobs)
             wall = time.perf_counter() - start
-            if rep > 0:
-                walls.append(wall)
-                tokens = sum(counts)
-        return {"wall_s": walls, "output_tokens": tokens}
+            print(json.dumps({"wall_s": wall, "output_tokens": sum(counts)}), flush=True)
+        if line.strip() not in ("", "quit"):
+            raise SystemExit(f"unknown command {line.strip()!r}")
     finally:
         llm.shutdown()
 
@@ -84,11 +88,10 @@ async def _run(model: Path, groups: list[BenchGroup], repeats: int) -> dict[str,
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m rollserve.bench.direct")
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--groups", type=Path, required=True, help="JSON file of the groups")
     args = parser.parse_args()
-    groups = [BenchGroup(**g) for g in json.load(sys.stdin)]
-    result = asyncio.run(_run(args.model, groups, args.repeats))
-    print(json.dumps(result), flush=True)
+    groups = [BenchGroup(**g) for g in json.loads(args.groups.read_text())]
+    asyncio.run(_serve(args.model, groups))
     return 0
 
 

@@ -1,9 +1,11 @@
 """``rollserve bench overhead``: rollserve vs vLLM's AsyncLLM called directly.
 
 The same batch of prompt groups, the same engine settings, the same seeds, in one
-run: first through the whole rollserve path (SDK -> scheduler -> one engine
-service -> Redis stream -> SDK), then straight through ``AsyncLLM`` in a child
-process (``rollserve.bench.direct``), each repeated and reported as medians.
+run: through the whole rollserve path (SDK -> scheduler -> one engine service ->
+Redis stream -> SDK) and straight through ``AsyncLLM`` in a child process
+(``rollserve.bench.direct``). Both engines are up for the whole run (an idle one
+costs no CPU); the rounds alternate between them, flipping the order each round,
+and the table reports medians.
 
 Both sides ask for identical work: every sample is an n=1 request with its own
 seed and a logprob per token, so the token counts of both sides must match; the
@@ -13,10 +15,14 @@ time / direct wall time) at most 1.05.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -26,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from rollserve.bench.workload import BenchGroup, bench_groups
 from rollserve.cli.models import default_model_dir, ensure_tiny_model
-from rollserve.cli.stack import DevStack, StackConfig
+from rollserve.cli.stack import DevStack, StackConfig, engine_threads
 from rollserve.client import PromptGroup, RolloutClient, SamplingParams
 
 GOAL = 1.05
@@ -38,8 +44,9 @@ class OverheadConfig:
     groups: int = 64
     n: int = 4
     max_tokens: int = 256
-    repeats: int = 3
+    repeats: int = 7
     seed: int = 0
+    omp_threads: int = 0  # both sides alike; 0: the dev stack's default for one engine
     json_path: Path | None = None
 
 
@@ -70,51 +77,106 @@ def _to_prompt_groups(groups: list[BenchGroup], prefix: str) -> list[PromptGroup
     ]
 
 
-def run_rollserve(model: Path, groups: list[BenchGroup], repeats: int) -> SideResult:
-    walls: list[float] = []
-    tokens = 0
-    with DevStack(StackConfig(model=model, engines=1)) as stack:
-        for rep in range(repeats + 1):  # the first round warms up and is not counted
-            run_id = f"bench-{uuid.uuid4().hex[:8]}"
-            with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
-                start = time.perf_counter()
-                client.submit(_to_prompt_groups(groups, f"r{rep}"))
-                received = 0
-                rep_tokens = 0
-                for item in client.groups(limit=len(groups), timeout_s=1800):
-                    rep_tokens += item.result.num_output_tokens
-                    item.done()
-                    received += 1
-                wall = time.perf_counter() - start
-            if received != len(groups):
-                raise RuntimeError(f"rollserve delivered {received} of {len(groups)} groups")
-            if rep > 0:
-                walls.append(wall)
-                tokens = rep_tokens
-    return SideResult(walls, tokens)
+class RollserveSide:
+    """The whole rollserve path: SDK -> scheduler -> engine service -> Redis -> SDK."""
+
+    def __init__(self, stack: DevStack, groups: list[BenchGroup]) -> None:
+        self._stack = stack
+        self._groups = groups
+        self._rep = 0
+
+    def run(self) -> tuple[float, int]:
+        self._rep += 1
+        run_id = f"bench-{uuid.uuid4().hex[:8]}"
+        with RolloutClient(self._stack.scheduler_address, self._stack.redis_url, run_id) as client:
+            start = time.perf_counter()
+            client.submit(_to_prompt_groups(self._groups, f"r{self._rep}"))
+            received = 0
+            tokens = 0
+            for item in client.groups(limit=len(self._groups), timeout_s=1800):
+                tokens += item.result.num_output_tokens
+                item.done()
+                received += 1
+            wall = time.perf_counter() - start
+        if received != len(self._groups):
+            raise RuntimeError(f"rollserve delivered {received} of {len(self._groups)} groups")
+        return wall, tokens
 
 
-def run_direct(model: Path, groups: list[BenchGroup], repeats: int) -> SideResult:
-    spec = json.dumps([asdict(g) for g in groups])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollserve.bench.direct",
-            "--model",
-            str(model),
-            "--repeats",
-            str(repeats),
-        ],
-        input=spec.encode(),
-        capture_output=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"direct AsyncLLM run failed:\n{proc.stderr.decode()[-4000:]}")
-    last = proc.stdout.decode().strip().splitlines()[-1]
-    out = json.loads(last)
-    return SideResult([float(x) for x in out["wall_s"]], int(out["output_tokens"]))
+class DirectSide:
+    """AsyncLLM in a child process (``rollserve.bench.direct``), driven line by line."""
+
+    def __init__(
+        self, model: Path, groups: list[BenchGroup], work_dir: Path, omp_threads: int
+    ) -> None:
+        spec = work_dir / "groups.json"
+        spec.write_text(json.dumps([asdict(g) for g in groups]))
+        self._log = (work_dir / "direct.log").open("wb")
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rollserve.bench.direct",
+                "--model",
+                str(model),
+                "--groups",
+                str(spec),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(omp_threads)},
+        )
+        self._log_path = work_dir / "direct.log"
+        self._reply()  # "ready"
+
+    def _reply(self) -> str:
+        assert self._proc.stdout is not None
+        # vLLM logs to stdout too: skip lines until our own ("ready" or a JSON object).
+        while line := self._proc.stdout.readline():
+            if line.strip() == "ready" or line.startswith("{"):
+                return line
+        tail = self._log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"the direct AsyncLLM process ended early:\n{tail}")
+
+    def run(self) -> tuple[float, int]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        out = json.loads(self._reply())
+        return float(out["wall_s"]), int(out["output_tokens"])
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.write("quit\n")
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._log.close()
+
+
+def alternate(
+    sides: dict[str, RollserveSide | DirectSide], repeats: int, console: Console
+) -> dict[str, SideResult]:
+    """One warm-up run per side, then ``repeats`` rounds, the order flipping each round."""
+    names = list(sides)
+    for name in names:
+        sides[name].run()
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    tokens: dict[str, int] = {}
+    for rep in range(repeats):
+        for name in names if rep % 2 == 0 else reversed(names):
+            wall, count = sides[name].run()
+            walls[name].append(wall)
+            tokens[name] = count
+            console.print(f"  round {rep + 1}/{repeats} {name}: {wall:.2f} s, {count} tokens")
+    return {name: SideResult(walls[name], tokens[name]) for name in names}
 
 
 def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[str, object]:
@@ -123,12 +185,27 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
     groups = bench_groups(model, cfg.groups, cfg.n, cfg.max_tokens, cfg.seed)
     console.print(
         f"{cfg.groups} groups x n={cfg.n}, max_tokens {cfg.max_tokens}, "
-        f"{cfg.repeats} timed repeats (+1 warm-up) per side"
+        f"{cfg.repeats} timed rounds (+1 warm-up) per side, alternating"
     )
-    console.print("rollserve: SDK -> scheduler -> engine service -> Redis stream …")
-    ours = run_rollserve(model, groups, cfg.repeats)
-    console.print("direct: AsyncLLM in one process …")
-    direct = run_direct(model, groups, cfg.repeats)
+    threads = cfg.omp_threads or engine_threads(1)
+    console.print(
+        f"starting both: the rollserve stack (1 engine) and AsyncLLM alone, "
+        f"{threads} OpenMP thread(s) each …"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp,
+        DevStack(StackConfig(model=model, engines=1, omp_threads=threads)) as stack,
+    ):
+        direct_side = DirectSide(model, groups, Path(tmp), threads)
+        try:
+            results = alternate(
+                {"rollserve": RollserveSide(stack, groups), "direct": direct_side},
+                cfg.repeats,
+                console,
+            )
+        finally:
+            direct_side.close()
+    ours, direct = results["rollserve"], results["direct"]
     ratio = ours.median_s / direct.median_s
 
     table = Table(title="rollserve overhead (medians of one run)")
@@ -152,6 +229,7 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
         "n": cfg.n,
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
+        "omp_threads": threads,
         "rollserve": {
             "wall_s": ours.wall_s,
             "median_s": ours.median_s,

@@ -75,6 +75,7 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
             n=args.n,
             max_tokens=args.max_tokens,
             repeats=args.repeats,
+            omp_threads=args.omp_threads,
             json_path=args.json,
         )
     )
@@ -131,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--groups", type=_positive, default=64)
     overhead.add_argument("--n", type=_positive, default=4)
     overhead.add_argument("--max-tokens", type=_positive, default=256)
-    overhead.add_argument("--repeats", type=_positive, default=3)
+    overhead.add_argument("--repeats", type=_positive, default=7)
+    overhead.add_argument(
+        "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
+    )
     overhead.add_argument("--json", type=Path)
     overhead.set_defaults(func=_cmd_bench_overhead)
 

@@ -34,6 +34,17 @@ class StackError(RuntimeError):
     pass
 
 
+def engine_threads(engines: int) -> int:
+    """OpenMP threads per CPU engine when ``engines`` share this machine.
+
+    One core is left to the engines' front ends, the scheduler and Redis: OpenMP
+    threads spin while they wait, and a model step that holds every core starves
+    the processes that feed it.
+    """
+    cores = os.cpu_count() or 1
+    return max(1, (cores - 1) // max(1, engines))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -120,6 +131,7 @@ class StackConfig:
     scheduler_port: int = 0  # 0 picks a free port
     engine_args: tuple[str, ...] = ()  # extra flags for every engine
     scheduler_args: tuple[str, ...] = ()
+    omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
     run_dir: Path | None = None  # logs; a temp dir when None
 
 
@@ -166,7 +178,7 @@ class DevStack:
             self.redis_url = self.redis.url
         else:
             self.redis_url = cfg.redis_url
-        threads = max(1, (os.cpu_count() or 1) // max(1, cfg.engines))
+        threads = cfg.omp_threads or engine_threads(cfg.engines)
         for i in range(cfg.engines):
             port = free_port()
             proc = ManagedProcess.start(

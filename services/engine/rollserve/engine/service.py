@@ -296,6 +296,7 @@ def build_engine_args(settings: EngineSettings, device: Device) -> Any:
         dtype=settings.dtype,
         enforce_eager=settings.enforce_eager,
         scheduling_policy=settings.scheduling_policy,
+        stream_interval=settings.stream_interval,
         logprobs_mode="processed_logprobs",
         enable_chunked_prefill=False,
         distributed_executor_backend="uni",

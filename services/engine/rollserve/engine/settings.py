@@ -76,8 +76,17 @@ class EngineSettings(BaseModel):
         "priority",
         description="vLLM queue order; priority honours GenerateRequest.priority (lower first).",
     )
+    stream_interval: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description=(
+            "vLLM hands a sample's new tokens to the service every this many tokens (and at "
+            "its end): fewer wake-ups of the front end per token."
+        ),
+    )
     flush_interval_ms: float = Field(
-        25.0,
+        100.0,
         ge=0,
         le=1000,
         description="How long new tokens are batched before a Chunk is sent; 0 sends at once.",
