@@ -336,6 +336,9 @@ class SchedulerRuntime:
                     done.num_prompt_tokens,
                     done.num_cached_tokens,
                 )
+                # A finished sample frees its slot on the engine even while its siblings
+                # run: plan again now, or the engine's batch thins out behind long samples.
+                self._wake.set()
             elif kind == "error":
                 raise _EngineFault(f"engine error: {message.error.message}")
         if not record.all_finished:
