@@ -1,8 +1,8 @@
 """Start a real engine (`python -m rollserve.engine`) as a subprocess for integration tests.
 
-The engine runs in its own session, so its process group holds it and every child it starts
-(vLLM's engine core); `stop()` sends SIGTERM to the engine, waits, and kills whatever of the
-group is left, so no test leaves processes behind.
+Launching, waiting for health and killing the process group are the dev stack's own
+(`rollserve.cli.stack`); this adds what the tests check on top: the engine's exit code
+after SIGTERM and the processes of its group that outlive it.
 """
 
 from __future__ import annotations
@@ -10,38 +10,22 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.cli.stack import ManagedProcess, free_port, launch_engine, wait_serving
 
-__all__ = ["EngineProcess", "EngineStartError", "free_port", "start_engine_process"]
+__all__ = ["EngineProcess", "free_port", "start_engine_process"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PYTHON_PATHS = (REPO_ROOT / "clients" / "python", REPO_ROOT / "services" / "engine")
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.1
 LEFTOVER_GRACE_S = 5.0
-
-
-class EngineStartError(RuntimeError):
-    """The engine exited or did not become SERVING in time; the message holds its log."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -49,35 +33,35 @@ class EngineProcess:
     """A running engine subprocess, leader of its own process group."""
 
     engine_id: str
-    address: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
+    managed: ManagedProcess
     leftover_pids: list[int] = field(default_factory=list)
 
     @property
-    def pgid(self) -> int:
-        return self.proc.pid  # start_new_session=True: the engine leads its group
+    def address(self) -> str:
+        return self.managed.address
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.managed.popen
 
     def group_pids(self) -> list[int]:
         """Live processes of the engine's process group (the engine and its children)."""
+        pgid = self.proc.pid  # start_new_session=True: the engine leads its group
         pids = []
         for process in psutil.process_iter():
             with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-                if os.getpgid(process.pid) == self.pgid and process.status() != "zombie":
+                if os.getpgid(process.pid) == pgid and process.status() != "zombie":
                     pids.append(process.pid)
         return pids
 
     def log_tail(self, chars: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.managed.log_tail(chars)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM the engine and wait for it; returns its exit code.
+        """SIGTERM the engine alone and wait for it; returns its exit code.
 
         Processes of its group still alive a few seconds after it exited are recorded in
-        `leftover_pids` and killed."""
+        `leftover_pids` and killed: a clean shutdown leaves none."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -86,19 +70,14 @@ class EngineProcess:
                 self.kill()
         deadline = time.monotonic() + LEFTOVER_GRACE_S
         while (pids := self.group_pids()) and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL_S / 5)
+            time.sleep(POLL_INTERVAL_S)
         self.leftover_pids = pids
-        self._kill_group()
+        self.kill()
         return int(self.proc.wait())
 
     def kill(self) -> None:
         """SIGKILL the whole process group."""
-        self._kill_group()
-        self.proc.wait()
-
-    def _kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, signal.SIGKILL)
+        self.managed.kill()
 
 
 def start_engine_process(
@@ -110,61 +89,11 @@ def start_engine_process(
     timeout_s: float = START_TIMEOUT_S,
 ) -> EngineProcess:
     """Starts an engine on a free port and returns once its health says SERVING."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollserve-engine-"))
-    log_path = log_dir / f"{engine_id}.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [*(str(p) for p in PYTHON_PATHS), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "rollserve.engine",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--engine-id",
-        engine_id,
-        *extra_args,
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
-    engine = EngineProcess(engine_id, address, proc, log_path)
+    engine = EngineProcess(engine_id, launch_engine(model_dir, engine_id, log_dir, extra_args))
     try:
-        _wait_serving(engine, timeout_s)
+        wait_serving(engine.address, timeout_s, engine.managed)
     except BaseException:
         engine.kill()
         raise
     return engine
-
-
-def _wait_serving(engine: EngineProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(engine.address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if engine.proc.poll() is not None:
-                raise EngineStartError(
-                    f"engine {engine.engine_id} exited with {engine.proc.returncode} "
-                    f"before serving; log:\n{engine.log_tail()}"
-                )
-            with contextlib.suppress(grpc.RpcError):
-                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(POLL_INTERVAL_S)
-    raise EngineStartError(
-        f"engine {engine.engine_id} did not serve within {timeout_s:.0f} s; "
-        f"log:\n{engine.log_tail()}"
-    )

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -98,12 +99,12 @@ class ManagedProcess:
             )
         return cls(name, popen, log_path)
 
-    def log_tail(self) -> str:
+    def log_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
         try:
             data = self.log_path.read_bytes()
         except OSError:
             return ""
-        return data[-_LOG_TAIL_BYTES:].decode(errors="replace")
+        return data[-limit:].decode(errors="replace")
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever is left of it."""
@@ -121,6 +122,36 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(10)
+
+
+def launch_engine(
+    model: Path,
+    engine_id: str,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> ManagedProcess:
+    """Starts ``python -m rollserve.engine`` on a free port; does not wait for it."""
+    port = free_port()
+    proc = ManagedProcess.start(
+        engine_id,
+        [
+            sys.executable,
+            "-m",
+            "rollserve.engine",
+            "--model",
+            str(model),
+            "--engine-id",
+            engine_id,
+            "--port",
+            str(port),
+            *extra_args,
+        ],
+        log_dir,
+        env,
+    )
+    proc.address = f"127.0.0.1:{port}"
+    return proc
 
 
 @dataclass(frozen=True)
@@ -180,26 +211,15 @@ class DevStack:
             self.redis_url = cfg.redis_url
         threads = cfg.omp_threads or engine_threads(cfg.engines)
         for i in range(cfg.engines):
-            port = free_port()
-            proc = ManagedProcess.start(
-                f"engine-{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "rollserve.engine",
-                    "--model",
-                    str(cfg.model),
-                    "--engine-id",
+            self.engines.append(
+                launch_engine(
+                    cfg.model,
                     f"engine-{i}",
-                    "--port",
-                    str(port),
-                    *cfg.engine_args,
-                ],
-                self.log_dir,
-                env={"OMP_NUM_THREADS": str(threads)},
+                    self.log_dir,
+                    cfg.engine_args,
+                    env={"OMP_NUM_THREADS": str(threads)},
+                )
             )
-            proc.address = f"127.0.0.1:{port}"
-            self.engines.append(proc)
         for proc in self.engines:  # they load in parallel
             wait_serving(proc.address, _ENGINE_START_TIMEOUT_S, proc)
         self.start_scheduler()
