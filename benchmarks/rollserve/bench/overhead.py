@@ -31,7 +31,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 from rollserve.bench.workload import BenchGroup, bench_groups
-from rollserve.cli.models import default_model_dir, ensure_tiny_model
 from rollserve.cli.stack import DevStack, StackConfig, engine_threads
 from rollserve.client import PromptGroup, RolloutClient, SamplingParams
 
@@ -71,7 +70,7 @@ def _to_prompt_groups(groups: list[BenchGroup], prefix: str) -> list[PromptGroup
             prompt_token_ids=g.prompt_token_ids,
             n=g.n,
             sampling=SamplingParams(temperature=1.0, max_tokens=g.max_tokens, seed=g.seed),
-            prompt_key=f"p{g.index}",
+            prompt_key=g.prompt_key,
         )
         for g in groups
     ]
@@ -181,7 +180,10 @@ def alternate(
 
 def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[str, object]:
     console = console or Console()
-    model = cfg.model or ensure_tiny_model(default_model_dir(), console)
+    from rollserve.assets import reasoner_dir
+
+    model = cfg.model or reasoner_dir()
+    console.print(f"model: {model}")
     groups = bench_groups(model, cfg.groups, cfg.n, cfg.max_tokens, cfg.seed)
     console.print(
         f"{cfg.groups} groups x n={cfg.n}, max_tokens {cfg.max_tokens}, "

@@ -1,14 +1,17 @@
 """``rollserve demo``: the dev stack plus a small trainer loop through the SDK.
 
-Each step submits a batch of prompt groups, waits for all of them on the run's
-Redis stream, acknowledges each (as a trainer does after using it) and moves on.
-The summary is computed from what the trainer received, not from server counters.
+The trainer loop is that of GRPO-style RL on the workload's reasoning tasks: each step
+takes the next batch of prompts of the default prompt set, submits them as groups of ``n``
+samples, waits for all of them on the run's Redis stream, scores every sample with the
+workload's verifier (the reward), acknowledges each group (as a trainer does after using
+it) and moves on. The model is the shipped trained reasoner unless ``--model`` says
+otherwise. The summary is computed from what the trainer received, not from server counters.
 """
 
 from __future__ import annotations
 
 import json
-import random
+import statistics
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,24 +21,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rollserve.cli.models import default_model_dir, ensure_tiny_model
 from rollserve.cli.stack import DevStack, StackConfig
 from rollserve.client import GroupResult, PromptGroup, RolloutClient, SamplingParams
-
-SYSTEM_PROMPT = (
-    "You are a careful reasoner. Think step by step, write every intermediate "
-    "result on its own line, and end with the final answer after 'Answer:'. "
-)
+from rollserve.workload import PromptRow, read_prompt_set, score
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    model: Path | None = None  # None: the tiny model in the cache, made if missing
+    model: Path | None = None  # None: the shipped trained reasoner
+    prompts: Path | None = None  # None: the shipped default prompt set
     engines: int = 1
     steps: int = 4
     groups_per_step: int = 16
     n: int = 4
-    max_tokens: int = 128
+    max_tokens: int = 1024
     temperature: float = 1.0
     seed: int = 0
     redis_url: str | None = None
@@ -52,22 +51,28 @@ class DemoSummary:
     prefix_cache_hit_rate: float
     group_latency_p50_s: float
     group_latency_p99_s: float
+    mean_reward: float
+    mixed_group_share: float  # groups with both right and wrong samples: GRPO's signal
     steps: int
     engines: int
 
 
-def make_prompts(tokenizer_dir: Path, count: int, seed: int) -> list[list[int]]:
-    """Arithmetic questions behind a shared instruction, tokenized with the model's tokenizer."""
-    from tokenizers import Tokenizer
+class Rewarder:
+    """Turns a sample's token ids into text with the model's tokenizer and scores it."""
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        terms = [rng.randint(2, 99) for _ in range(rng.randint(2, 6))]
-        question = f"Question: what is {' + '.join(map(str, terms))}?\nSteps:\n"
-        prompts.append(list(tokenizer.encode(SYSTEM_PROMPT + question).ids))
-    return prompts
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def encode_prompt(self, row: PromptRow) -> list[int]:
+        return list(self._tokenizer.encode(row.prompt).ids)
+
+    def rewards(self, row: PromptRow, result: GroupResult) -> list[float]:
+        return [
+            score(row, self._tokenizer.decode(list(s.token_ids), skip_special_tokens=True))
+            for s in result.samples
+        ]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -81,7 +86,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(
-    results: Sequence[GroupResult], wall_s: float, steps: int, engines: int
+    results: Sequence[GroupResult],
+    rewards: Sequence[Sequence[float]],
+    wall_s: float,
+    steps: int,
+    engines: int,
 ) -> DemoSummary:
     samples = [s for r in results for s in r.samples]
     output_tokens = sum(len(s.token_ids) for s in samples)
@@ -97,15 +106,25 @@ def summarize(
         prefix_cache_hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
         group_latency_p50_s=percentile(latencies, 50),
         group_latency_p99_s=percentile(latencies, 99),
+        mean_reward=statistics.fmean(r for g in rewards for r in g) if rewards else 0.0,
+        mixed_group_share=(
+            sum(1 for g in rewards if 0 < sum(g) < len(g)) / len(rewards) if rewards else 0.0
+        ),
         steps=steps,
         engines=engines,
     )
 
 
 def run_trainer_loop(
-    client: RolloutClient, cfg: DemoConfig, prompts: list[list[int]], console: Console
-) -> tuple[list[GroupResult], float]:
+    client: RolloutClient,
+    cfg: DemoConfig,
+    rows: Sequence[PromptRow],
+    rewarder: Rewarder,
+    console: Console,
+) -> tuple[list[GroupResult], list[list[float]], float]:
     results: list[GroupResult] = []
+    rewards: list[list[float]] = []
+    by_key = {row.prompt_key: row for row in rows}
     total = cfg.steps * cfg.groups_per_step
     with Progress(
         TextColumn("[bold]rollout"),
@@ -119,27 +138,39 @@ def run_trainer_loop(
         bar = progress.add_task("rollout", total=total)
         start = time.perf_counter()
         for step in range(cfg.steps):
+            batch = [
+                rows[(step * cfg.groups_per_step + i) % len(rows)]
+                for i in range(cfg.groups_per_step)
+            ]
             groups = [
                 PromptGroup(
                     group_id=f"step{step}-g{i}",
-                    prompt_token_ids=prompts[i % len(prompts)],
+                    prompt_token_ids=rewarder.encode_prompt(row),
                     n=cfg.n,
                     sampling=SamplingParams(
                         temperature=cfg.temperature,
                         max_tokens=cfg.max_tokens,
                         seed=cfg.seed + step * 1000 + i,
                     ),
-                    prompt_key=f"prompt-{i % len(prompts)}",
+                    prompt_key=row.prompt_key,
                 )
-                for i in range(cfg.groups_per_step)
+                for i, row in enumerate(batch)
             ]
             client.submit(groups)
+            step_rewards: list[float] = []
             for received in client.groups(limit=cfg.groups_per_step, timeout_s=600):
-                results.append(received.result)
+                result = received.result
+                group_rewards = rewarder.rewards(by_key[result.prompt_key], result)
+                results.append(result)
+                rewards.append(group_rewards)
+                step_rewards.extend(group_rewards)
                 received.done()  # the trainer has used the group: acknowledge it
                 progress.advance(bar)
+            progress.console.print(
+                f"step {step + 1}/{cfg.steps}: mean reward {statistics.fmean(step_rewards):.3f}"
+            )
         wall_s = time.perf_counter() - start
-    return results, wall_s
+    return results, rewards, wall_s
 
 
 def print_summary(summary: DemoSummary, console: Console) -> None:
@@ -156,21 +187,27 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
     table.add_row("prefix-cache hit rate", f"{summary.prefix_cache_hit_rate:.1%}")
     table.add_row("group latency p50", f"{summary.group_latency_p50_s:.3f} s")
     table.add_row("group latency p99", f"{summary.group_latency_p99_s:.3f} s")
+    table.add_row("mean reward", f"{summary.mean_reward:.3f}")
+    table.add_row("groups with mixed rewards", f"{summary.mixed_group_share:.1%}")
     console.print(table)
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoSummary:
     console = console or Console()
-    model = cfg.model or ensure_tiny_model(default_model_dir(), console)
-    prompts = make_prompts(model, cfg.groups_per_step, cfg.seed)
+    from rollserve.assets import default_prompts, reasoner_dir
+
+    model = cfg.model or reasoner_dir()
+    rows = read_prompt_set(cfg.prompts or default_prompts())
+    rewarder = Rewarder(model)
+    console.print(f"model {model}, {len(rows)} prompts")
     console.print(f"starting the dev stack: Redis, {cfg.engines} engine(s), scheduler …")
     with DevStack(StackConfig(model=model, engines=cfg.engines, redis_url=cfg.redis_url)) as stack:
         for name, where in stack.describe():
             console.print(f"  {name:<10} {where}")
         run_id = f"demo-{uuid.uuid4().hex[:8]}"
         with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
-            results, wall_s = run_trainer_loop(client, cfg, prompts, console)
-    summary = summarize(results, wall_s, cfg.steps, cfg.engines)
+            results, rewards, wall_s = run_trainer_loop(client, cfg, rows, rewarder, console)
+    summary = summarize(results, rewards, wall_s, cfg.steps, cfg.engines)
     print_summary(summary, console)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(asdict(summary), indent=2) + "\n")

@@ -12,11 +12,11 @@ from rich.console import Console
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from rollserve.cli.models import default_model_dir, ensure_tiny_model
+    from rollserve.assets import reasoner_dir
     from rollserve.cli.stack import DevStack, StackConfig
 
     console = Console()
-    model = args.model or ensure_tiny_model(default_model_dir(), console)
+    model = args.model or reasoner_dir()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -43,6 +43,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     run_demo(
         DemoConfig(
             model=args.model,
+            prompts=args.prompts,
             engines=args.engines,
             steps=args.steps,
             groups_per_step=args.groups,
@@ -63,6 +64,35 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     path = make_tiny_model(args.dir, seed=args.seed)
     print(f"wrote a tiny Llama and its tokenizer to {path}")
     return 0
+
+
+def _cmd_model_train_reasoner(args: argparse.Namespace) -> int:
+    from rollserve.cli.workload import train
+
+    train(args.dir, args.seed, args.steps, Console())
+    return 0
+
+
+def _cmd_workload_make(args: argparse.Namespace) -> int:
+    from rollserve.cli.workload import make
+
+    make(args.seed, args.size, args.out, Console())
+    return 0
+
+
+def _cmd_workload_stats(args: argparse.Namespace) -> int:
+    from rollserve.cli.workload import stats
+
+    met = stats(
+        model=args.model,
+        data=args.data,
+        samples=args.samples,
+        prompts=args.prompts,
+        out_dir=args.out_dir,
+        json_path=args.json,
+        console=Console(),
+    )
+    return 0 if met or not args.check else 1
 
 
 def _cmd_bench_overhead(args: argparse.Namespace) -> int:
@@ -95,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start Redis, engines and the scheduler; Ctrl-C stops them")
     up.add_argument("--engines", type=_positive, default=1)
-    up.add_argument(
-        "--model", type=Path, help="model dir (default: the tiny model, made if missing)"
-    )
+    up.add_argument("--model", type=Path, help="model dir (default: the shipped trained reasoner)")
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
     up.add_argument("--run-dir", type=Path, help="where the logs go (default: a temp dir)")
@@ -105,12 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="dev stack plus a small trainer loop, with a summary")
     demo.add_argument("--engines", type=_positive, default=1)
-    demo.add_argument("--model", type=Path)
+    demo.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    demo.add_argument("--prompts", type=Path, help="prompt set (default: the shipped one)")
     demo.add_argument("--redis-url")
     demo.add_argument("--steps", type=_positive, default=4)
     demo.add_argument("--groups", type=_positive, default=16, help="groups per step")
     demo.add_argument("--n", type=_positive, default=4, help="samples per group")
-    demo.add_argument("--max-tokens", type=_positive, default=128)
+    demo.add_argument("--max-tokens", type=_positive, default=1024)
     demo.add_argument("--temperature", type=float, default=1.0)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", type=Path, help="also write the summary here")
@@ -124,6 +153,39 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
+
+    reasoner = model_sub.add_parser(
+        "train-reasoner", help="train the small reasoning model on the workload's tasks (CPU)"
+    )
+    reasoner.add_argument("dir", type=Path)
+    reasoner.add_argument("--seed", type=int, default=0)
+    reasoner.add_argument(
+        "--steps", type=_positive, help="optimiser steps (default: those of the shipped model)"
+    )
+    reasoner.set_defaults(func=_cmd_model_train_reasoner)
+
+    workload = sub.add_parser("workload", help="the reasoning tasks: prompt sets and their shape")
+    workload_sub = workload.add_subparsers(dest="workload_command", required=True)
+    make = workload_sub.add_parser("make", help="write a seeded prompt set (JSON lines)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--size", type=_positive, default=1000)
+    make.add_argument("out", type=Path)
+    make.set_defaults(func=_cmd_workload_make)
+    shape = workload_sub.add_parser(
+        "stats", help="length tail, predictability and accuracy of a model on a prompt set"
+    )
+    shape.add_argument("model", type=Path, nargs="?", help="default: the shipped model")
+    shape.add_argument("data", type=Path, nargs="?", help="default: the shipped prompt set")
+    shape.add_argument("--samples", type=_positive, default=8, help="samples per prompt")
+    shape.add_argument("--prompts", type=_positive, help="use only the first N prompts")
+    shape.add_argument(
+        "--out-dir", type=Path, default=Path("workload-stats"), help="where the PNGs go"
+    )
+    shape.add_argument("--json", type=Path)
+    shape.add_argument(
+        "--check", action="store_true", help="exit 1 when a figure misses its target"
+    )
+    shape.set_defaults(func=_cmd_workload_stats)
 
     bench = sub.add_parser("bench", help="benchmarks (side by side, one run)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,1 @@
+"""Training of the small reasoning model that the workload, demo, tests and benchmarks use."""

@@ -1,0 +1,82 @@
+"""The trained reasoner on real vLLM: the stats command and the demo's trainer loop.
+
+Both run as the user runs them, as the ``rollserve`` command in a child process (each starts
+its own engine: real vLLM on CPU, real Redis, real gRPC). The figures themselves are not
+asserted against the workload's targets here: a dozen prompts cannot show a tail; the full
+measurement is ``rollserve workload stats`` (see docs/workload.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROLLSERVE = [sys.executable, "-m", "rollserve.cli.main"]
+
+
+def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [*ROLLSERVE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.timeout(600)
+def test_workload_stats_writes_the_figures_and_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "stats"
+    _run(
+        [
+            "workload",
+            "stats",
+            "--prompts",
+            "24",
+            "--samples",
+            "2",
+            "--out-dir",
+            str(out),
+            "--json",
+            str(out / "stats.json"),
+        ],
+        tmp_path,
+        timeout=540,
+    )
+    figures = json.loads((out / "stats.json").read_text())
+    for key in (
+        "p99_over_median",
+        "max_over_median",
+        "prompt_variance_share",
+        "top10_overlap",
+        "accuracy",
+        "mixed_group_share",
+    ):
+        assert isinstance(figures[key], float), key
+    assert figures["prompts"] == 24
+    assert figures["samples_per_prompt"] == 2
+    # The trained model solves some tasks and not all: its reward has a signal.
+    assert 0.0 < figures["accuracy"] < 1.0
+    for name in ("lengths_hist.png", "pass1_vs_pass2.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG"), name
+
+
+@pytest.mark.timeout(600)
+def test_demo_runs_the_trained_model_and_reports_reward(tmp_path: Path) -> None:
+    summary_path = tmp_path / "demo.json"
+    _run(
+        ["demo", "--steps", "2", "--groups", "6", "--n", "4", "--json", str(summary_path)],
+        tmp_path,
+        timeout=540,
+    )
+    summary = json.loads(summary_path.read_text())
+    assert summary["groups"] == 12
+    assert summary["samples"] == 48
+    assert summary["output_tokens_per_s"] > 0
+    assert 0.0 < summary["mean_reward"] < 1.0
+    assert 0.0 <= summary["prefix_cache_hit_rate"] <= 1.0
