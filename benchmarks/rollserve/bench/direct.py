@@ -40,7 +40,8 @@ async def _one_sample(llm: Any, params: Any, prompt: Any, request_id: str) -> in
     return len(tokens)
 
 
-async def _serve(model: Path, groups: list[BenchGroup]) -> None:
+async def _serve(model: Path, groups: list[BenchGroup], frontend_nice: int) -> None:
+    from rollserve.engine.cpu_priority import renice_threads
     from rollserve.engine.service import build_engine_args
     from rollserve.engine.settings import EngineSettings, apply_environment, resolve_device
 
@@ -54,6 +55,9 @@ async def _serve(model: Path, groups: list[BenchGroup]) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
+    if frontend_nice:
+        # As the engine service does (EngineSettings.frontend_nice): both sides alike.
+        renice_threads(frontend_nice)
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
     try:
@@ -89,9 +93,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m rollserve.bench.direct")
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--groups", type=Path, required=True, help="JSON file of the groups")
+    parser.add_argument("--frontend-nice", type=int, default=0, help="niceness of this process")
     args = parser.parse_args()
     groups = [BenchGroup(**g) for g in json.loads(args.groups.read_text())]
-    asyncio.run(_serve(args.model, groups))
+    asyncio.run(_serve(args.model, groups, args.frontend_nice))
     return 0
 
 

@@ -9,7 +9,10 @@ and the table reports medians.
 
 Both sides ask for identical work: every sample is an n=1 request with its own
 seed and a logprob per token, so the token counts of both sides must match; the
-table shows them so a reader can check. Goal: ``overhead_ratio`` (rollserve wall
+table shows them so a reader can check. Both run their engine core at normal priority
+and everything else at the dev stack's control-plane niceness (the direct side's
+AsyncLLM frontend as much as rollserve's engine frontend, scheduler and Redis): see
+``rollserve.engine.cpu_priority``. Goal: ``overhead_ratio`` (rollserve wall
 time / direct wall time) at most 1.05.
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 from rollserve.bench.workload import BenchGroup, bench_groups
-from rollserve.cli.stack import DevStack, StackConfig, engine_threads
+from rollserve.cli.stack import CONTROL_PLANE_NICE, DevStack, StackConfig, engine_threads
 from rollserve.client import PromptGroup, RolloutClient, SamplingParams
 
 GOAL = 1.05
@@ -40,9 +43,9 @@ GOAL = 1.05
 @dataclass(frozen=True)
 class OverheadConfig:
     model: Path | None = None
-    groups: int = 64
+    groups: int = 256
     n: int = 4
-    max_tokens: int = 256
+    max_tokens: int = 1024
     repeats: int = 7
     seed: int = 0
     omp_threads: int = 0  # both sides alike; 0: the dev stack's default for one engine
@@ -106,7 +109,12 @@ class DirectSide:
     """AsyncLLM in a child process (``rollserve.bench.direct``), driven line by line."""
 
     def __init__(
-        self, model: Path, groups: list[BenchGroup], work_dir: Path, omp_threads: int
+        self,
+        model: Path,
+        groups: list[BenchGroup],
+        work_dir: Path,
+        omp_threads: int,
+        frontend_nice: int,
     ) -> None:
         spec = work_dir / "groups.json"
         spec.write_text(json.dumps([asdict(g) for g in groups]))
@@ -120,6 +128,8 @@ class DirectSide:
                 str(model),
                 "--groups",
                 str(spec),
+                "--frontend-nice",
+                str(frontend_nice),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -192,13 +202,15 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
     threads = cfg.omp_threads or engine_threads(1)
     console.print(
         f"starting both: the rollserve stack (1 engine) and AsyncLLM alone, "
-        f"{threads} OpenMP thread(s) each …"
+        f"{threads} OpenMP thread(s) each, frontends at niceness {CONTROL_PLANE_NICE} …"
     )
     with (
         tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp,
         DevStack(StackConfig(model=model, engines=1, omp_threads=threads)) as stack,
     ):
-        direct_side = DirectSide(model, groups, Path(tmp), threads)
+        # The frontend of the direct side runs at the niceness of the stack's control plane.
+        nice = stack.config.control_plane_nice
+        direct_side = DirectSide(model, groups, Path(tmp), threads, nice)
         try:
             results = alternate(
                 {"rollserve": RollserveSide(stack, groups), "direct": direct_side},
@@ -232,6 +244,7 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
         "omp_threads": threads,
+        "control_plane_nice": CONTROL_PLANE_NICE,
         "rollserve": {
             "wall_s": ours.wall_s,
             "median_s": ours.median_s,

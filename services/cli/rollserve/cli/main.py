@@ -191,9 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     overhead = bench_sub.add_parser("overhead", help="rollserve vs AsyncLLM directly")
     overhead.add_argument("--model", type=Path)
-    overhead.add_argument("--groups", type=_positive, default=64)
+    overhead.add_argument("--groups", type=_positive, default=256)
     overhead.add_argument("--n", type=_positive, default=4)
-    overhead.add_argument("--max-tokens", type=_positive, default=256)
+    overhead.add_argument("--max-tokens", type=_positive, default=1024)
     overhead.add_argument("--repeats", type=_positive, default=7)
     overhead.add_argument(
         "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"

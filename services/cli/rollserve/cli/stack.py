@@ -24,6 +24,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollserve.cli.redis_server import EmbeddedRedis
+from rollserve.engine.cpu_priority import renice_threads
 
 _STOP_GRACE_S = 20.0
 _ENGINE_START_TIMEOUT_S = 300.0
@@ -154,6 +155,9 @@ def launch_engine(
     return proc
 
 
+CONTROL_PLANE_NICE = 10
+
+
 @dataclass(frozen=True)
 class StackConfig:
     model: Path
@@ -163,6 +167,10 @@ class StackConfig:
     engine_args: tuple[str, ...] = ()  # extra flags for every engine
     scheduler_args: tuple[str, ...] = ()
     omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
+    # Niceness of the control plane (engine frontends, scheduler, embedded Redis): on one
+    # machine with CPU engines, the engine cores' model threads go first (see
+    # rollserve.engine.cpu_priority); 0 leaves every process at its start priority.
+    control_plane_nice: int = CONTROL_PLANE_NICE
     run_dir: Path | None = None  # logs; a temp dir when None
 
 
@@ -207,6 +215,8 @@ class DevStack:
             self.redis = EmbeddedRedis()
             self.redis.start()
             self.redis_url = self.redis.url
+            if cfg.control_plane_nice and self.redis.pid is not None:
+                renice_threads(cfg.control_plane_nice, self.redis.pid)
         else:
             self.redis_url = cfg.redis_url
         threads = cfg.omp_threads or engine_threads(cfg.engines)
@@ -216,7 +226,7 @@ class DevStack:
                     cfg.model,
                     f"engine-{i}",
                     self.log_dir,
-                    cfg.engine_args,
+                    (*cfg.engine_args, "--frontend-nice", str(cfg.control_plane_nice)),
                     env={"OMP_NUM_THREADS": str(threads)},
                 )
             )
@@ -241,6 +251,8 @@ class DevStack:
                 "--tokenizer",
                 str(cfg.model),
                 *engine_flags,
+                "--nice",
+                str(cfg.control_plane_nice),
                 *cfg.scheduler_args,
             ],
             self.log_dir,

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from .cpu_priority import renice_threads
 from .service import EngineServicer, VllmBackend
 from .settings import EngineSettings, apply_environment, resolve_device
 
@@ -93,6 +94,11 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             return
         _start_engine_core_with_parent_death_signal()
         backend = VllmBackend.create(settings, device)
+        if settings.frontend_nice:
+            # The engine core has started (with this process's priority): from now on the
+            # threads of this process yield to it when they compete for a CPU.
+            changed = renice_threads(settings.frontend_nice)
+            logger.info("niceness %d on %d frontend threads", settings.frontend_nice, changed)
         await backend.warm_up()
         engine_servicer.attach(backend)
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)

@@ -105,6 +105,15 @@ class EngineSettings(BaseModel):
         le=1024,
         description="OpenMP threads on CPU (set 1 when engines share a machine); 0 leaves it.",
     )
+    frontend_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness of this process's threads (gRPC, output handling) once vLLM's engine "
+            "core runs; the core keeps its own, so a CPU-bound model wins the CPU. 0 leaves it."
+        ),
+    )
     shutdown_grace_s: float = Field(
         5.0, ge=0, le=600, description="On SIGTERM, how long running Generate calls may finish."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--health-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--nice", type=int, default=0, help="niceness of the scheduler (0-19; CPU engines first)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -199,6 +203,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
+        nice=args.nice,
     )
 
 
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     except pydantic.ValidationError as exc:
         print(f"rollserve scheduler: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    if settings.nice and hasattr(os, "setpriority"):
+        # Only this thread exists yet; every thread started later inherits its niceness.
+        os.setpriority(os.PRIO_PROCESS, 0, max(settings.nice, os.getpriority(os.PRIO_PROCESS, 0)))
     asyncio.run(serve(settings))
     return 0
 

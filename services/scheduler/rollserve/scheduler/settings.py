@@ -43,6 +43,12 @@ class SchedulerSettings(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="context length; None learns it from the engines (their minimum)"
     )
+    nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="niceness of the scheduler's threads (let CPU engines on the host go first)",
+    )
     capacity_factor: float = Field(
         1.25,
         gt=0,
