@@ -82,6 +82,13 @@ class SchedulerRuntime:
         policy: Policy,
         tokenize: Callable[[str], list[int]] | None = None,
     ) -> None:
+        if not policy.whole_groups:
+            # Sample-level dispatch (a group's samples on several engines) is not in the
+            # runtime yet: such policies run in the discrete-event simulator only.
+            raise ValueError(
+                f"policy {policy.name!r} places samples one by one; this scheduler runs "
+                "whole-group policies only (e.g. least_outstanding)"
+            )
         self.settings = settings
         self.tokenize = tokenize
         self._store = store
@@ -263,9 +270,10 @@ class SchedulerRuntime:
                     priority=spec.priority,
                     seq=self._groups[key].seq,
                     prompt_key=spec.prompt_key,
+                    prompt_token_ids=spec.prompt_token_ids,
                 )
             )
-        return Snapshot(tuple(queue), tuple(self._loads().values()))
+        return Snapshot(tuple(queue), tuple(self._loads().values()), now=time.monotonic())
 
     async def _dispatch_loop(self) -> None:
         while True:

@@ -15,6 +15,9 @@ from rollserve.scheduler.core.snapshot import Plan, Snapshot
 
 class Policy(Protocol):
     name: str
+    # True when every Assign of the policy places all pending samples of its group; a
+    # policy that places samples one by one (or splits groups) sets it False.
+    whole_groups: bool
 
     def plan(self, snapshot: Snapshot) -> Plan:
         """Decide which queued groups start now and where. Groups left out stay queued."""

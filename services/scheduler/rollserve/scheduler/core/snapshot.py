@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class QueuedGroup:
-    """A group waiting for an engine, in arrival order within the queue."""
+    """A group with samples waiting for an engine, in arrival order within the queue."""
 
     key: str  # scheduler-wide id: "<run_id>/<group_id>"
     n: int
@@ -20,11 +20,28 @@ class QueuedGroup:
     priority: int = 0  # lower runs first
     seq: int = 0  # arrival order, ties broken by it
     prompt_key: str = ""
+    # Indices of the samples still to place; empty means all n (the group is untouched).
+    samples: tuple[int, ...] = ()
+    # The prompt, for policies that track prefixes (may be empty when the edge omits it).
+    prompt_token_ids: tuple[int, ...] = ()
+    # Predicted response length of one sample, tokens (None: nothing to predict from).
+    predicted_len: float | None = None
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The sample indices to place."""
+        return self.samples or tuple(range(self.n))
 
     @property
     def max_new_tokens(self) -> int:
-        """Upper bound of the tokens the group will generate."""
-        return self.n * self.max_tokens
+        """Upper bound of the tokens the pending samples will generate."""
+        return len(self.pending) * self.max_tokens
+
+    @property
+    def expected_new_tokens(self) -> float:
+        """Predicted tokens of the pending samples; the upper bound when there is no prediction."""
+        per_sample = self.max_tokens if self.predicted_len is None else self.predicted_len
+        return len(self.pending) * min(per_sample, self.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +51,9 @@ class EngineView:
     capacity_samples: int  # most samples the scheduler runs on it at once
     inflight_samples: int = 0
     outstanding_tokens: int = 0  # upper bound of tokens still to generate
+    predicted_outstanding: float = 0.0  # predicted tokens still to generate (0: unknown)
+    kv_capacity_tokens: int = 0  # KV cache size in tokens (0: unknown)
+    kv_used_tokens: int = 0  # KV held by its running samples, tokens
 
     @property
     def free_samples(self) -> int:
@@ -44,14 +64,17 @@ class EngineView:
 class Snapshot:
     queue: tuple[QueuedGroup, ...]
     engines: tuple[EngineView, ...]
+    now: float = 0.0  # seconds, on the clock of whoever built the snapshot
 
 
 @dataclass(frozen=True, slots=True)
 class Assign:
-    """Run the whole group ``group_key`` on ``engine_id``."""
+    """Run samples of group ``group_key`` on ``engine_id``: ``samples`` (indices), or all of
+    its pending samples when empty."""
 
     group_key: str
     engine_id: str
+    samples: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
