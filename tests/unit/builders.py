@@ -11,10 +11,26 @@ from rollserve.v1 import rollserve_pb2 as pb
 
 
 def queued(
-    key: str, n: int = 4, max_tokens: int = 100, seq: int = 0, priority: int = 0
+    key: str,
+    n: int = 4,
+    max_tokens: int = 100,
+    seq: int = 0,
+    priority: int = 0,
+    *,
+    prompt: tuple[int, ...] = (),
+    prompt_key: str = "",
+    samples: tuple[int, ...] = (),
 ) -> QueuedGroup:
     return QueuedGroup(
-        key=key, n=n, prompt_len=10, max_tokens=max_tokens, priority=priority, seq=seq
+        key=key,
+        n=n,
+        prompt_len=len(prompt) or 10,
+        max_tokens=max_tokens,
+        priority=priority,
+        seq=seq,
+        prompt_key=prompt_key,
+        samples=samples,
+        prompt_token_ids=prompt,
     )
 
 

@@ -112,6 +112,23 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_policies(args: argparse.Namespace) -> int:
+    from rollserve.bench.policies import DEFAULT_POLICIES, PoliciesConfig, run_policies
+
+    policies = tuple(p for p in args.policies.split(",") if p) if args.policies else None
+    run_policies(
+        PoliciesConfig(
+            scenario=args.scenario,
+            steps=args.steps,
+            engines=args.engines,
+            policies=policies or DEFAULT_POLICIES,
+            json_path=args.json,
+            out_dir=args.out_dir,
+        )
+    )
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -200,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     overhead.add_argument("--json", type=Path)
     overhead.set_defaults(func=_cmd_bench_overhead)
+    policies = bench_sub.add_parser(
+        "policies", help="scheduling policies side by side on simulated engines (virtual time)"
+    )
+    policies.add_argument("--scenario", default="S1", help="S1..S4 or a scenario TOML file")
+    policies.add_argument("--steps", type=_positive, help="override the scenario's steps")
+    policies.add_argument("--engines", type=_positive, help="override the scenario's engines")
+    policies.add_argument("--policies", help="comma-separated (default: the baselines)")
+    policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
+    policies.add_argument("--json", type=Path)
+    policies.set_defaults(func=_cmd_bench_policies)
 
     # The services themselves; their flags are their own.
     sub.add_parser("engine", help="run one engine service", add_help=False)

@@ -7,10 +7,10 @@ policy is a new file under ``policies/`` registered in ``_REGISTRY``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from rollserve.scheduler.core.snapshot import Plan, Snapshot
+from rollserve.scheduler.core.snapshot import Assign, Plan, Snapshot
 
 
 class Policy(Protocol):
@@ -24,14 +24,46 @@ class Policy(Protocol):
         ...
 
 
+def sample_plan(placed: Mapping[tuple[str, str], Sequence[int]]) -> Plan:
+    """The plan of a policy that places samples one by one: ``placed`` maps
+    (group key, engine id) to the sample indices put there, in the order to run them."""
+    return Plan(
+        tuple(
+            Assign(group_key, engine_id, tuple(indices))
+            for (group_key, engine_id), indices in placed.items()
+        )
+    )
+
+
 def _least_outstanding() -> Policy:
     from rollserve.scheduler.core.policies.least_outstanding import LeastOutstandingTokens
 
     return LeastOutstandingTokens()
 
 
+def _least_loaded() -> Policy:
+    from rollserve.scheduler.core.policies.least_loaded import LeastLoaded
+
+    return LeastLoaded()
+
+
+def _round_robin() -> Policy:
+    from rollserve.scheduler.core.policies.round_robin import RoundRobin
+
+    return RoundRobin()
+
+
+def _cache_aware() -> Policy:
+    from rollserve.scheduler.core.policies.cache_aware import CacheAware
+
+    return CacheAware()
+
+
 _REGISTRY: dict[str, Callable[[], Policy]] = {
     "least_outstanding": _least_outstanding,
+    "least_loaded": _least_loaded,
+    "round_robin": _round_robin,
+    "cache_aware": _cache_aware,
 }
 
 DEFAULT_POLICY = "least_outstanding"

@@ -1,0 +1,140 @@
+"""The cost model of one engine step, and the limits of the engine it describes.
+
+A step of a vLLM engine runs one forward pass over every scheduled sequence: running sequences
+decode one token each, newly admitted ones prefill their prompt. Its time is modelled as
+
+    step_base_s                                  fixed: weights read once, launch, scheduling
+    + per_decode_seq_s    * decode sequences     per-sequence compute, sampling, bookkeeping
+    + per_prefill_token_s * prefilled tokens     prompt tokens not served from the prefix cache
+    + per_kv_token_s      * attended KV tokens   context read by the decode sequences' attention
+
+A profile (TOML, shipped ones in ``profiles/``) holds these coefficients, the engine's limits
+(KV capacity in tokens, block size, sequences and tokens per step), where the numbers come from
+(``source``) and which hardware they stand for (``simulated_hardware``): every figure computed
+with a profile is simulated and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import tomllib
+
+__all__ = ["CostProfile", "load_profile", "profile_names"]
+
+_DIR = Path(__file__).resolve().parent / "profiles"
+
+_TEXT_FIELDS = ("name", "source", "simulated_hardware")
+_COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
+_LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Coefficients of one engine step (seconds) and the limits of the engine."""
+
+    name: str
+    source: str  # where the numbers come from, one line
+    simulated_hardware: str
+    step_base_s: float  # fixed cost of one step
+    per_decode_seq_s: float  # per running sequence decoding one token
+    per_prefill_token_s: float  # per prompt token prefilled (uncached only)
+    per_kv_token_s: float  # per context token attended by the decode sequences
+    kv_capacity_tokens: int  # KV cache size; whole blocks of it are usable
+    block_size: int  # tokens per KV block
+    max_num_seqs: int  # running sequences at most
+    max_num_batched_tokens: int  # decode tokens + prefill tokens per step
+
+    def __post_init__(self) -> None:
+        for name in _TEXT_FIELDS:
+            if not getattr(self, name).strip():
+                raise ValueError(f"profile {self.name!r}: {name} must not be empty")
+        if not (math.isfinite(self.step_base_s) and self.step_base_s > 0):
+            raise ValueError(
+                f"profile {self.name!r}: step_base_s ({self.step_base_s}) must be greater than 0"
+            )
+        for name in _COST_FIELDS[1:]:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"profile {self.name!r}: {name} ({value}) must be at least 0")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"profile {self.name!r}: {name} ({value}) must be at least 1")
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(
+                f"profile {self.name!r}: kv_capacity_tokens ({self.kv_capacity_tokens}) must be "
+                f"at least one block (block_size {self.block_size})"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of the engine: the whole blocks that fit in ``kv_capacity_tokens``."""
+        return self.kv_capacity_tokens // self.block_size
+
+    def step_time(self, decode_seqs: int, prefill_tokens: int, attended_kv_tokens: int) -> float:
+        """Seconds of one step that decodes ``decode_seqs`` sequences attending
+        ``attended_kv_tokens`` context tokens in all and prefills ``prefill_tokens`` tokens."""
+        for name, value in (
+            ("decode_seqs", decode_seqs),
+            ("prefill_tokens", prefill_tokens),
+            ("attended_kv_tokens", attended_kv_tokens),
+        ):
+            if value < 0:
+                raise ValueError(f"step_time: {name} ({value}) must be at least 0")
+        return (
+            self.step_base_s
+            + self.per_decode_seq_s * decode_seqs
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_kv_token_s * attended_kv_tokens
+        )
+
+
+def profile_names() -> tuple[str, ...]:
+    """The shipped profiles, by name."""
+    return tuple(sorted(p.stem for p in _DIR.glob("*.toml")))
+
+
+def load_profile(path_or_name: str | Path) -> CostProfile:
+    """A shipped profile by name (``gpu-h100-llama8b``) or a TOML file by path.
+
+    The file holds exactly the fields of :class:`CostProfile` as top-level keys; unknown or
+    missing keys and values of the wrong type are errors that name the file.
+    """
+    path = Path(path_or_name)
+    if isinstance(path_or_name, str) and path.suffix != ".toml" and len(path.parts) == 1:
+        path = _DIR / f"{path_or_name}.toml"
+        if not path.is_file():
+            raise ValueError(
+                f"profile {path_or_name!r}: no shipped profile of that name; "
+                f"shipped: {', '.join(profile_names())}"
+            )
+    if not path.is_file():
+        raise ValueError(f"profile {str(path_or_name)!r}: no such file")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    known = [f.name for f in fields(CostProfile)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; known: {known}")
+    missing = [name for name in known if name not in data]
+    if missing:
+        raise ValueError(f"{path}: missing keys {missing}")
+    for name in _TEXT_FIELDS:
+        if not isinstance(data[name], str):
+            raise ValueError(f"{path}: {name} must be a string, got {data[name]!r}")
+    for name in _COST_FIELDS:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {name} must be a number of seconds, got {value!r}")
+        data[name] = float(value)
+    for name in _LIMIT_FIELDS:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
+    try:
+        return CostProfile(**data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

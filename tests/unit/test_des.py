@@ -1,0 +1,112 @@
+"""The discrete-event mode and the scenarios: policies over simulated engines, virtual time.
+
+Nothing is faked: the policies are the scheduler's, the engines the simulator's (pure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rollserve.scheduler.core.policy import create_policy
+from rollserve.sim.des import run_des
+from rollserve.sim.profile import CostProfile, load_profile
+from rollserve.sim.scenarios import (
+    SimGroup,
+    load_scenario,
+    read_trace,
+    scenario_names,
+    write_trace,
+)
+
+PROFILE = CostProfile(
+    name="test",
+    source="unit test",
+    simulated_hardware="none",
+    step_base_s=0.01,
+    per_decode_seq_s=0.001,
+    per_prefill_token_s=0.0001,
+    per_kv_token_s=0.0,
+    kv_capacity_tokens=1 << 20,
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=4096,
+)
+
+
+def group(key: str, lens: tuple[int, ...], prompt_len: int = 64) -> SimGroup:
+    return SimGroup(
+        key=key,
+        prompt_key=f"p-{key}",
+        epoch=0,
+        prompt_len=prompt_len,
+        prefix_id="",
+        prefix_len=0,
+        max_tokens=4096,
+        output_lens=lens,
+    )
+
+
+def test_every_sample_is_delivered_and_time_adds_up() -> None:
+    steps = [[group("a", (10, 20, 30, 40)), group("b", (5, 5, 5, 5)), group("c", (100, 1, 1, 1))]]
+    for name in ("round_robin", "least_loaded", "cache_aware", "least_outstanding"):
+        result = run_des(steps, create_policy(name), PROFILE, engines=2)
+        (step,) = result.steps
+        assert step.samples == 12
+        assert step.output_tokens == sum(sum(g.output_lens) for g in steps[0])
+        # The longest sample needs at least one engine step per token.
+        assert step.makespan_s >= 100 * PROFILE.step_base_s
+        assert 0.0 <= result.bubble_ratio < 1.0
+        assert 0.0 < step.tail_s <= step.makespan_s
+        assert result.simulated
+        assert result.decisions >= 1
+
+
+def test_whole_groups_hit_the_prefix_cache_and_round_robin_scatters_them() -> None:
+    steps = [[group(f"g{i}", (50,) * 4, prompt_len=256) for i in range(4)]]
+    whole = run_des(steps, create_policy("least_loaded"), PROFILE, engines=4)
+    scattered = run_des(steps, create_policy("round_robin"), PROFILE, engines=4)
+    assert whole.prefix_hit_rate > 0.5
+    assert scattered.prefix_hit_rate < whole.prefix_hit_rate
+
+
+def test_steps_run_one_after_another_and_runs_are_deterministic() -> None:
+    steps = [[group("a", (30, 3))], [group("b", (7, 70))]]
+    first = run_des(steps, create_policy("round_robin"), PROFILE, engines=2)
+    again = run_des(steps, create_policy("round_robin"), PROFILE, engines=2)
+    assert first.steps[1].start_s == pytest.approx(first.steps[0].end_s)
+    assert [s.end_s for s in first.steps] == [s.end_s for s in again.steps]
+    assert first.timeline == again.timeline
+
+
+def test_shipped_scenarios_load_and_draw_reproducibly() -> None:
+    assert set(scenario_names()) >= {"S1", "S2", "S3", "S4"}
+    for name in scenario_names():
+        scenario = load_scenario(name)
+        load_profile(scenario.profile)
+        small = replace(scenario, groups_per_step=4, prompts=min(scenario.prompts, 6))
+        assert small.steps_of_groups() == small.steps_of_groups()
+    s2 = replace(load_scenario("S2"), groups_per_step=3, prompts=3, steps=3)
+    epochs = [groups[0].epoch for groups in s2.steps_of_groups()]
+    assert epochs == [0, 1, 2]  # the same prompts, one epoch a step
+
+
+def test_scenario_files_are_checked(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nbogus = 1\n')
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_scenario(bad)
+    with pytest.raises(ValueError, match="no such file"):
+        load_scenario("S99")
+    with pytest.raises(ValueError, match="engines"):
+        replace(load_scenario("S1"), engines=0)
+
+
+def test_trace_round_trip(tmp_path: Path) -> None:
+    groups = [group("a", (3, 4)), group("b", (5, 6, 7))]
+    path = tmp_path / "trace.csv"
+    write_trace(groups, path)
+    (replayed,) = read_trace(path, max_tokens=4096, groups_per_step=8)
+    assert [g.output_lens for g in replayed] == [(3, 4), (5, 6, 7)]
+    assert [g.prompt_key for g in replayed] == ["p-a", "p-b"]
