@@ -13,8 +13,8 @@ table shows them so a reader can check. Both run their engine core at normal pri
 and everything else at the dev stack's control-plane niceness (the direct side's
 AsyncLLM frontend as much as rollserve's engine frontend, scheduler and Redis): see
 ``rollserve.engine.cpu_priority``. Run it on an otherwise quiet machine: any other busy
-process outranks the niced control plane and skews the ratio against rollserve. Goal: ``overhead_ratio`` (rollserve wall
-time / direct wall time) at most 1.05.
+process outranks the niced control plane and skews the ratio against rollserve.
+Goal: ``overhead_ratio`` (rollserve wall time / direct wall time) at most 1.05.
 """
 
 from __future__ import annotations
