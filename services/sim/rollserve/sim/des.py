@@ -255,7 +255,7 @@ def run_des(
     # just given requests (checking every engine after every event costs O(engines)).
     touched: set[str] = set()
 
-    def start_idle() -> None:
+    def start_idle(state: _Step) -> None:
         nonlocal counter
         for eid in sorted(touched):
             sim = sims[eid]
@@ -269,18 +269,16 @@ def run_des(
                 done = tuple(f.request_id for f in result.finished)
                 heapq.heappush(events, (end, counter, eid, done))
                 for f in result.finished:
-                    state_tokens[0] += f.output_tokens
+                    state.output_tokens += f.output_tokens
         touched.clear()
 
-    state_tokens = [0]
     seq0 = 0
     for step_no, groups in enumerate(steps):
         state = _Step(groups, predict, seq0)
         seq0 += len(groups)
         start = now
-        state_tokens[0] = 0
         dispatch(state)
-        start_idle()
+        start_idle(state)
         while any(state.left.values()):
             if not events:
                 raise RuntimeError(
@@ -295,7 +293,7 @@ def run_des(
                 state.left[r.group.key] -= 1
                 state.finish_times.append(now)
             dispatch(state)
-            start_idle()
+            start_idle(state)
         finish = sorted(state.finish_times)
         cut = finish[max(0, math.ceil((1 - TAIL_SHARE) * len(finish)) - 1)]
         out_steps.append(
@@ -305,7 +303,7 @@ def run_des(
                 end_s=now,
                 groups=len(groups),
                 samples=len(finish),
-                output_tokens=state_tokens[0],
+                output_tokens=state.output_tokens,
                 tail_s=now - cut,
             )
         )

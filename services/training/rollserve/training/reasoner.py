@@ -138,8 +138,8 @@ def _batches(cfg: ReasonerConfig, tokenizer: Any) -> Iterator[list[tuple[list[in
         batches: list[list[tuple[list[int], int]]] = []
         current: list[tuple[list[int], int]] = []
         for example in pool:
-            longest = max([len(example[0])] + [len(e[0]) for e in current[-1:]])
-            if current and longest * (len(current) + 1) > cfg.batch_tokens:
+            # The pool is sorted by length: the newest example is the batch's longest.
+            if current and len(example[0]) * (len(current) + 1) > cfg.batch_tokens:
                 batches.append(current)
                 current = []
             current.append(example)
