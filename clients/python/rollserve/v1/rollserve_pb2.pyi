@@ -476,6 +476,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDICES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique on the engine while it runs"""
     n: _builtins.int
@@ -484,6 +485,13 @@ class GenerateRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def sample_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sample indices to generate, each in 0..n-1 and distinct; empty means all n.
+        Sample i is the same draw whichever call generates it (seeded `seed + i`), so a
+        scheduler may split a group's samples over engines or resume them one by one.
+        """
+
     def __init__(
         self,
         *,
@@ -492,10 +500,11 @@ class GenerateRequest(_message.Message):
         n: _builtins.int = ...,
         sampling: Global___SamplingParams | None = ...,
         priority: _builtins.int = ...,
+        sample_indices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_indices", b"sample_indices", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -511,7 +520,7 @@ class TokenDelta(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """sample index within the request, 0..n-1"""
+    """sample index within the group, 0..n-1"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
