@@ -5,12 +5,15 @@ Nothing is faked: the policies are the scheduler's, the engines the simulator's 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
 from rollserve.scheduler.core.policy import create_policy
-from rollserve.sim.des import run_des
+from rollserve.scheduler.core.predictor import LengthPredictor
+from rollserve.sim.des import run_des, run_des_async
 from rollserve.sim.profile import CostProfile, load_profile
 from rollserve.sim.scenarios import (
     SimGroup,
@@ -110,3 +113,82 @@ def test_trace_round_trip(tmp_path: Path) -> None:
     (replayed,) = read_trace(path, max_tokens=4096, groups_per_step=8)
     assert [g.output_lens for g in replayed] == [(3, 4), (5, 6, 7)]
     assert [g.prompt_key for g in replayed] == ["p-a", "p-b"]
+
+
+def rl_for(profile: CostProfile) -> RLPolicy:
+    return RLPolicy(
+        RLSettings(
+            base_s=profile.step_base_s,
+            per_seq_s=profile.per_decode_seq_s,
+            per_kv_token_s=profile.per_kv_token_s,
+            per_prefill_token_s=profile.per_prefill_token_s,
+        )
+    )
+
+
+def test_oracle_isolates_the_longest_sample() -> None:
+    # One sample of 400 tokens among short ones: knowing which, the oracle gives it an engine
+    # of its own, so the step takes about its own length; round robin batches it with others.
+    lens = (400, 60, 60, 60, 60, 60, 60, 60)
+    steps = [[group("a", lens), group("b", (60,) * 8)]]
+    oracle = run_des(steps, rl_for(PROFILE), PROFILE, engines=3, oracle=True)
+    rr = run_des(steps, create_policy("round_robin"), PROFILE, engines=3)
+    alone = 400 * (PROFILE.step_base_s + PROFILE.per_decode_seq_s)
+    assert oracle.makespan_s < rr.makespan_s
+    assert oracle.makespan_s < 1.05 * alone + 0.1
+
+
+def test_rl_learns_lengths_across_epochs_and_reports_its_error() -> None:
+    scenario = replace(
+        load_scenario("S1"), groups_per_step=16, prompts=16, steps=3, response_median=40
+    )
+    steps = scenario.steps_of_groups()
+    predictor = LengthPredictor()
+    result = run_des(steps, rl_for(PROFILE), PROFILE, engines=2, predictor=predictor)
+    assert len(predictor) == 16  # every prompt observed
+    assert len(result.predictions) == 3 * 16 * scenario.n
+    assert result.predictor_mae is not None and result.predictor_mae > 0
+    auc = result.predictor_tail_auc
+    assert auc is not None and 0.0 <= auc <= 1.0
+    # Without a predictor nothing is recorded.
+    plain = run_des(steps[:1], create_policy("least_loaded"), PROFILE, engines=2)
+    assert plain.predictions == [] and plain.predictor_mae is None
+
+
+def test_oversampled_steps_deliver_the_batch_within_the_staleness_bound() -> None:
+    stream = [group(f"g{i}", (20 + 37 * (i % 5), 15, 10, 5)) for i in range(40)]
+    for bound in (0, 1, 2):
+        result = run_des_async(
+            stream,
+            create_policy("round_robin"),
+            PROFILE,
+            engines=2,
+            batch=4,
+            steps=6,
+            oversample=0.5,
+            max_staleness=bound,
+        )
+        # The batch, and more when groups at the bound must be delivered (all that started,
+        # with no staleness allowed).
+        # ceil(4 * 1.5) = 6 in flight at a step's start: at most that many are delivered.
+        assert all(4 <= s.groups <= 6 for s in result.steps)
+        assert result.max_staleness <= bound
+        assert all(s.start_s == pytest.approx(p.end_s) for p, s in itertools.pairwise(result.steps))
+        if bound == 0:
+            assert result.offpolicy_token_fraction == 0.0
+    assert [s.groups for s in result.steps] == [4] * 6  # bound 2: nothing forced here
+    assert 0.0 < result.offpolicy_token_fraction < 1.0
+    with pytest.raises(ValueError, match="ran out"):
+        run_des_async(
+            stream[:5],
+            create_policy("round_robin"),
+            PROFILE,
+            engines=2,
+            batch=4,
+            steps=3,
+            oversample=0.5,
+        )
+    with pytest.raises(ValueError, match="oversample"):
+        run_des_async(
+            stream, create_policy("round_robin"), PROFILE, 2, batch=4, steps=1, oversample=-1
+        )

@@ -1,28 +1,49 @@
 """``rollserve bench policies``: scheduling policies side by side, in the discrete-event mode.
 
 Every policy runs the same scenario (the same groups with the same true lengths, the same
-simulated engines) through :func:`rollserve.sim.des.run_des`, which calls the policy code the
-scheduler runs. The table and the JSON give, per policy: mean step makespan, groups and output
-tokens per second, bubble ratio (1 - busy engine-time / (engines x time)), tail time (while only
-the last 10% of a step's samples run), prefix-cache hit rate, preemptions and recomputed tokens,
-the off-policy token fraction, the decision cost, and ``vs_round_robin`` (groups/s over
-round_robin's). PNGs: an engine timeline per policy and the length distribution. Everything
-here is simulated and labelled so.
+simulated engines) through :mod:`rollserve.sim.des`, which calls the policy code the scheduler
+runs. ``oracle`` is the ``rl`` policy given every sample's true length: the bound of what
+placement can do. ``rl`` gets the length predictor, which has seen ``warm_steps`` earlier steps
+of the scenario (a run in progress; 0 starts it cold); the baselines use no prediction, as the
+systems they stand for. ``rl`` and the oracle use the simulated profile's step costs as their
+cost model.
+
+Synchronous by default (every group of a step delivered); with ``oversample`` the trainer's
+batch is over-sampled and the tail carried over within ``max_staleness`` policy versions
+(:func:`rollserve.sim.des.run_des_async`), and a synchronous ``round_robin`` run of the same
+steps is the reference of ``vs_sync_round_robin``.
+
+The table and the JSON give, per policy: mean step makespan, groups and output tokens per
+second, bubble ratio (1 - busy engine-time / (engines x time)), tail time (while only the last
+10% of a step's samples run), prefix-cache hit rate, preemptions and recomputed tokens, the
+off-policy token fraction and the largest staleness delivered, the predictor's mean absolute
+error and tail-ranking AUC (of the predictions samples were placed with), the decision cost,
+and ``vs_round_robin`` (groups/s over round_robin's in the same mode). PNGs: an engine timeline
+per policy and the length distribution. Everything here is simulated and labelled so.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from rollserve.scheduler.core.policy import Policy
+    from rollserve.sim.des import RunResult
+    from rollserve.sim.profile import CostProfile
+
 BASELINE = "round_robin"
-DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+ORACLE = "oracle"  # rl with every sample's true length instead of predictions
+DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", ORACLE)
+# Policies that are given predictions (the others ignore them, as the systems they stand for).
+_PREDICTED = {"rl"}
 
 
 @dataclass(frozen=True)
@@ -31,95 +52,113 @@ class PoliciesConfig:
     steps: int | None = None
     engines: int | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
+    warm_steps: int = 1
+    oversample: float | None = None  # None: synchronous steps
+    max_staleness: int = 1
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
 
 
+def rl_policy_for(profile: CostProfile) -> Policy:
+    """The rl policy with the simulated engines' step costs as its cost model."""
+    from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
+
+    return RLPolicy(
+        RLSettings(
+            base_s=profile.step_base_s,
+            per_seq_s=profile.per_decode_seq_s,
+            per_kv_token_s=profile.per_kv_token_s,
+            per_prefill_token_s=profile.per_prefill_token_s,
+        )
+    )
+
+
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:
     from rollserve.scheduler.core.policy import create_policy
-    from rollserve.sim.des import run_des
+    from rollserve.scheduler.core.predictor import LengthPredictor
+    from rollserve.sim.des import run_des, run_des_async
     from rollserve.sim.profile import load_profile
     from rollserve.sim.scenarios import load_scenario
 
-    # Wide enough for the table's twelve columns even when stdout is not a terminal.
-    console = console or Console(width=170)
+    # Wide enough for the table's columns even when stdout is not a terminal.
+    console = console or Console(width=190)
     scenario = load_scenario(cfg.scenario)
-    if cfg.steps is not None:
-        scenario = replace(scenario, steps=cfg.steps)
     if cfg.engines is not None:
         scenario = replace(scenario, engines=cfg.engines)
+    measured = cfg.steps or scenario.steps
+    over = cfg.oversample
+    # Over-sampled runs draw more groups than they deliver: enough scenario steps to feed them.
+    drawn = measured if over is None else math.ceil(measured * (1 + over)) + 2
+    scenario = replace(scenario, steps=cfg.warm_steps + drawn)
     profile = load_profile(scenario.profile)
-    steps = scenario.steps_of_groups()
-    lengths = [n for groups in steps for g in groups for n in g.output_lens]
+    all_steps = scenario.steps_of_groups()
+    history, steps = all_steps[: cfg.warm_steps], all_steps[cfg.warm_steps :]
+    sync_steps = steps[:measured]
+    lengths = [n for groups in sync_steps for g in groups for n in g.output_lens]
     median = statistics.median(lengths)
+    mode = (
+        "synchronous: every group of a step delivered"
+        if over is None
+        else f"over-sampled by {over:g}, tail deferred within {cfg.max_staleness} version(s)"
+    )
     console.print(
         f"[bold]SIMULATED[/bold] {scenario.name}: {scenario.description}\n"
-        f"  {scenario.engines} engines of {profile.name} ({profile.simulated_hardware}), "
-        f"{len(steps)} step(s) of {scenario.groups_per_step} groups x {scenario.n}; "
-        f"response length median {median:.0f}, max {max(lengths)} "
+        f"  {scenario.engines} engines of {profile.name} ({profile.simulated_hardware}); "
+        f"{measured} step(s) of {scenario.groups_per_step} groups x {scenario.n}, {mode}; "
+        f"the predictor saw {cfg.warm_steps} earlier step(s) of history\n"
+        f"  response length median {median:.0f}, max {max(lengths)} "
         f"(max/median {max(lengths) / median:.1f})"
     )
-    results = {}
+
+    def predictor() -> LengthPredictor:
+        p = LengthPredictor()
+        for groups in history:
+            for g in groups:
+                for length in g.output_lens:
+                    p.observe(g.prompt_key, length, g.epoch, g.prompt_len)
+        return p
+
+    stream = [g for groups in steps for g in groups]
+    results: dict[str, RunResult] = {}
     for name in cfg.policies:
-        results[name] = run_des(steps, create_policy(name), profile, scenario.engines)
-        console.print(f"  ran {name}")
-    base = results.get(BASELINE)
-    table = Table(title=f"policies on {scenario.name} (simulated, one run)")
-    for column in (
-        "policy",
-        "makespan s",
-        "groups/s",
-        "tokens/s",
-        "bubble",
-        "tail s",
-        "prefix hit",
-        "preempt",
-        "recomputed",
-        "off-policy",
-        "decision µs",
-        "vs round_robin",
-    ):
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    out: dict[str, Any] = {
-        "simulated": True,
-        "scenario": scenario.name,
-        "profile": profile.name,
-        "engines": scenario.engines,
-        "steps": len(steps),
-        "length_median": median,
-        "length_max": max(lengths),
-        "policies": {},
-    }
-    for name, r in results.items():
-        ratio = r.groups_per_s / base.groups_per_s if base else float("nan")
-        table.add_row(
-            name,
-            f"{r.makespan_s:.1f}",
-            f"{r.groups_per_s:.3f}",
-            f"{r.output_tokens_per_s:,.0f}",
-            f"{r.bubble_ratio:.1%}",
-            f"{r.tail_s:.1f}",
-            f"{r.prefix_hit_rate:.1%}",
-            str(r.preemptions),
-            f"{r.recomputed_tokens:,}",
-            "0.0%",
-            f"{r.decision_us:,.0f}",
-            f"{ratio:.2f}x",
-        )
-        out["policies"][name] = {
-            "makespan_s": r.makespan_s,
-            "groups_per_s": r.groups_per_s,
-            "output_tokens_per_s": r.output_tokens_per_s,
-            "bubble_ratio": r.bubble_ratio,
-            "tail_s": r.tail_s,
-            "prefix_hit_rate": r.prefix_hit_rate,
-            "preemptions": r.preemptions,
-            "recomputed_tokens": r.recomputed_tokens,
-            "offpolicy_token_fraction": 0.0,
-            "decision_us": r.decision_us,
-            "vs_round_robin": ratio,
+        policy = rl_policy_for(profile) if name in ("rl", ORACLE) else create_policy(name)
+        kwargs: dict[str, Any] = {
+            "predictor": predictor() if name in _PREDICTED else None,
+            "oracle": name == ORACLE,
         }
-    console.print(table)
+        if over is None:
+            results[name] = run_des(sync_steps, policy, profile, scenario.engines, **kwargs)
+        else:
+            results[name] = run_des_async(
+                stream,
+                policy,
+                profile,
+                scenario.engines,
+                batch=scenario.groups_per_step,
+                steps=measured,
+                oversample=over,
+                max_staleness=cfg.max_staleness,
+                **kwargs,
+            )
+        console.print(f"  ran {name}")
+    sync_base = None
+    if over is not None:
+        sync_base = run_des(
+            sync_steps, create_policy(BASELINE), profile, scenario.engines, keep_timeline=False
+        )
+        console.print(f"  ran synchronous {BASELINE} (the reference of vs_sync_round_robin)")
+    base = results.get(BASELINE)
+    out = _report(
+        cfg,
+        scenario.name,
+        profile=profile.name,
+        engines=scenario.engines,
+        results=results,
+        base=base,
+        sync_base=sync_base,
+    )
+    out.update(length_median=median, length_max=max(lengths), steps=measured)
+    console.print(_table(scenario.name, results, base, sync_base))
     figures = _figures(results, lengths, cfg.out_dir, scenario.name)
     out["figures"] = [str(p) for p in figures]
     for path in figures:
@@ -131,7 +170,111 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     return out
 
 
-def _figures(results: dict[str, Any], lengths: list[int], out_dir: Path, label: str) -> list[Path]:
+def _ratio(r: RunResult, ref: RunResult | None) -> float:
+    return r.groups_per_s / ref.groups_per_s if ref is not None else float("nan")
+
+
+def _report(
+    cfg: PoliciesConfig,
+    scenario: str,
+    *,
+    profile: str,
+    engines: int,
+    results: dict[str, RunResult],
+    base: RunResult | None,
+    sync_base: RunResult | None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "simulated": True,
+        "scenario": scenario,
+        "profile": profile,
+        "engines": engines,
+        "warm_steps": cfg.warm_steps,
+        "oversample": cfg.oversample,
+        "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
+        "policies": {},
+    }
+    if sync_base is not None:
+        out["sync_round_robin_groups_per_s"] = sync_base.groups_per_s
+    for name, r in results.items():
+        entry = {
+            "makespan_s": r.makespan_s,
+            "groups_per_s": r.groups_per_s,
+            "output_tokens_per_s": r.output_tokens_per_s,
+            "bubble_ratio": r.bubble_ratio,
+            "tail_s": r.tail_s,
+            "prefix_hit_rate": r.prefix_hit_rate,
+            "preemptions": r.preemptions,
+            "recomputed_tokens": r.recomputed_tokens,
+            "offpolicy_token_fraction": r.offpolicy_token_fraction,
+            "max_staleness": r.max_staleness,
+            "decision_us": r.decision_us,
+            "predictor_mae": r.predictor_mae,
+            "predictor_tail_auc": r.predictor_tail_auc,
+            "vs_round_robin": _ratio(r, base),
+        }
+        if sync_base is not None:
+            entry["vs_sync_round_robin"] = _ratio(r, sync_base)
+        out["policies"][name] = entry
+    return out
+
+
+def _table(
+    scenario: str,
+    results: dict[str, RunResult],
+    base: RunResult | None,
+    sync_base: RunResult | None,
+) -> Table:
+    table = Table(title=f"policies on {scenario} (simulated, one run)")
+    columns = [
+        "policy",
+        "makespan s",
+        "groups/s",
+        "tokens/s",
+        "bubble",
+        "tail s",
+        "prefix hit",
+        "preempt",
+        "recomputed",
+        "off-policy",
+        "stale",
+        "pred MAE",
+        "tail AUC",
+        "decision µs",
+        "vs round_robin",
+    ]
+    if sync_base is not None:
+        columns.append("vs sync rr")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for name, r in results.items():
+        mae, auc = r.predictor_mae, r.predictor_tail_auc
+        row = [
+            name,
+            f"{r.makespan_s:.1f}",
+            f"{r.groups_per_s:.3f}",
+            f"{r.output_tokens_per_s:,.0f}",
+            f"{r.bubble_ratio:.1%}",
+            f"{r.tail_s:.1f}",
+            f"{r.prefix_hit_rate:.1%}",
+            str(r.preemptions),
+            f"{r.recomputed_tokens:,}",
+            f"{r.offpolicy_token_fraction:.1%}",
+            str(r.max_staleness),
+            "-" if mae is None else f"{mae:,.0f}",
+            "-" if auc is None else f"{auc:.3f}",
+            f"{r.decision_us:,.0f}",
+            f"{_ratio(r, base):.2f}x",
+        ]
+        if sync_base is not None:
+            row.append(f"{_ratio(r, sync_base):.2f}x")
+        table.add_row(*row)
+    return table
+
+
+def _figures(
+    results: dict[str, RunResult], lengths: list[int], out_dir: Path, label: str
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -122,8 +122,27 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
             steps=args.steps,
             engines=args.engines,
             policies=policies or DEFAULT_POLICIES,
+            warm_steps=args.warm_steps,
+            oversample=args.oversample,
+            max_staleness=args.max_staleness,
             json_path=args.json,
             out_dir=args.out_dir,
+        )
+    )
+    return 0
+
+
+def _cmd_bench_decisions(args: argparse.Namespace) -> int:
+    from rollserve.bench.decisions import DEFAULT_POLICIES, DecisionsConfig, run_decisions
+
+    run_decisions(
+        DecisionsConfig(
+            engines=tuple(_positive(e) for e in args.engines.split(",") if e),
+            policies=tuple(p for p in args.policies.split(",") if p) or DEFAULT_POLICIES,
+            groups=args.groups,
+            n=args.n,
+            repeats=args.repeats,
+            json_path=args.json,
         )
     )
     return 0
@@ -223,10 +242,37 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--scenario", default="S1", help="S1..S4 or a scenario TOML file")
     policies.add_argument("--steps", type=_positive, help="override the scenario's steps")
     policies.add_argument("--engines", type=_positive, help="override the scenario's engines")
-    policies.add_argument("--policies", help="comma-separated (default: the baselines)")
+    policies.add_argument(
+        "--policies", help="comma-separated (default: the baselines, rl and the oracle)"
+    )
+    policies.add_argument(
+        "--warm-steps",
+        type=int,
+        default=1,
+        help="earlier scenario steps the predictor has seen (a run in progress; 0: cold)",
+    )
+    policies.add_argument(
+        "--oversample",
+        type=float,
+        help="launch batch x (1 + this) groups a step, deliver the first batch, carry the rest "
+        "(default: synchronous steps)",
+    )
+    policies.add_argument(
+        "--max-staleness", type=int, default=1, help="policy versions a carried group may lag"
+    )
     policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
     policies.add_argument("--json", type=Path)
     policies.set_defaults(func=_cmd_bench_policies)
+    decisions = bench_sub.add_parser(
+        "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
+    )
+    decisions.add_argument("--engines", default="8,64,512", help="comma-separated fleet sizes")
+    decisions.add_argument("--policies", default="", help="comma-separated (default: all)")
+    decisions.add_argument("--groups", type=_positive, default=128)
+    decisions.add_argument("--n", type=_positive, default=8)
+    decisions.add_argument("--repeats", type=_positive, default=5)
+    decisions.add_argument("--json", type=Path)
+    decisions.set_defaults(func=_cmd_bench_decisions)
 
     # The services themselves; their flags are their own.
     sub.add_parser("engine", help="run one engine service", add_help=False)

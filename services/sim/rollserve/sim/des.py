@@ -3,20 +3,39 @@
 The loop keeps, per engine, a :class:`~rollserve.sim.engine_model.SimEngine` and the time its
 current step ends. Events are step completions, taken in time order:
 
-1. at a completion, the samples that finished in that step are delivered (a group is
-   delivered when its last sample is), the policy is asked for a plan on a snapshot built
-   exactly as the scheduler runtime builds one (queue in arrival order, engine views with
-   in-flight samples, capacity ``ceil(max_num_seqs * capacity_factor)``, outstanding and
-   predicted tokens, KV use), and its assignments are added to the engines;
+1. at a completion, the samples that finished in that step are recorded (a group is done when
+   its last sample is), the policy is asked for a plan on a snapshot built as the scheduler
+   runtime builds one (queue in arrival order, engine views with in-flight samples, capacity
+   ``ceil(max_num_seqs * capacity_factor)``, outstanding and predicted tokens, KV use), and its
+   assignments are added to the engines;
 2. every engine with work and no step in progress starts a step now; the step's outcome is
    computed at its start (the engine's state moves on) and its completion is queued at
    ``now + duration``. Requests added to an engine during its step wait for its next step,
    as in vLLM.
 
-Synchronous RL: each step submits its groups at once and the next step starts when all of
-them are delivered (trainer time is not modelled). Policies see one pseudo-token per
-``PSEUDO_TOKEN`` prompt tokens (a stable hash of the prompt's blocks), enough for prefix-tree
-policies and cheap at fleet scale. The result is labelled simulated.
+Two ways to run a trainer's steps (trainer time is not modelled; step ``k`` generates with
+policy version ``k``):
+
+- **synchronous** (:func:`run_des`): each step submits its groups at once and ends when all of
+  them are done. Every token is on-policy.
+- **over-sampled, with tail deferral** (:func:`run_des_async`): the trainer asks for ``batch``
+  groups a step. At a step's start the groups in flight (carried over) are topped up from the
+  group stream to ``ceil(batch * (1 + oversample))``; the step ends when ``batch`` groups are
+  done, and the rest run on into later steps (partial rollouts: they keep their tokens and go
+  on under the new version). Staleness bound: a group with tokens of version
+  ``k - max_staleness`` or older must be delivered in step ``k``, so step ``k`` also waits for
+  those (they are done first because they carry the trainer's priority, their launch step).
+  Every delivered sample's tokens are counted per version: the off-policy fraction is the
+  share of delivered tokens generated under an older version than the step's.
+
+Predictions: with a :class:`~rollserve.scheduler.core.predictor.LengthPredictor` the loop
+predicts each queued group's length from the prompt's history, its finished siblings and its
+running siblings' progress, exactly as the scheduler does, and observes every group when it
+is done; with ``oracle`` the snapshot carries each sample's true length instead. The
+prediction a sample had when it was placed is kept for the accuracy report.
+
+Policies see one pseudo-token per ``PSEUDO_TOKEN`` prompt tokens (a stable hash of the prompt's
+blocks), enough for prefix-tree policies and cheap at fleet scale. Results are simulated.
 """
 
 from __future__ import annotations
@@ -25,22 +44,20 @@ import heapq
 import math
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rollserve.scheduler.core.policy import Policy
+from rollserve.scheduler.core.predictor import LengthPredictor, mean_absolute_error, tail_auc
 from rollserve.scheduler.core.snapshot import EngineView, Plan, QueuedGroup, Snapshot
 from rollserve.sim.engine_model import SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile
 from rollserve.sim.scenarios import SimGroup
 
-__all__ = ["DesConfig", "RunResult", "StepStats", "run_des"]
+__all__ = ["DesConfig", "RunResult", "StepStats", "run_des", "run_des_async"]
 
 PSEUDO_TOKEN = 16
 TAIL_SHARE = 0.1  # tail time: while only the last 10% of a step's samples run
-
-Predict = Callable[[SimGroup], float | None]
-"""Predicted response length of one sample of a group (None: no prediction)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class StepStats:
     groups: int
     samples: int
     output_tokens: int
+    offpolicy_tokens: int
+    max_staleness: int  # versions, over the step's delivered tokens
     tail_s: float
 
     @property
@@ -76,6 +95,8 @@ class RunResult:
     recomputed_tokens: int
     decisions: int
     decision_s: float
+    # (predicted length when placed, true length) per placed sample with a prediction.
+    predictions: list[tuple[float, int]] = field(default_factory=list)
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)
     simulated: bool = True
 
@@ -109,9 +130,34 @@ class RunResult:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def offpolicy_token_fraction(self) -> float:
+        tokens = sum(s.output_tokens for s in self.steps)
+        return sum(s.offpolicy_tokens for s in self.steps) / tokens if tokens else 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        return max((s.max_staleness for s in self.steps), default=0)
+
+    @property
     def decision_us(self) -> float:
         """Mean wall time of one policy call, microseconds (real, not simulated, time)."""
         return 1e6 * self.decision_s / self.decisions if self.decisions else 0.0
+
+    @property
+    def predictor_mae(self) -> float | None:
+        """Mean absolute error of the predictions samples were placed with, tokens."""
+        if not self.predictions:
+            return None
+        predicted, actual = zip(*self.predictions, strict=True)
+        return mean_absolute_error(predicted, actual)
+
+    @property
+    def predictor_tail_auc(self) -> float | None:
+        """How well those predictions rank the longest 10% of samples (1: perfectly)."""
+        if len({a for _, a in self.predictions}) < 2:
+            return None
+        predicted, actual = zip(*self.predictions, strict=True)
+        return tail_auc(predicted, actual)
 
 
 def _pseudo_tokens(group: SimGroup) -> tuple[int, ...]:
@@ -123,44 +169,311 @@ def _pseudo_tokens(group: SimGroup) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class _Group:
+    """A group in the loop: what is queued, running and done, and its tokens per version."""
+
+    def __init__(self, group: SimGroup, seq: int, priority: int) -> None:
+        self.group = group
+        self.seq = seq
+        self.priority = priority
+        self.pending = list(range(group.n))
+        self.tokens = _pseudo_tokens(group)
+        self.left = group.n
+        self.finished: dict[int, int] = {}  # index -> output tokens
+        self.finish_times: list[float] = []
+        self.done_at = -1.0
+        # Tokens generated per policy version, over all samples; and when a sample was last
+        # counted, its progress then.
+        self.versions: dict[int, int] = {}
+        self.counted: dict[int, int] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def oldest_version(self) -> int | None:
+        return min((v for v, n in self.versions.items() if n > 0), default=None)
+
+
 @dataclass
 class _Running:
-    group: SimGroup
+    group: _Group
     index: int
     engine_id: str
+    predicted: float | None
 
 
-class _Step:
-    """The state of one synchronous step."""
+class _Fleet:
+    """Simulated engines, the policy and the predictor, driven in virtual time."""
 
-    def __init__(self, groups: Sequence[SimGroup], predict: Predict | None, seq0: int) -> None:
-        self.groups = {g.key: g for g in groups}
-        self.pending: dict[str, list[int]] = {g.key: list(range(g.n)) for g in groups}
-        self.seq = {g.key: seq0 + i for i, g in enumerate(groups)}
-        self.tokens = {g.key: _pseudo_tokens(g) for g in groups}
-        self.predicted = {g.key: predict(g) if predict else None for g in groups}
-        self.left = {g.key: g.n for g in groups}
-        self.finish_times: list[float] = []
-        self.output_tokens = 0
+    def __init__(
+        self,
+        policy: Policy,
+        profile: CostProfile,
+        engines: int,
+        *,
+        cfg: DesConfig,
+        predictor: LengthPredictor | None,
+        oracle: bool,
+        keep_timeline: bool,
+    ) -> None:
+        self.policy = policy
+        self.sims = {f"e{i:03d}": SimEngine(f"e{i:03d}", profile) for i in range(engines)}
+        self.index_of = {eid: i for i, eid in enumerate(self.sims)}
+        self.capacity = max(1, math.ceil(profile.max_num_seqs * cfg.capacity_factor))
+        self.predictor = predictor
+        self.oracle = oracle
+        self.keep_timeline = keep_timeline
+        self.running: dict[str, _Running] = {}
+        self.per_engine: dict[str, set[str]] = {eid: set() for eid in self.sims}
+        self.busy_until: dict[str, float] = dict.fromkeys(self.sims, -1.0)
+        self.events: list[tuple[float, int, str, tuple[tuple[str, int], ...]]] = []
+        self.counter = 0
+        self.now = 0.0
+        self.decisions = 0
+        self.decision_s = 0.0
+        self.timeline: list[tuple[int, float, float, int]] = []
+        self.predictions: list[tuple[float, int]] = []
+        self.queued: dict[str, _Group] = {}  # groups with samples to place, in arrival order
+        self.touched: set[str] = set()
+        self.version = 0
+
+    # -- predictions ---------------------------------------------------------------------
+
+    def _predict(self, g: _Group) -> float | None:
+        if self.predictor is None:
+            return None
+        progress = [
+            self.sims[r.engine_id].progress(rid)
+            for rid, r in self._running_of(g)
+            if r.index not in g.finished
+        ]
+        return self.predictor.predict(
+            g.group.prompt_key,
+            g.group.prompt_len,
+            finished_siblings=tuple(g.finished.values()),
+            running_siblings_progress=progress,
+        ).mean
+
+    def _running_of(self, g: _Group) -> Iterable[tuple[str, _Running]]:
+        for index in range(g.group.n):
+            rid = f"{g.group.key}/{index}"
+            r = self.running.get(rid)
+            if r is not None:
+                yield rid, r
+
+    def _remaining(self, rid: str, r: _Running) -> float:
+        """Predicted tokens a running sample has left."""
+        progress = self.sims[r.engine_id].progress(rid)
+        if self.oracle:
+            g = r.group.group
+            return float(min(g.output_lens[r.index], g.max_tokens) - progress)
+        if r.predicted is None:
+            return 0.0
+        if progress < r.predicted:
+            return r.predicted - progress
+        assert self.predictor is not None  # predicted is None without one
+        beyond = self.predictor.predict(
+            r.group.group.prompt_key,
+            r.group.group.prompt_len,
+            running_siblings_progress=(progress,),
+        ).mean
+        return max(0.0, beyond - progress)
+
+    # -- the policy ----------------------------------------------------------------------
 
     def queue(self) -> tuple[QueuedGroup, ...]:
         out = []
-        for key, pending in self.pending.items():
-            g = self.groups[key]
+        for key, g in self.queued.items():
+            sg = g.group
+            predicted = self._predict(g)
+            lens: tuple[float, ...] = ()
+            if self.oracle:
+                lens = tuple(float(min(sg.output_lens[i], sg.max_tokens)) for i in g.pending)
             out.append(
                 QueuedGroup(
                     key=key,
-                    n=g.n,
-                    prompt_len=g.prompt_len,
-                    max_tokens=g.max_tokens,
-                    seq=self.seq[key],
-                    prompt_key=g.prompt_key,
-                    samples=tuple(pending) if len(pending) < g.n else (),
-                    prompt_token_ids=self.tokens[key],
-                    predicted_len=self.predicted[key],
+                    n=sg.n,
+                    prompt_len=sg.prompt_len,
+                    max_tokens=sg.max_tokens,
+                    priority=g.priority,
+                    seq=g.seq,
+                    prompt_key=sg.prompt_key,
+                    samples=tuple(g.pending) if len(g.pending) < sg.n else (),
+                    prompt_token_ids=g.tokens,
+                    predicted_len=predicted,
+                    predicted_lens=lens,
                 )
             )
         return tuple(out)
+
+    def views(self) -> tuple[EngineView, ...]:
+        result = []
+        for eid, sim in self.sims.items():
+            outstanding = 0
+            predicted = 0.0
+            longest = 0.0
+            for rid in self.per_engine[eid]:
+                r = self.running[rid]
+                outstanding += max(0, r.group.group.max_tokens - sim.progress(rid))
+                left = self._remaining(rid, r)
+                predicted += left
+                longest = max(longest, left)
+            result.append(
+                EngineView(
+                    engine_id=eid,
+                    healthy=True,
+                    capacity_samples=self.capacity,
+                    inflight_samples=len(self.per_engine[eid]),
+                    outstanding_tokens=outstanding,
+                    predicted_outstanding=predicted,
+                    predicted_longest=longest,
+                    kv_capacity_tokens=sim.kv_capacity_tokens,
+                    kv_used_tokens=sim.kv_used_tokens,
+                )
+            )
+        return tuple(result)
+
+    def dispatch(self) -> None:
+        if not self.queued:
+            return
+        queue = self.queue()
+        predicted = {q.key: q.predicted_len for q in queue}
+        snapshot = Snapshot(queue, self.views(), now=self.now)
+        t0 = time.perf_counter()
+        plan: Plan = self.policy.plan(snapshot)
+        self.decision_s += time.perf_counter() - t0
+        self.decisions += 1
+        name = self.policy.name
+        for assign in plan.assignments:
+            g = self.queued.get(assign.group_key)
+            if g is None or assign.engine_id not in self.sims:
+                raise RuntimeError(f"policy {name} planned an impossible {assign}")
+            sg = g.group
+            for index in list(assign.samples) or list(g.pending):
+                if index not in g.pending:
+                    raise RuntimeError(f"policy {name} placed {sg.key}/{index} twice")
+                g.pending.remove(index)
+                rid = f"{sg.key}/{index}"
+                self.sims[assign.engine_id].add(
+                    SimRequest(
+                        request_id=rid,
+                        prompt_len=sg.prompt_len,
+                        output_len=sg.output_lens[index],
+                        max_tokens=sg.max_tokens,
+                        prefix_id=sg.prompt_key,
+                        prefix_len=sg.prompt_len,
+                        priority=g.priority,
+                    )
+                )
+                guess = predicted[sg.key]
+                self.running[rid] = _Running(g, index, assign.engine_id, guess)
+                if guess is not None:
+                    self.predictions.append((guess, min(sg.output_lens[index], sg.max_tokens)))
+                self.per_engine[assign.engine_id].add(rid)
+                self.touched.add(assign.engine_id)
+            if not g.pending:
+                del self.queued[assign.group_key]
+
+    # -- time ----------------------------------------------------------------------------
+
+    def start_idle(self) -> None:
+        """Starts a step on every touched engine that has work and no step in progress."""
+        for eid in sorted(self.touched):
+            sim = self.sims[eid]
+            if self.busy_until[eid] <= self.now and sim.has_work():
+                result = sim.step()
+                end = self.now + result.duration_s
+                self.busy_until[eid] = end
+                if self.keep_timeline:
+                    self.timeline.append((self.index_of[eid], self.now, end, result.decode_seqs))
+                self.counter += 1
+                done = tuple((f.request_id, f.output_tokens) for f in result.finished)
+                heapq.heappush(self.events, (end, self.counter, eid, done))
+        self.touched.clear()
+
+    def submit(self, g: _Group) -> None:
+        self.queued[g.group.key] = g
+
+    def advance(self) -> list[_Group]:
+        """Runs to the next step completion; returns the groups that finished with it."""
+        if not self.events:
+            raise RuntimeError(
+                f"policy {self.policy.name} left {len(self.queued)} group(s) queued with "
+                "every engine idle"
+            )
+        self.now, _, ended, done = heapq.heappop(self.events)
+        self.touched.add(ended)
+        completed = []
+        for rid, tokens in done:
+            r = self.running.pop(rid)
+            self.per_engine[r.engine_id].discard(rid)
+            g = r.group
+            self._count(g, r.index, tokens)
+            g.finished[r.index] = tokens
+            g.finish_times.append(self.now)
+            g.left -= 1
+            if g.done:
+                g.done_at = self.now
+                completed.append(g)
+                if self.predictor is not None:
+                    for length in g.finished.values():
+                        self.predictor.observe(
+                            g.group.prompt_key, length, g.group.epoch, g.group.prompt_len
+                        )
+        self.dispatch()
+        self.start_idle()
+        return completed
+
+    def _count(self, g: _Group, index: int, progress: int) -> None:
+        """Counts the tokens sample ``index`` generated since last counted as this version's."""
+        new = progress - g.counted.get(index, 0)
+        if new > 0:
+            g.versions[self.version] = g.versions.get(self.version, 0) + new
+        g.counted[index] = progress
+
+    def new_version(self) -> None:
+        """The trainer published a new policy: tokens so far belong to the old one."""
+        for rid, r in self.running.items():
+            self._count(r.group, r.index, self.sims[r.engine_id].progress(rid))
+        self.version += 1
+
+    def result(self, steps: list[StepStats]) -> RunResult:
+        stats = [s.stats for s in self.sims.values()]
+        return RunResult(
+            policy=self.policy.name,
+            engines=len(self.sims),
+            profile=next(iter(self.sims.values())).profile.name,
+            steps=steps,
+            busy_s=sum(s.busy_s for s in stats),
+            prompt_tokens=sum(s.prompt_tokens for s in stats),
+            cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
+            preemptions=sum(s.preemptions for s in stats),
+            recomputed_tokens=sum(s.recomputed_tokens for s in stats),
+            decisions=self.decisions,
+            decision_s=self.decision_s,
+            predictions=self.predictions,
+            timeline=self.timeline,
+        )
+
+
+def _step_stats(step: int, start: float, end: float, delivered: Sequence[_Group]) -> StepStats:
+    finish = sorted(t for g in delivered for t in g.finish_times)
+    cut = finish[max(0, math.ceil((1 - TAIL_SHARE) * len(finish)) - 1)] if finish else end
+    tokens = sum(sum(g.versions.values()) for g in delivered)
+    offpolicy = sum(n for g in delivered for v, n in g.versions.items() if v < step)
+    oldest = [v for g in delivered if (v := g.oldest_version()) is not None]
+    return StepStats(
+        step=step,
+        start_s=start,
+        end_s=end,
+        groups=len(delivered),
+        samples=sum(g.group.n for g in delivered),
+        output_tokens=tokens,
+        offpolicy_tokens=offpolicy,
+        max_staleness=max((step - v for v in oldest), default=0),
+        tail_s=end - cut,
+    )
 
 
 def run_des(
@@ -170,155 +483,106 @@ def run_des(
     engines: int,
     *,
     cfg: DesConfig | None = None,
-    predict: Predict | None = None,
+    predictor: LengthPredictor | None = None,
+    oracle: bool = False,
     keep_timeline: bool = True,
 ) -> RunResult:
     """Runs every step synchronously with ``policy``; returns what happened (simulated)."""
-    cfg = cfg or DesConfig()
-    sims = {f"e{i:03d}": SimEngine(f"e{i:03d}", profile) for i in range(engines)}
-    index_of = {eid: i for i, eid in enumerate(sims)}
-    capacity = max(1, math.ceil(profile.max_num_seqs * cfg.capacity_factor))
-    running: dict[str, _Running] = {}
-    per_engine: dict[str, set[str]] = {eid: set() for eid in sims}
-    busy_until: dict[str, float] = dict.fromkeys(sims, -1.0)
-    events: list[tuple[float, int, str, tuple[str, ...]]] = []
-    counter = 0
-    now = 0.0
-    decisions = 0
-    decision_s = 0.0
-    timeline: list[tuple[int, float, float, int]] = []
-    out_steps: list[StepStats] = []
-
-    def views(state: _Step) -> tuple[EngineView, ...]:
-        result = []
-        for eid, sim in sims.items():
-            outstanding = 0
-            predicted = 0.0
-            for rid in per_engine[eid]:
-                r = running[rid]
-                progress = sim.progress(rid)
-                outstanding += max(0, r.group.max_tokens - progress)
-                guess = state.predicted.get(r.group.key)
-                if guess is not None:
-                    predicted += max(0.0, guess - progress)
-            result.append(
-                EngineView(
-                    engine_id=eid,
-                    healthy=True,
-                    capacity_samples=capacity,
-                    inflight_samples=len(per_engine[eid]),
-                    outstanding_tokens=outstanding,
-                    predicted_outstanding=predicted,
-                    kv_capacity_tokens=sim.kv_capacity_tokens,
-                    kv_used_tokens=sim.kv_used_tokens,
-                )
-            )
-        return tuple(result)
-
-    def dispatch(state: _Step) -> None:
-        nonlocal decisions, decision_s
-        if not state.pending:
-            return
-        snapshot = Snapshot(state.queue(), views(state), now=now)
-        t0 = time.perf_counter()
-        plan: Plan = policy.plan(snapshot)
-        decision_s += time.perf_counter() - t0
-        decisions += 1
-        for assign in plan.assignments:
-            pending = state.pending.get(assign.group_key)
-            if pending is None or assign.engine_id not in sims:
-                raise RuntimeError(f"policy {policy.name} planned an impossible {assign}")
-            indices = list(assign.samples) or list(pending)
-            group = state.groups[assign.group_key]
-            for index in indices:
-                if index not in pending:
-                    raise RuntimeError(f"policy {policy.name} placed {group.key}/{index} twice")
-                pending.remove(index)
-                rid = f"{group.key}/{index}"
-                sims[assign.engine_id].add(
-                    SimRequest(
-                        request_id=rid,
-                        prompt_len=group.prompt_len,
-                        output_len=group.output_lens[index],
-                        max_tokens=group.max_tokens,
-                        prefix_id=group.prompt_key,
-                        prefix_len=group.prompt_len,
-                    )
-                )
-                running[rid] = _Running(group, index, assign.engine_id)
-                per_engine[assign.engine_id].add(rid)
-                touched.add(assign.engine_id)
-            if not pending:
-                del state.pending[assign.group_key]
-
-    # Engines that may start a step now: the one whose step just ended and those that were
-    # just given requests (checking every engine after every event costs O(engines)).
-    touched: set[str] = set()
-
-    def start_idle(state: _Step) -> None:
-        nonlocal counter
-        for eid in sorted(touched):
-            sim = sims[eid]
-            if busy_until[eid] <= now and sim.has_work():
-                result = sim.step()
-                end = now + result.duration_s
-                busy_until[eid] = end
-                if keep_timeline:
-                    timeline.append((index_of[eid], now, end, result.decode_seqs))
-                counter += 1
-                done = tuple(f.request_id for f in result.finished)
-                heapq.heappush(events, (end, counter, eid, done))
-                for f in result.finished:
-                    state.output_tokens += f.output_tokens
-        touched.clear()
-
-    seq0 = 0
-    for step_no, groups in enumerate(steps):
-        state = _Step(groups, predict, seq0)
-        seq0 += len(groups)
-        start = now
-        dispatch(state)
-        start_idle(state)
-        while any(state.left.values()):
-            if not events:
-                raise RuntimeError(
-                    f"policy {policy.name} left {len(state.pending)} group(s) queued with "
-                    "every engine idle"
-                )
-            now, _, ended, done = heapq.heappop(events)
-            touched.add(ended)
-            for rid in done:
-                r = running.pop(rid)
-                per_engine[r.engine_id].discard(rid)
-                state.left[r.group.key] -= 1
-                state.finish_times.append(now)
-            dispatch(state)
-            start_idle(state)
-        finish = sorted(state.finish_times)
-        cut = finish[max(0, math.ceil((1 - TAIL_SHARE) * len(finish)) - 1)]
-        out_steps.append(
-            StepStats(
-                step=step_no,
-                start_s=start,
-                end_s=now,
-                groups=len(groups),
-                samples=len(finish),
-                output_tokens=state.output_tokens,
-                tail_s=now - cut,
-            )
-        )
-    stats = [s.stats for s in sims.values()]
-    return RunResult(
-        policy=policy.name,
-        engines=engines,
-        profile=profile.name,
-        steps=out_steps,
-        busy_s=sum(s.busy_s for s in stats),
-        prompt_tokens=sum(s.prompt_tokens for s in stats),
-        cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
-        preemptions=sum(s.preemptions for s in stats),
-        recomputed_tokens=sum(s.recomputed_tokens for s in stats),
-        decisions=decisions,
-        decision_s=decision_s,
-        timeline=timeline,
+    fleet = _Fleet(
+        policy,
+        profile,
+        engines,
+        cfg=cfg or DesConfig(),
+        predictor=predictor,
+        oracle=oracle,
+        keep_timeline=keep_timeline,
     )
+    out: list[StepStats] = []
+    seq = 0
+    for step_no, groups in enumerate(steps):
+        start = fleet.now
+        members = []
+        for sg in groups:
+            g = _Group(sg, seq, priority=0)
+            seq += 1
+            members.append(g)
+            fleet.submit(g)
+        fleet.dispatch()
+        fleet.start_idle()
+        left = len(members)
+        while left:
+            left -= len(fleet.advance())
+        out.append(_step_stats(step_no, start, fleet.now, members))
+        fleet.new_version()
+    return fleet.result(out)
+
+
+def run_des_async(
+    stream: Sequence[SimGroup],
+    policy: Policy,
+    profile: CostProfile,
+    engines: int,
+    *,
+    batch: int,
+    steps: int,
+    oversample: float,
+    max_staleness: int = 1,
+    cfg: DesConfig | None = None,
+    predictor: LengthPredictor | None = None,
+    oracle: bool = False,
+    keep_timeline: bool = True,
+) -> RunResult:
+    """``steps`` trainer steps of ``batch`` groups each, over-sampled by ``oversample`` from
+    ``stream`` (taken in order), the rest carried over within ``max_staleness`` versions."""
+    if batch < 1 or steps < 1:
+        raise ValueError(f"batch ({batch}) and steps ({steps}) must be >= 1")
+    if not (math.isfinite(oversample) and oversample >= 0):
+        raise ValueError(f"oversample ({oversample}) must be a finite number >= 0")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness ({max_staleness}) must be >= 0")
+    fleet = _Fleet(
+        policy,
+        profile,
+        engines,
+        cfg=cfg or DesConfig(),
+        predictor=predictor,
+        oracle=oracle,
+        keep_timeline=keep_timeline,
+    )
+    in_flight = math.ceil(batch * (1 + oversample))
+    cursor = 0
+    carried: list[_Group] = []  # launched, not delivered (running, queued or done)
+    out: list[StepStats] = []
+    for step_no in range(steps):
+        start = fleet.now
+        while len(carried) < in_flight:
+            if cursor == len(stream):
+                raise ValueError(
+                    f"the stream of {len(stream)} groups ran out at step {step_no}; "
+                    f"{steps} steps of {batch} over-sampled by {oversample} need more"
+                )
+            # The launch step is the trainer's priority: carried-over groups run first.
+            g = _Group(stream[cursor], cursor, priority=step_no)
+            cursor += 1
+            carried.append(g)
+            fleet.submit(g)
+        fleet.dispatch()
+        fleet.start_idle()
+
+        def must_deliver(g: _Group, step: int = step_no) -> bool:
+            oldest = g.oldest_version()
+            return oldest is not None and oldest <= step - max_staleness
+
+        while True:
+            done = [g for g in carried if g.done]
+            if len(done) >= batch and not any(must_deliver(g) for g in carried if not g.done):
+                break
+            fleet.advance()
+        forced = [g for g in done if must_deliver(g)]
+        rest = sorted((g for g in done if not must_deliver(g)), key=lambda g: g.done_at)
+        delivered = forced + rest[: max(0, batch - len(forced))]
+        chosen = {id(g) for g in delivered}
+        carried = [g for g in carried if id(g) not in chosen]
+        out.append(_step_stats(step_no, start, fleet.now, delivered))
+        fleet.new_version()
+    return fleet.result(out)

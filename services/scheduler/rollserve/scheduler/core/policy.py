@@ -59,11 +59,18 @@ def _cache_aware() -> Policy:
     return CacheAware()
 
 
+def _rl() -> Policy:
+    from rollserve.scheduler.core.policies.rl import RLPolicy
+
+    return RLPolicy()
+
+
 _REGISTRY: dict[str, Callable[[], Policy]] = {
     "least_outstanding": _least_outstanding,
     "least_loaded": _least_loaded,
     "round_robin": _round_robin,
     "cache_aware": _cache_aware,
+    "rl": _rl,
 }
 
 DEFAULT_POLICY = "least_outstanding"

@@ -26,6 +26,9 @@ class QueuedGroup:
     prompt_token_ids: tuple[int, ...] = ()
     # Predicted response length of one sample, tokens (None: nothing to predict from).
     predicted_len: float | None = None
+    # Per pending sample (aligned with ``pending``), when known one by one: an oracle's true
+    # lengths in a simulation. Empty: every sample is ``predicted_len``.
+    predicted_lens: tuple[float, ...] = ()
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -40,6 +43,8 @@ class QueuedGroup:
     @property
     def expected_new_tokens(self) -> float:
         """Predicted tokens of the pending samples; the upper bound when there is no prediction."""
+        if self.predicted_lens:
+            return sum(min(length, self.max_tokens) for length in self.predicted_lens)
         per_sample = self.max_tokens if self.predicted_len is None else self.predicted_len
         return len(self.pending) * min(per_sample, self.max_tokens)
 
@@ -52,6 +57,7 @@ class EngineView:
     inflight_samples: int = 0
     outstanding_tokens: int = 0  # upper bound of tokens still to generate
     predicted_outstanding: float = 0.0  # predicted tokens still to generate (0: unknown)
+    predicted_longest: float = 0.0  # of its running samples, the most predicted tokens left
     kv_capacity_tokens: int = 0  # KV cache size in tokens (0: unknown)
     kv_used_tokens: int = 0  # KV held by its running samples, tokens
 

@@ -1,0 +1,136 @@
+"""The rl policy on hand-built snapshots. Nothing is faked: the snapshots are the plain records
+the scheduler builds, the policy the real one."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
+from rollserve.scheduler.core.policy import create_policy
+from rollserve.scheduler.core.snapshot import EngineView, Plan, QueuedGroup, Snapshot
+
+
+def group(
+    key: str,
+    predicted: float | None = None,
+    *,
+    n: int = 4,
+    lens: tuple[float, ...] = (),
+    prompt_len: int = 100,
+    priority: int = 0,
+    seq: int = 0,
+) -> QueuedGroup:
+    return QueuedGroup(
+        key=key,
+        n=n,
+        prompt_len=prompt_len,
+        max_tokens=32768,
+        priority=priority,
+        seq=seq,
+        prompt_key=f"p-{key}",
+        predicted_len=predicted,
+        predicted_lens=lens,
+    )
+
+
+def engine(engine_id: str, capacity: int = 64, **kw: float) -> EngineView:
+    return EngineView(engine_id=engine_id, healthy=True, capacity_samples=capacity, **kw)  # type: ignore[arg-type]
+
+
+def placed(plan: Plan) -> dict[str, list[tuple[str, int]]]:
+    """engine id -> (group key, sample index), in plan order."""
+    out: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for a in plan.assignments:
+        assert a.samples, "rl names the samples it places"
+        out[a.engine_id] += [(a.group_key, i) for i in a.samples]
+    return out
+
+
+def test_registered_and_places_every_sample_once() -> None:
+    policy = create_policy("rl")
+    assert policy.name == "rl" and not policy.whole_groups
+    queue = (group("a", 500), group("b", 50, seq=1), group("c", None, seq=2))
+    plan = policy.plan(Snapshot(queue, (engine("e0"), engine("e1"))))
+    samples = sorted(s for ss in placed(plan).values() for s in ss)
+    assert samples == sorted((g.key, i) for g in queue for i in range(4))
+
+
+def test_longest_sample_gets_the_engine_with_least_other_work() -> None:
+    # With every sample's length known (an oracle), the longest one should share its engine
+    # with as little work as possible: the other engines take the short samples.
+    lens = (20000.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0)
+    queue = (group("a", n=8, lens=lens),)
+    plan = RLPolicy().plan(Snapshot(queue, (engine("e0"), engine("e1"), engine("e2"))))
+    by_engine = placed(plan)
+    long_engine = next(e for e, ss in by_engine.items() if ("a", 0) in ss)
+    assert by_engine[long_engine] == [("a", 0)]
+
+
+def test_long_groups_are_spread_and_short_groups_stay_whole() -> None:
+    # A long group's samples are worth an engine each; a short group with a long prompt is
+    # cheaper kept whole than prefilled again on another engine.
+    queue = (
+        group("long", 10000, n=2, prompt_len=100),
+        group("short", 10, n=4, prompt_len=2000, seq=1),
+    )
+    plan = RLPolicy().plan(Snapshot(queue, (engine("e0"), engine("e1"), engine("e2"))))
+    by_engine = placed(plan)
+    long_engines = {e for e, ss in by_engine.items() for k, _ in ss if k == "long"}
+    short_engines = {e for e, ss in by_engine.items() for k, _ in ss if k == "short"}
+    assert len(long_engines) == 2
+    assert len(short_engines) == 1
+
+
+def test_predicted_load_of_running_work_counts() -> None:
+    # e0 is busy with a long sample predicted to run 5000 more tokens; new work goes to e1.
+    busy = engine("e0", inflight_samples=1, predicted_outstanding=5000.0, predicted_longest=5000.0)
+    plan = RLPolicy().plan(Snapshot((group("a", 1000, n=1),), (busy, engine("e1"))))
+    assert list(placed(plan)) == ["e1"]
+
+
+def test_kv_room_holds_back_work_that_would_make_an_engine_preempt() -> None:
+    # e0 runs samples; a 3000-token sample of a 100-token prompt would need 3100 more KV
+    # tokens, which e0 does not have: it stays queued, and so does everything after it.
+    full = engine(
+        "e0",
+        inflight_samples=2,
+        predicted_outstanding=100.0,
+        kv_capacity_tokens=4000,
+        kv_used_tokens=1000,
+    )
+    queue = (group("big", 3000, n=1), group("small", 10, n=1, seq=1))
+    assert RLPolicy().plan(Snapshot(queue, (full,))).assignments == ()
+    # An idle engine takes one sample whatever its predicted KV.
+    idle = engine("e1", kv_capacity_tokens=1000)
+    plan = RLPolicy().plan(Snapshot((group("big", 3000, n=2),), (idle,)))
+    assert sum(len(a.samples) for a in plan.assignments) == 1
+
+
+def test_capacity_and_priority() -> None:
+    queue = (group("low", 10000, n=4, priority=1), group("high", 10, n=4, priority=0, seq=1))
+    plan = RLPolicy().plan(Snapshot(queue, (engine("e0", capacity=5),)))
+    samples = [s for ss in placed(plan).values() for s in ss]
+    assert len(samples) == 5
+    # Priority before length: every sample of the high-priority group, then the longest.
+    assert [k for k, _ in samples] == ["high"] * 4 + ["low"]
+
+
+def test_deterministic_and_remembers_where_a_prompt_went() -> None:
+    queue = (group("a", 300, n=2), group("b", 200, n=2, seq=1))
+    engines = (engine("e0"), engine("e1"), engine("e2"))
+    first, second = RLPolicy(), RLPolicy()
+    assert first.plan(Snapshot(queue, engines)) == second.plan(Snapshot(queue, engines))
+    # The same prompt later goes back to an engine that holds it, other things equal.
+    again = first.plan(Snapshot((group("a", 300, n=1),), engines))
+    held = {a.engine_id for a in first.plan(Snapshot(queue, engines)).assignments}
+    assert {a.engine_id for a in again.assignments} <= held
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="kv_headroom"):
+        RLSettings(kv_headroom=0)
+    with pytest.raises(ValueError, match="base_s"):
+        RLSettings(base_s=-1)
+    with pytest.raises(ValueError, match="default_len"):
+        RLSettings(default_len=0)
