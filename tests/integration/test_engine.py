@@ -188,6 +188,26 @@ async def test_seed_reproduces_samples(engine: pb_grpc.EngineAsyncStub) -> None:
     assert first.samples[0].token_ids != first.samples[1].token_ids  # seed + i per sample
 
 
+async def test_sample_indices_give_exactly_those_samples_of_the_group(
+    engine: pb_grpc.EngineAsyncStub,
+) -> None:
+    whole = await generate(engine, request("whole", n=4, max_tokens=24, seed=41))
+    part_req = request("part", n=4, max_tokens=24, seed=41)
+    part_req.sample_indices.extend([1, 3])
+    part = await generate(engine, part_req)
+    assert whole.error is None and part.error is None
+    assert sorted(part.samples) == [1, 3]
+    for index in (1, 3):
+        assert part.samples[index].token_ids == whole.samples[index].token_ids
+        assert part.samples[index].complete is not None
+    assert whole.samples[1].token_ids != whole.samples[3].token_ids  # seed + i per sample
+
+
+def with_indices(req: pb.GenerateRequest, indices: list[int]) -> pb.GenerateRequest:
+    req.sample_indices.extend(indices)
+    return req
+
+
 INVALID = {
     "request_id": request(""),
     "prompt_token_ids is empty": request("bad", prompt=[]),
@@ -200,6 +220,8 @@ INVALID = {
     "top_k (-2)": request("bad", top_k=-2),
     "prompt_token_ids[1] (-1)": request("bad", prompt=[5, -1]),
     "prompt_token_ids[2] (1000000)": request("bad", prompt=[5, 6, 1_000_000]),
+    "sample_indices[1] (4) must be below n (4)": with_indices(request("bad", n=4), [0, 4]),
+    "sample_indices[2] (1) repeats sample_indices[0]": with_indices(request("bad", n=4), [1, 2, 1]),
 }
 
 

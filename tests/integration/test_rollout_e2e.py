@@ -89,6 +89,53 @@ def test_16_groups_of_4_give_exactly_64_samples(scheduler: ManagedProcess, redis
     assert redis.Redis.from_url(redis_url).xlen(stream_key(rid)) == 16
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "rl"])
+def test_sample_level_policies_deliver_every_group_once(
+    policy: str, redis_url: str, engine_address: str, tmp_path: Path
+) -> None:
+    """Policies that place samples one by one, in the real scheduler. The session has one
+    engine process; the scheduler knows it under two engine ids, so it sees two engines and
+    such a policy splits groups over them (separate Generate calls, sample_indices)."""
+    namespace = f"ns-{uuid.uuid4().hex[:10]}"  # length history of its own
+    proc = start_scheduler(
+        redis_url,
+        [f"e0={engine_address}", f"e1={engine_address}"],
+        tmp_path,
+        "--policy",
+        policy,
+        "--predictor-namespace",
+        namespace,
+        name=f"scheduler-{policy}",
+    )
+    rid = run_id()
+    try:
+        with RolloutClient(proc.address, redis_url, rid) as client:
+            assert client.submit(groups(8, n=4, max_tokens=16)) == 8
+            received = list(client.groups(limit=8, timeout_s=300))
+            for item in received:
+                item.done()
+            assert list(client.groups(timeout_s=1.0)) == []  # nothing more: each came once
+        with grpc.insecure_channel(proc.address) as channel:
+            status = pb_grpc.SchedulerStub(channel).Status(pb.StatusRequest(), timeout=10)
+    finally:
+        proc.stop()
+    results = [item.result for item in received]
+    assert sorted(r.group_id for r in results) == sorted(f"g{i}" for i in range(8))
+    assert redis.Redis.from_url(redis_url).xlen(stream_key(rid)) == 8
+    for r in results:
+        assert r.status == GroupStatus.DELIVERED and r.attempts == 1
+        assert [s.index for s in r.samples] == [0, 1, 2, 3]
+        assert len({s.sample_id for s in r.samples}) == 4
+        for s in r.samples:
+            assert 1 <= len(s.token_ids) == len(s.logprobs) <= 16
+            assert s.num_prompt_tokens == len(PROMPT) + 1
+            assert s.engine_id in ("e0", "e1")
+    if policy == "round_robin":  # per sample, alternating: every group on both engines
+        assert all({s.engine_id for s in r.samples} == {"e0", "e1"} for r in results)
+    assert status.groups_delivered == 8 and status.inflight_samples == 0
+    assert status.predictor_keys == 8  # row-0 .. row-7, learnt from the delivered groups
+
+
 def test_dead_consumer_groups_are_redelivered_to_another(
     scheduler: ManagedProcess, redis_url: str
 ) -> None:

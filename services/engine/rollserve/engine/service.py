@@ -1,7 +1,9 @@
 """The `rollserve.v1.Engine` gRPC service around one vLLM `AsyncLLM`.
 
-A Generate call for n samples runs them as n separate vLLM requests `"{request_id}/{i}"` with
-n=1 (sample i seeded `seed + i` when a seed is given). They share the prompt's KV blocks through
+A Generate call runs samples of one prompt group: all n, or the indices in `sample_indices`.
+Each is a separate vLLM request `"{request_id}/{i}"` with n=1, sample i seeded `seed + i` when
+a seed is given, so sample i is the same draw whichever call generates it: a scheduler may
+split a group over engines and calls. They share the prompt's KV blocks through
 the prefix cache, and each can be aborted alone. One task per sample pulls vLLM's delta
 outputs into that sample's buffer; the call's handler wakes when a buffer grows, waits out the
 rest of the flush interval so that more tokens gather, and then sends one Chunk with the new
@@ -434,13 +436,14 @@ class EngineServicer(pb_grpc.EngineServicer):
                 f"request_id ({request.request_id}) is already running on {self._engine_id}; "
                 "wait for it to end or Abort it first",
             )
+        sample_requests = _sample_requests(request)
         run = _Run(
             request.request_id,
-            [_Sample(i, f"{request.request_id}/{i}") for i in range(request.n)],
+            [_Sample(index, r.request_id) for index, r in sample_requests],
         )
         self._runs[run.request_id] = run
         try:
-            for sample_request, sample in zip(_sample_requests(request), run.samples, strict=True):
+            for (_, sample_request), sample in zip(sample_requests, run.samples, strict=True):
                 run.tasks.append(asyncio.create_task(_pump(backend, sample_request, sample, run)))
             loop = asyncio.get_running_loop()
             last_flush = loop.time()
@@ -530,24 +533,29 @@ async def _pump(
         run.wakeup.set()
 
 
-def _sample_requests(request: pb.GenerateRequest) -> list[SampleRequest]:
+def _sample_requests(request: pb.GenerateRequest) -> list[tuple[int, SampleRequest]]:
+    """The backend request of each sample the call asks for, with its index in the group."""
     sampling = request.sampling
     seed = sampling.seed if sampling.HasField("seed") else None
     prompt = tuple(request.prompt_token_ids)
+    indices = list(request.sample_indices) or list(range(request.n))
     return [
-        SampleRequest(
-            request_id=f"{request.request_id}/{i}",
-            prompt_token_ids=prompt,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
-            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-            top_k=max(sampling.top_k, 0) if sampling.HasField("top_k") else 0,
-            stop=tuple(sampling.stop),
-            stop_token_ids=tuple(sampling.stop_token_ids),
-            seed=None if seed is None else seed + i,
-            priority=request.priority,
+        (
+            i,
+            SampleRequest(
+                request_id=f"{request.request_id}/{i}",
+                prompt_token_ids=prompt,
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+                top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+                top_k=max(sampling.top_k, 0) if sampling.HasField("top_k") else 0,
+                stop=tuple(sampling.stop),
+                stop_token_ids=tuple(sampling.stop_token_ids),
+                seed=None if seed is None else seed + i,
+                priority=request.priority,
+            ),
         )
-        for i in range(request.n)
+        for i in indices
     ]
 
 
@@ -568,6 +576,7 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         yield f"n ({request.n}) must be at least 1"
     if request.n > MAX_SAMPLES_PER_REQUEST:
         yield f"n ({request.n}) exceeds the limit of {MAX_SAMPLES_PER_REQUEST} samples per call"
+    yield from _index_problems(request.sample_indices, request.n)
     if sampling.max_tokens < 1:
         yield f"sampling.max_tokens ({sampling.max_tokens}) must be at least 1"
     if prompt_len + sampling.max_tokens > info.max_model_len:
@@ -594,3 +603,19 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
                 f"{name}[{position}] ({token}) is outside the vocabulary "
                 f"[0, {info.vocab_size}) of {info.model}"
             )
+
+
+def _index_problems(indices: Sequence[int], n: int) -> Iterator[str]:
+    """Problems of `sample_indices`: each in 0..n-1, none twice (empty asks for all n)."""
+    first_at: dict[int, int] = {}
+    for position, index in enumerate(indices):
+        if index < 0:
+            yield f"sample_indices[{position}] ({index}) must be >= 0"
+        elif index >= n:
+            yield f"sample_indices[{position}] ({index}) must be below n ({n})"
+        elif index in first_at:
+            yield (
+                f"sample_indices[{position}] ({index}) repeats sample_indices[{first_at[index]}]; "
+                "each sample may be asked for once per call"
+            )
+        first_at.setdefault(index, position)

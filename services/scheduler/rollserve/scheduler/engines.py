@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,18 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 )
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What the scheduler has running on an engine, summed over its running samples."""
+
+    samples: int = 0
+    groups: int = 0  # groups with at least one call on it
+    outstanding_tokens: int = 0  # max_tokens minus progress
+    predicted_outstanding: float = 0.0  # predicted length minus progress, at least 0
+    predicted_longest: float = 0.0  # the most of that for one sample
+    kv_used_tokens: int = 0  # prompt plus progress (shared prefixes counted per sample)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +72,16 @@ class EngineHandle:
             return 0
         return max(1, math.ceil(self.info.max_num_seqs * self._capacity_factor))
 
-    def view(self, inflight_samples: int, outstanding_tokens: int) -> EngineView:
+    def view(self, load: EngineLoad) -> EngineView:
         return EngineView(
             engine_id=self.engine_id,
             healthy=self.healthy,
             capacity_samples=self.capacity_samples,
-            inflight_samples=inflight_samples,
-            outstanding_tokens=outstanding_tokens,
+            inflight_samples=load.samples,
+            outstanding_tokens=load.outstanding_tokens,
+            predicted_outstanding=load.predicted_outstanding,
+            predicted_longest=load.predicted_longest,
+            kv_used_tokens=load.kv_used_tokens,
         )
 
     async def probe(self, timeout_s: float) -> None:
@@ -88,8 +104,9 @@ class EngineHandle:
         return reply
 
     def generate(
-        self, spec: GroupSpec, request_id: str
+        self, spec: GroupSpec, request_id: str, indices: Sequence[int]
     ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+        """Starts generating samples ``indices`` of the group (all n: no sample_indices)."""
         s = spec.sampling
         sampling = pb.SamplingParams(
             temperature=s.temperature,
@@ -107,6 +124,7 @@ class EngineHandle:
             n=spec.n,
             sampling=sampling,
             priority=spec.priority,
+            sample_indices=[] if len(set(indices)) == spec.n else indices,
         )
         return self._stub.Generate(request)
 

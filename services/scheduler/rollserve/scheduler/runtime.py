@@ -1,22 +1,38 @@
 """The scheduler's runtime: carries out the policy's plans at the edges.
 
-It owns the in-memory state (groups, queue, engines) and every background task:
-the dispatch loop (snapshot -> ``policy.plan`` -> start groups), one task per
-running group (consume the engine's stream, then deliver to Redis), and the
-health loop (probe engines; an engine that fails has its groups re-queued).
+It owns the in-memory state (groups, queue, engines, the length predictor) and every
+background task: the dispatch loop (snapshot -> ``policy.plan`` -> start calls), one task
+per Generate call (consume the engine's stream; the call that finishes a group's last
+sample delivers the group), and the health loop (probe engines; an engine that fails has
+the unfinished samples of its calls re-queued).
+
+A plan's ``Assign(group, engine, samples)`` starts one Generate call on that engine for
+those sample indices (all the group's queued samples when empty). A group may run in
+several calls at once, on several engines, started over several dispatch rounds.
 
 Invariants:
 - a group is in Redis ``pending`` from before Submit returns until it ends;
-- it is in exactly one of: the queue, ``_running`` (with its task), or ended;
-- it is delivered only whole, through the idempotent ``Store.deliver``, so an
-  engine failure or a scheduler restart re-runs it but never delivers it twice.
+- each sample of a group that has not ended is queued, running in exactly one call, or
+  finished; the group is in the queue iff it has a queued sample;
+- a group is ended (delivered, failed or cancelled) by exactly one task: ``_retire`` takes
+  it out of memory and cancels its other calls before anything is awaited, and delivery
+  goes through the idempotent ``Store.deliver``, so an engine failure or a scheduler restart
+  re-runs samples but never delivers a group twice;
+- when an engine or a call fails, only the unfinished samples of its calls go back to the
+  queue; finished samples are kept.
+
+The length predictor learns every delivered group's sample lengths (under its prompt_key
+and epoch) and predicts, for the policy, the length of queued samples and the work left on
+each engine. Its history is saved to Redis after each delivery and loaded at start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,10 +40,11 @@ import grpc
 import redis.exceptions
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus
 from rollserve.scheduler.core.policy import Policy
-from rollserve.scheduler.core.snapshot import EngineView, QueuedGroup, Snapshot
-from rollserve.scheduler.engines import EngineHandle
+from rollserve.scheduler.core.predictor import LengthPredictor
+from rollserve.scheduler.core.snapshot import Assign, QueuedGroup, Snapshot
+from rollserve.scheduler.engines import EngineHandle, EngineLoad
 from rollserve.scheduler.settings import SchedulerSettings
-from rollserve.scheduler.state import GroupRecord, GroupSpec, group_key
+from rollserve.scheduler.state import GroupRecord, GroupSpec, SampleState, group_key
 from rollserve.scheduler.store import Store
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
@@ -49,6 +66,7 @@ _REJECTIONS = frozenset(
     }
 )
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
+_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -61,7 +79,11 @@ class QueueFull(Exception):
 
 
 class _EngineFault(Exception):
-    """The engine could not finish the group; another engine may."""
+    """The engine could not finish the call; another engine may."""
+
+
+class _Rejected(Exception):
+    """The engine refused the call for a reason no other engine would fix."""
 
 
 @dataclass(slots=True)
@@ -74,6 +96,28 @@ class Counters:
     engine_failures: int = 0
 
 
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One Generate call: samples ``indices`` of ``record``'s group on ``engine``."""
+
+    request_id: str
+    record: GroupRecord
+    engine: EngineHandle
+    indices: tuple[int, ...]
+    task: asyncio.Task[None] | None = None
+
+    def running(self) -> list[int]:
+        """Its samples that have not finished yet."""
+        samples = self.record.samples
+        return [i for i in self.indices if samples[i].state == SampleState.RUNNING]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ending:
+    record: GroupRecord
+    error: str  # "" when every sample finished
+
+
 class SchedulerRuntime:
     def __init__(
         self,
@@ -82,30 +126,35 @@ class SchedulerRuntime:
         policy: Policy,
         tokenize: Callable[[str], list[int]] | None = None,
     ) -> None:
-        if not policy.whole_groups:
-            # Sample-level dispatch (a group's samples on several engines) is not in the
-            # runtime yet: such policies run in the discrete-event simulator only.
-            raise ValueError(
-                f"policy {policy.name!r} places samples one by one; this scheduler runs "
-                "whole-group policies only (e.g. least_outstanding)"
-            )
         self.settings = settings
         self.tokenize = tokenize
         self._store = store
         self._policy = policy
         self._groups: dict[str, GroupRecord] = {}  # every group that has not ended
-        self._queue: dict[str, None] = {}  # keys of queued groups, in arrival order
-        self._running: dict[str, asyncio.Task[None]] = {}
+        self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
+        self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
+        self._tasks: set[asyncio.Task[None]] = set()  # every call's task, until it ends
         self._engines: dict[str, EngineHandle] = {}
         self._wake = asyncio.Event()
         self._seq = 0
+        self._calls_started = 0
+        self._boot = uuid.uuid4().hex[:8]  # keeps request ids unique across restarts
         self._background: list[asyncio.Task[None]] = []
         self._failed = asyncio.Event()
         self.counters = Counters()
+        self._predictor = LengthPredictor(settings.predictor)
+        self._learned = 0  # groups learnt from: a cached prediction older than this is stale
+        # Queued group key -> ((learned, finished siblings, furthest progress), prediction).
+        self._predicted: dict[str, tuple[tuple[int, int, int], float]] = {}
+        # Prompt keys learnt from and not saved yet, least recently learnt first.
+        self._unsaved: dict[str, None] = {}
+        self._globals_unsaved = False
+        self._save_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        await self._load_history()
         recovered = await self._store.load_pending()
         for spec in recovered:
             self._enqueue(spec)
@@ -127,6 +176,11 @@ class SchedulerRuntime:
         """Set when a background loop died: the process must stop (state is in Redis)."""
         return self._failed
 
+    @property
+    def predictor(self) -> LengthPredictor:
+        """The length predictor (read it; only the runtime teaches it)."""
+        return self._predictor
+
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
@@ -134,13 +188,16 @@ class SchedulerRuntime:
         self._failed.set()
 
     async def stop(self) -> None:
-        """Stops all work. Running groups stay pending in Redis for the next start."""
-        tasks = [*self._background, *self._running.values()]
+        """Stops all work. Running groups stay pending in Redis for the next start; length
+        history not saved yet is saved now (if Redis answers)."""
+        tasks = [*self._background, *self._tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background.clear()
-        self._running.clear()
+        self._tasks.clear()
+        self._calls.clear()
+        await self._save_history()
         await asyncio.gather(*(e.close() for e in self._engines.values()))
         await self._store.close()
 
@@ -168,6 +225,7 @@ class SchedulerRuntime:
                 f"{self.settings.max_queued_groups}; {len(specs)} more do not fit "
                 f"(room for {max(0, room)}): retry later"
             )
+        specs = [self._with_epoch(spec) for spec in specs]
         await self._store.add_pending(run_id, specs)
         for spec in specs:
             self._enqueue(spec)
@@ -176,16 +234,11 @@ class SchedulerRuntime:
     async def cancel(self, run_id: str, group_ids: Sequence[str]) -> tuple[list[str], list[str]]:
         ended_now = set(await self._store.cancel(run_id, group_ids))
         for gid in ended_now:
-            key = group_key(run_id, gid)
-            record = self._groups.pop(key, None)
-            if record is None:
-                continue
-            record.cancel()
-            self._queue.pop(key, None)
-            task = self._running.pop(key, None)
-            if task is not None:
-                task.cancel()  # cancels the Generate call: the engine aborts the work
             self.counters.groups_cancelled += 1
+            record = self._groups.get(group_key(run_id, gid))
+            # None: it was being delivered or failed, and Redis ended it as cancelled first.
+            if record is not None and self._retire(record):
+                record.cancel()  # its calls were cancelled: the engines abort the work
         cancelled = [g for g in group_ids if g in ended_now]
         unknown = [g for g in group_ids if g not in ended_now]
         if cancelled:
@@ -215,26 +268,27 @@ class SchedulerRuntime:
         c = self.counters
         return pb.StatusResponse(
             queue_depth=len(self._queue),
-            inflight_groups=len(self._running),
-            inflight_samples=sum(v.inflight_samples for v in loads.values()),
+            inflight_groups=len(self._calls),
+            inflight_samples=sum(load.samples for load in loads.values()),
             groups_delivered=c.groups_delivered,
             samples_delivered=c.samples_delivered,
             tokens_generated=c.tokens_generated,
             groups_failed=c.groups_failed,
             groups_cancelled=c.groups_cancelled,
             engine_failures=c.engine_failures,
+            predictor_keys=len(self._predictor),
+            predictor_epoch=self._predictor.epoch,
             engines=[
                 pb.EngineStatus(
                     engine_id=e.engine_id,
                     address=e.address,
                     healthy=e.healthy,
-                    inflight_groups=sum(
-                        1 for k in self._running if self._groups[k].engine_id == e.engine_id
-                    ),
-                    inflight_samples=loads[e.engine_id].inflight_samples,
+                    inflight_groups=loads[e.engine_id].groups,
+                    inflight_samples=loads[e.engine_id].samples,
                     outstanding_tokens=loads[e.engine_id].outstanding_tokens,
                     capacity_samples=e.capacity_samples,
                     last_error=e.last_error,
+                    predicted_outstanding_tokens=loads[e.engine_id].predicted_outstanding,
                 )
                 for e in self._engines.values()
             ],
@@ -242,25 +296,88 @@ class SchedulerRuntime:
 
     # ------------------------------------------------------------ queue and dispatch
 
+    def _with_epoch(self, spec: GroupSpec) -> GroupSpec:
+        """The spec with its epoch: the given one, else one more than the last epoch its
+        prompt_key was learnt in, else the predictor's newest epoch (a key never seen)."""
+        if spec.epoch is not None:
+            return spec
+        last = self._predictor.last_epoch(spec.prompt_key) if spec.prompt_key else None
+        epoch = self._predictor.epoch if last is None else last + 1
+        return dataclasses.replace(spec, epoch=epoch)
+
     def _enqueue(self, spec: GroupSpec) -> None:
+        spec = self._with_epoch(spec)
         self._seq += 1
         self._groups[spec.key] = GroupRecord.new(spec, self._seq)
         self._queue[spec.key] = None
 
-    def _loads(self) -> dict[str, EngineView]:
-        inflight = dict.fromkeys(self._engines, 0)
-        outstanding = dict.fromkeys(self._engines, 0)
-        for key in self._running:
-            record = self._groups[key]
-            if record.engine_id in inflight:
-                inflight[record.engine_id] += record.running_samples
-                outstanding[record.engine_id] += record.outstanding_tokens
-        return {eid: e.view(inflight[eid], outstanding[eid]) for eid, e in self._engines.items()}
+    def _loads(self) -> dict[str, EngineLoad]:
+        """Per engine, what its running samples hold and are predicted still to generate."""
+        loads = {engine_id: EngineLoad() for engine_id in self._engines}
+        groups: dict[str, set[str]] = {engine_id: set() for engine_id in self._engines}
+        memo: dict[tuple[str, int], float] = {}
+        for key, calls in self._calls.items():
+            for call in calls.values():
+                load = loads.get(call.engine.engine_id)
+                running = call.running()
+                if load is None or not running:
+                    continue
+                groups[call.engine.engine_id].add(key)
+                spec = call.record.spec
+                for index in running:
+                    progress = len(call.record.samples[index].token_ids)
+                    left = max(0.0, self._predict_running(call.record, progress, memo) - progress)
+                    load.samples += 1
+                    load.outstanding_tokens += max(0, spec.sampling.max_tokens - progress)
+                    load.kv_used_tokens += len(spec.prompt_token_ids) + progress
+                    load.predicted_outstanding += left
+                    load.predicted_longest = max(load.predicted_longest, left)
+        for engine_id, keys in groups.items():
+            loads[engine_id].groups = len(keys)
+        return loads
+
+    def _predict_running(
+        self, record: GroupRecord, progress: int, memo: dict[tuple[str, int], float]
+    ) -> float:
+        """Predicted length of a running sample that has generated ``progress`` tokens."""
+        memo_key = (record.spec.key, progress)
+        if memo_key not in memo:
+            spec = record.spec
+            prediction = self._predictor.predict(
+                spec.prompt_key,
+                len(spec.prompt_token_ids),
+                record.finished_lengths(),
+                (progress,) if progress else (),
+            )
+            memo[memo_key] = min(prediction.mean, float(spec.sampling.max_tokens))
+        return memo[memo_key]
+
+    def _predict_queued(self, record: GroupRecord) -> float:
+        """Predicted length of a queued sample of the group, from its prompt's history, its
+        finished siblings and its running siblings' furthest progress (a lower bound)."""
+        spec = record.spec
+        finished = record.finished_lengths()
+        furthest = max(record.running_progress(), default=0)
+        stamp = (self._learned, len(finished), furthest)
+        cached = self._predicted.get(spec.key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        prediction = self._predictor.predict(
+            spec.prompt_key,
+            len(spec.prompt_token_ids),
+            finished,
+            (furthest,) if furthest else (),
+        )
+        value = min(prediction.mean, float(spec.sampling.max_tokens))
+        self._predicted[spec.key] = (stamp, value)
+        return value
 
     def _snapshot(self) -> Snapshot:
         queue = []
         for key in self._queue:
-            spec = self._groups[key].spec
+            record = self._groups[key]
+            spec = record.spec
+            pending = record.pending
             queue.append(
                 QueuedGroup(
                     key=key,
@@ -268,12 +385,16 @@ class SchedulerRuntime:
                     prompt_len=len(spec.prompt_token_ids),
                     max_tokens=spec.sampling.max_tokens,
                     priority=spec.priority,
-                    seq=self._groups[key].seq,
+                    seq=record.seq,
                     prompt_key=spec.prompt_key,
+                    samples=pending if len(pending) < spec.n else (),
                     prompt_token_ids=spec.prompt_token_ids,
+                    predicted_len=self._predict_queued(record),
                 )
             )
-        return Snapshot(tuple(queue), tuple(self._loads().values()), now=time.monotonic())
+        loads = self._loads()
+        engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
+        return Snapshot(tuple(queue), engines, now=time.monotonic())
 
     async def _dispatch_loop(self) -> None:
         while True:
@@ -283,60 +404,97 @@ class SchedulerRuntime:
                 continue
             plan = self._policy.plan(self._snapshot())
             for assign in plan.assignments:
-                engine = self._engines.get(assign.engine_id)
-                if assign.group_key not in self._queue or engine is None or not engine.healthy:
-                    log.error("policy %s planned an impossible %s", self._policy.name, assign)
-                    continue
-                self._start(self._groups[assign.group_key], engine)
+                self._carry_out(assign)
 
-    def _start(self, record: GroupRecord, engine: EngineHandle) -> None:
+    def _carry_out(self, assign: Assign) -> None:
+        """Starts the call ``assign`` asks for, or logs why it cannot be."""
+        record = self._groups.get(assign.group_key)
+        engine = self._engines.get(assign.engine_id)
+        pending = record.pending if record is not None else ()
+        indices = assign.samples or pending
+        if (
+            record is None
+            or engine is None
+            or not engine.healthy
+            or not indices
+            or len(set(indices)) != len(indices)
+            or not set(indices) <= set(pending)
+        ):
+            log.error(
+                "policy %s planned an impossible %s (queued samples: %s)",
+                self._policy.name,
+                assign,
+                list(pending),
+            )
+            return
+        self._start(record, engine, indices)
+
+    def _start(self, record: GroupRecord, engine: EngineHandle, indices: Sequence[int]) -> None:
         key = record.spec.key
-        del self._queue[key]
-        record.start(engine.engine_id)
-        task = asyncio.create_task(self._run_group(record, engine), name=f"group {key}")
-        self._running[key] = task
-        task.add_done_callback(_log_crash)
+        record.start(indices, engine.engine_id)
+        if not record.pending:
+            del self._queue[key]
+        self._calls_started += 1
+        call = _Call(f"{key}#{self._boot}.{self._calls_started}", record, engine, tuple(indices))
+        task = asyncio.create_task(self._run_call(call), name=f"call {call.request_id}")
+        call.task = task
+        self._calls.setdefault(key, {})[call.request_id] = call
+        self._tasks.add(task)
+        task.add_done_callback(self._call_ended)
 
-    async def _run_group(self, record: GroupRecord, engine: EngineHandle) -> None:
+    def _call_ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        _log_crash(task)
+
+    def _forget(self, call: _Call) -> None:
+        key = call.record.spec.key
+        calls = self._calls.get(key)
+        if calls is not None and calls.get(call.request_id) is call:
+            del calls[call.request_id]
+            if not calls:
+                del self._calls[key]
+
+    async def _run_call(self, call: _Call) -> None:
         try:
-            await self._attempt(record, engine)
+            await self._attempt(call)
         finally:
-            # Leave _running in the same step as the group's last state change (no await
-            # in between), so no other task ever sees it running with its record gone.
-            key = record.spec.key
-            if self._running.get(key) is asyncio.current_task():
-                del self._running[key]
+            # Leave _calls in the same step as the call's last state change (no await in
+            # between), so no other task ever sees it running after it has ended.
+            self._forget(call)
             self._wake.set()  # room on an engine
 
-    async def _attempt(self, record: GroupRecord, engine: EngineHandle) -> None:
-        request_id = f"{record.spec.key}#{record.attempts}"
-        call = engine.generate(record.spec, request_id)
+    async def _attempt(self, call: _Call) -> None:
+        record, engine = call.record, call.engine
+        stream = engine.generate(record.spec, call.request_id, call.indices)
         try:
-            await self._consume(record, call)
+            await self._consume(call, stream)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REJECTIONS:
                 await self._end(record, f"engine {engine.engine_id} rejected it: {exc.details()}")
                 return
-            await self._engine_down(engine, f"{exc.code().name}: {exc.details()}", record)
+            await self._engine_down(engine, f"{exc.code().name}: {exc.details()}")
+        except _Rejected as exc:
+            await self._end(record, f"engine {engine.engine_id} rejected it: {exc}")
             return
         except _EngineFault as exc:
-            await self._engine_down(engine, str(exc), record)
-            return
+            await self._engine_down(engine, str(exc))
         finally:
-            if not call.done():
-                call.cancel()
-        await self._end(record)
+            if not stream.done():
+                stream.cancel()
+        if record.all_finished:  # this call finished the group's last sample
+            await self._end(record)
 
-    async def _consume(self, record: GroupRecord, call: AsyncIterable[pb.GenerateResponse]) -> None:
-        async for message in call:
+    async def _consume(self, call: _Call, stream: AsyncIterable[pb.GenerateResponse]) -> None:
+        record = call.record
+        async for message in stream:
             kind = message.WhichOneof("kind")
             if kind == "chunk":
                 for delta in message.chunk.deltas:
-                    self._check_index(record, delta.index)
+                    self._check_running(call, delta.index)
                     record.add_tokens(delta.index, list(delta.token_ids), list(delta.logprobs))
             elif kind == "complete":
                 done = message.complete
-                self._check_index(record, done.index)
+                self._check_running(call, done.index)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs))
                 record.finish_sample(
                     done.index,
@@ -348,25 +506,53 @@ class SchedulerRuntime:
                 # run: plan again now, or the engine's batch thins out behind long samples.
                 self._wake.set()
             elif kind == "error":
-                raise _EngineFault(f"engine error: {message.error.message}")
-        if not record.all_finished:
+                if message.error.retryable:
+                    raise _EngineFault(f"engine error: {message.error.message}")
+                raise _Rejected(message.error.message)
+        if call.running():
             raise _EngineFault("the stream ended before every sample finished")
 
     @staticmethod
-    def _check_index(record: GroupRecord, index: int) -> None:
-        if not 0 <= index < record.spec.n:
-            raise _EngineFault(f"sample index {index} out of range for n={record.spec.n}")
+    def _check_running(call: _Call, index: int) -> None:
+        if index not in call.indices or call.record.samples[index].state != SampleState.RUNNING:
+            raise _EngineFault(
+                f"sample index {index} is not a running sample of call {call.request_id} "
+                f"(its samples: {list(call.indices)})"
+            )
 
     # ------------------------------------------------------------ endings
 
+    def _retire(self, record: GroupRecord) -> bool:
+        """Takes the group out of memory (queue, calls, cached prediction) and cancels its
+        calls but the current task's; False if it was already out. Never awaits, so the
+        group has exactly one ending."""
+        key = record.spec.key
+        if self._groups.get(key) is not record:
+            return False
+        del self._groups[key]
+        self._queue.pop(key, None)
+        self._predicted.pop(key, None)
+        current = asyncio.current_task()
+        for call in self._calls.pop(key, {}).values():
+            if call.task is not None and call.task is not current:
+                call.task.cancel()  # the engine aborts the work
+        return True
+
     async def _end(self, record: GroupRecord, error: str = "") -> None:
-        """Delivers the group (or its failure) to the run's stream, exactly once."""
+        """Ends the group unless another task did: delivers it, or its failure."""
+        if self._retire(record):
+            await self._write_ending(_Ending(record, error))
+
+    async def _write_ending(self, ending: _Ending) -> None:
+        """Writes a retired group's entry to its run's stream, exactly once."""
+        record, error = ending.record, ending.error
         spec = record.spec
-        status = GroupStatus.FAILED if error else GroupStatus.DELIVERED
+        if error:
+            record.fail()
         result = GroupResult(
             run_id=spec.run_id,
             group_id=spec.group_id,
-            status=status,
+            status=GroupStatus.FAILED if error else GroupStatus.DELIVERED,
             prompt_key=spec.prompt_key,
             prompt_token_ids=list(spec.prompt_token_ids),
             samples=[] if error else record.to_samples(),
@@ -377,16 +563,17 @@ class SchedulerRuntime:
             finished_at=time.time(),
         )
         entry = await self._write(result)
-        self._groups.pop(spec.key, None)
         if entry is None:
             return  # ended before (cancelled, or delivered by an earlier process)
         if error:
             self.counters.groups_failed += 1
             log.warning("group %s failed: %s", spec.key, error)
-        else:
-            self.counters.groups_delivered += 1
-            self.counters.samples_delivered += spec.n
-            self.counters.tokens_generated += result.num_output_tokens
+            return
+        self.counters.groups_delivered += 1
+        self.counters.samples_delivered += spec.n
+        self.counters.tokens_generated += result.num_output_tokens
+        self._learn(record)
+        await self._save_history()
 
     async def _write(self, result: GroupResult) -> str | None:
         """Retries a Redis outage until it passes: a finished group is never dropped."""
@@ -394,13 +581,73 @@ class SchedulerRuntime:
         while True:
             try:
                 return await self._store.deliver(result)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            except _REDIS_ERRORS as exc:
                 delay = _REDIS_RETRY_S[min(attempt, len(_REDIS_RETRY_S) - 1)]
                 log.warning(
                     "writing group %s to Redis: %s; retry in %.2fs", result.group_id, exc, delay
                 )
                 attempt += 1
                 await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ length history
+
+    def _learn(self, record: GroupRecord) -> None:
+        """Teaches the predictor the delivered group's lengths (not of aborted samples)."""
+        spec = record.spec
+        if not spec.prompt_key:
+            return
+        epoch = self._predictor.epoch if spec.epoch is None else spec.epoch
+        for length in record.finished_lengths():
+            self._predictor.observe(spec.prompt_key, length, epoch, len(spec.prompt_token_ids))
+        self._learned += 1
+        self._unsaved.pop(spec.prompt_key, None)
+        self._unsaved[spec.prompt_key] = None
+        self._globals_unsaved = True
+
+    async def _load_history(self) -> None:
+        history = await self._store.load_history()
+        broken: list[str] = []
+        for prompt_key, record in history.records:
+            try:
+                self._predictor.load_key(prompt_key, record)
+            except ValueError as exc:
+                log.warning("dropping the saved length history of a prompt key: %s", exc)
+                broken.append(prompt_key)
+        if history.globals is not None:
+            try:
+                self._predictor.load_globals(history.globals)
+            except ValueError as exc:
+                log.warning("ignoring the saved length prior: %s", exc)
+        await self._store.drop_history_keys(broken)
+        if history.records:
+            log.info(
+                "length history: %d prompt keys, epoch %d",
+                len(self._predictor),
+                self._predictor.epoch,
+            )
+
+    async def _save_history(self) -> None:
+        """Saves what the predictor learnt since the last save. Best effort: history is a
+        hint, so a Redis outage keeps it for the next save instead of holding anything up."""
+        async with self._save_lock:
+            if not self._globals_unsaved:
+                return
+            keys, self._unsaved = self._unsaved, {}
+            self._globals_unsaved = False
+            records = {k: self._predictor.dump_key(k) for k in keys if k in self._predictor}
+            try:
+                await self._store.save_history(
+                    records, self._predictor.dump_globals(), self.settings.predictor.max_keys
+                )
+            except BaseException as exc:
+                for key in self._unsaved:  # learnt again meanwhile: newer than the rest
+                    keys.pop(key, None)
+                    keys[key] = None
+                self._unsaved = keys
+                self._globals_unsaved = True
+                if not isinstance(exc, _REDIS_ERRORS):
+                    raise
+                log.warning("saving length history to Redis: %s; it is kept for later", exc)
 
     # ------------------------------------------------------------ engines
 
@@ -414,30 +661,45 @@ class SchedulerRuntime:
         del self._engines[engine.engine_id]
         await engine.close()
 
-    async def _engine_down(
-        self, engine: EngineHandle, reason: str, failed: GroupRecord | None = None
-    ) -> None:
-        """Marks the engine unhealthy and sends its groups back to the queue."""
+    async def _engine_down(self, engine: EngineHandle, reason: str) -> None:
+        """Marks the engine unhealthy and sends the unfinished samples of its calls back to
+        the queue (groups whose samples ran out of attempts fail)."""
         if engine.mark(False, reason):
             self.counters.engine_failures += 1
+        current = asyncio.current_task()
         victims = [
-            self._groups[k]
-            for k in list(self._running)
-            if self._groups[k].engine_id == engine.engine_id and self._groups[k] is not failed
+            c for calls in self._calls.values() for c in calls.values() if c.engine is engine
         ]
-        for record in victims:
-            task = self._running.pop(record.spec.key)
-            task.cancel()
-        for record in [*victims, *([failed] if failed is not None else [])]:
-            await self._requeue(record, f"engine {engine.engine_id}: {reason}")
+        endings: list[_Ending] = []
+        for call in victims:
+            self._forget(call)
+            if call.task is not None and call.task is not current:
+                call.task.cancel()
+            ending = self._requeue(call, f"engine {engine.engine_id}: {reason}")
+            if ending is not None and self._retire(ending.record):
+                endings.append(ending)
         self._wake.set()
+        for ending in endings:
+            await self._write_ending(ending)
 
-    async def _requeue(self, record: GroupRecord, reason: str) -> None:
-        if record.attempts >= self.settings.max_attempts:
-            await self._end(record, f"{record.attempts} attempts failed; last: {reason}")
-            return
-        record.requeue(reason)
-        self._queue[record.spec.key] = None
+    def _requeue(self, call: _Call, reason: str) -> _Ending | None:
+        """Queues the call's unfinished samples again; says how the group ends instead when
+        one of them ran out of attempts, or when the group has nothing left to run."""
+        record = call.record
+        key = record.spec.key
+        if self._groups.get(key) is not record:
+            return None  # it ended meanwhile
+        running = call.running()
+        spent = [i for i in running if record.samples[i].attempts >= self.settings.max_attempts]
+        if spent:
+            attempts = record.samples[spent[0]].attempts
+            return _Ending(record, f"{attempts} attempts failed; last: {reason}")
+        record.requeue(running, reason)
+        if running:
+            self._queue[key] = None
+        if record.all_finished:  # the call broke after its last sample finished
+            return _Ending(record, "")
+        return None
 
     async def _health_loop(self) -> None:
         while True:

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pydantic
 import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.client.wire import stream_key
 from rollserve.scheduler.core.policy import create_policy, policy_names
+from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 _MAX_ENGINE_ID_LEN = 128
+_PREDICTOR_DEFAULTS = PredictorSettings()
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -116,7 +117,7 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Runs the scheduler until ``stop`` is set (or SIGTERM/SIGINT when it is None)."""
-    store = Store.from_url(settings.redis_url, settings.stream_maxlen)
+    store = Store.from_url(settings.redis_url, settings.stream_maxlen, settings.predictor_namespace)
     try:
         await store.ping()
     except redis.exceptions.ConnectionError as exc:
@@ -186,6 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nice", type=int, default=0, help="niceness of the scheduler (0-19; CPU engines first)"
     )
+    p.add_argument(
+        "--predictor-namespace",
+        default="default",
+        help="Redis namespace of the response-length history (one per model or experiment)",
+    )
+    p.add_argument(
+        "--predictor-half-life-epochs",
+        type=float,
+        default=_PREDICTOR_DEFAULTS.half_life_epochs,
+        help="epochs after which a response length counts half as much in predictions",
+    )
+    p.add_argument(
+        "--predictor-max-keys",
+        type=int,
+        default=_PREDICTOR_DEFAULTS.max_keys,
+        help="prompt keys whose length history is kept (least recently used dropped)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -204,6 +222,10 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
         nice=args.nice,
+        predictor_namespace=args.predictor_namespace,
+        predictor=PredictorSettings(
+            half_life_epochs=args.predictor_half_life_epochs, max_keys=args.predictor_max_keys
+        ),
     )
 
 
@@ -214,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings = settings_from_args(args)
-    except pydantic.ValidationError as exc:
+    except ValueError as exc:  # pydantic's ValidationError is one
         print(f"rollserve scheduler: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     if settings.nice and hasattr(os, "setpriority"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
+from rollserve.scheduler.core.predictor import PredictorSettings
 
 
 class EngineEndpoint(BaseModel):
@@ -70,6 +71,17 @@ class SchedulerSettings(BaseModel):
         0, ge=0, description="approximate cap of a run's stream length; 0 keeps every entry"
     )
     shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="grace period on SIGTERM")
+    predictor: PredictorSettings = Field(
+        default_factory=PredictorSettings,
+        description="response-length predictor (see rollserve.scheduler.core.predictor)",
+    )
+    predictor_namespace: str = Field(
+        "default",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Redis namespace of the length history: one per model or experiment",
+    )
 
     @field_validator("policy")
     @classmethod

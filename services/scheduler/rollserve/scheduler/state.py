@@ -1,8 +1,13 @@
 """Group and sample state machines, kept in memory by the scheduler.
 
 Sample: ``QUEUED -> RUNNING -> (PREEMPTED -> QUEUED)* -> FINISHED | FAILED``, and
-``CANCELLED`` from any non-terminal state. The enum is ordered so that
-``state.is_terminal`` is one comparison. A group is as far as its least advanced
+``CANCELLED`` from any non-terminal state. A running sample whose engine failed goes
+back to ``QUEUED`` with nothing kept (``RUNNING -> QUEUED``). The enum is ordered so
+that ``state.is_terminal`` is one comparison, and ``_NEXT`` lists every allowed
+transition: anything else is a bug and raises.
+
+Each sample records the engine it runs on: the samples of a group may be placed on several
+engines and over several dispatch rounds. A group is as far as its least advanced
 sample; it is delivered when all of its samples are finished.
 
 The durable copy lives in Redis (``store.py``): a group is written as pending before
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollserve.client.wire import FinishReason, Sample, VersionSegment
@@ -30,6 +36,23 @@ class SampleState(enum.IntEnum):
     @property
     def is_terminal(self) -> bool:
         return self >= SampleState.FINISHED
+
+
+_NEXT: dict[SampleState, frozenset[SampleState]] = {
+    SampleState.QUEUED: frozenset({SampleState.RUNNING, SampleState.FAILED, SampleState.CANCELLED}),
+    SampleState.RUNNING: frozenset(
+        {
+            SampleState.QUEUED,  # its engine failed: run it again, from scratch
+            SampleState.PREEMPTED,
+            SampleState.FINISHED,
+            SampleState.FAILED,
+            SampleState.CANCELLED,
+        }
+    ),
+    SampleState.PREEMPTED: frozenset(
+        {SampleState.QUEUED, SampleState.FAILED, SampleState.CANCELLED}
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +79,9 @@ class GroupSpec:
     priority: int = 0
     metadata: tuple[tuple[str, str], ...] = ()
     submitted_at: float = 0.0
+    # Pass over the dataset, for the length predictor; None until the runtime resolves
+    # the default (specs written before this field existed decode as None too).
+    epoch: int | None = None
 
     @property
     def key(self) -> str:
@@ -70,22 +96,49 @@ def group_key(run_id: str, group_id: str) -> str:
 class SampleRecord:
     index: int
     state: SampleState = SampleState.QUEUED
+    engine_id: str = ""  # where it runs or ran last
+    attempts: int = 0  # dispatches so far
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
-    started_at: float = 0.0
+    started_at: float = 0.0  # first dispatch
     finished_at: float = 0.0
 
-    def reset(self) -> None:
+    def _move(self, to: SampleState) -> None:
+        if to not in _NEXT.get(self.state, frozenset()):
+            raise RuntimeError(f"sample {self.index}: no transition {self.state.name} -> {to.name}")
+        self.state = to
+
+    def start(self, engine_id: str, now: float) -> None:
+        self._move(SampleState.RUNNING)
+        self.engine_id = engine_id
+        self.attempts += 1
+        self.started_at = self.started_at or now
+
+    def finish(
+        self, reason: FinishReason, num_prompt_tokens: int, cached_prompt_tokens: int, now: float
+    ) -> None:
+        self._move(SampleState.FINISHED)
+        self.finish_reason = reason
+        self.num_prompt_tokens = num_prompt_tokens
+        self.cached_prompt_tokens = cached_prompt_tokens
+        self.finished_at = now
+
+    def requeue(self) -> None:
         """Back to the queue with nothing kept (the engine that held it is gone)."""
-        self.state = SampleState.QUEUED
+        self._move(SampleState.QUEUED)
         self.token_ids.clear()
         self.logprobs.clear()
         self.finish_reason = None
         self.num_prompt_tokens = 0
         self.cached_prompt_tokens = 0
+
+    def end(self, state: SampleState) -> None:
+        """Cancelled or failed, unless it already ended."""
+        if not self.state.is_terminal:
+            self._move(state)
 
 
 @dataclass(slots=True)
@@ -93,8 +146,6 @@ class GroupRecord:
     spec: GroupSpec
     seq: int  # arrival order in this scheduler process
     samples: list[SampleRecord]
-    engine_id: str = ""
-    attempts: int = 0
     last_error: str = ""
 
     @classmethod
@@ -106,41 +157,57 @@ class GroupRecord:
         return min(s.state for s in self.samples)
 
     @property
+    def pending(self) -> tuple[int, ...]:
+        """Indices of the samples waiting for an engine."""
+        return tuple(s.index for s in self.samples if s.state == SampleState.QUEUED)
+
+    @property
+    def attempts(self) -> int:
+        """Dispatches of its most dispatched sample (1 when no engine failed it)."""
+        return max(s.attempts for s in self.samples)
+
+    @property
     def generated_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
     @property
-    def outstanding_tokens(self) -> int:
-        """Upper bound of the tokens the group may still generate."""
-        return sum(
-            self.spec.sampling.max_tokens - len(s.token_ids)
+    def all_finished(self) -> bool:
+        return all(s.state == SampleState.FINISHED for s in self.samples)
+
+    def finished_lengths(self) -> tuple[int, ...]:
+        """Response lengths of the finished samples that ran to their natural end."""
+        return tuple(
+            len(s.token_ids)
             for s in self.samples
-            if not s.state.is_terminal
+            if s.state == SampleState.FINISHED and s.finish_reason != FinishReason.ABORT
         )
 
-    @property
-    def running_samples(self) -> int:
-        return sum(1 for s in self.samples if s.state == SampleState.RUNNING)
+    def running_progress(self) -> tuple[int, ...]:
+        """Tokens generated so far by each running sample."""
+        return tuple(len(s.token_ids) for s in self.samples if s.state == SampleState.RUNNING)
 
-    def start(self, engine_id: str, now: float | None = None) -> None:
+    def start(self, indices: Sequence[int], engine_id: str, now: float | None = None) -> None:
+        """Samples ``indices`` (queued) now run on ``engine_id``."""
         now = time.time() if now is None else now
-        self.engine_id = engine_id
-        self.attempts += 1
-        for s in self.samples:
-            s.state = SampleState.RUNNING
-            s.started_at = now
+        for index in indices:
+            self.samples[index].start(engine_id, now)
 
-    def requeue(self, error: str) -> None:
-        """The engine failed: forget partial work, queue again. Nothing was delivered."""
-        self.engine_id = ""
+    def requeue(self, indices: Sequence[int], error: str) -> tuple[int, ...]:
+        """Their engine failed: those of ``indices`` still running go back to the queue with
+        nothing kept (finished ones stay finished). Returns the indices requeued."""
         self.last_error = error
-        for s in self.samples:
-            s.reset()
+        running = tuple(i for i in indices if self.samples[i].state == SampleState.RUNNING)
+        for index in running:
+            self.samples[index].requeue()
+        return running
 
     def cancel(self) -> None:
         for s in self.samples:
-            if not s.state.is_terminal:
-                s.state = SampleState.CANCELLED
+            s.end(SampleState.CANCELLED)
+
+    def fail(self) -> None:
+        for s in self.samples:
+            s.end(SampleState.FAILED)
 
     def add_tokens(self, index: int, token_ids: list[int], logprobs: list[float]) -> None:
         sample = self.samples[index]
@@ -155,16 +222,8 @@ class GroupRecord:
         cached_prompt_tokens: int,
         now: float | None = None,
     ) -> None:
-        sample = self.samples[index]
-        sample.state = SampleState.FINISHED
-        sample.finish_reason = reason
-        sample.num_prompt_tokens = num_prompt_tokens
-        sample.cached_prompt_tokens = cached_prompt_tokens
-        sample.finished_at = time.time() if now is None else now
-
-    @property
-    def all_finished(self) -> bool:
-        return all(s.state == SampleState.FINISHED for s in self.samples)
+        now = time.time() if now is None else now
+        self.samples[index].finish(reason, num_prompt_tokens, cached_prompt_tokens, now)
 
     def to_samples(self) -> list[Sample]:
         prefix = self.spec.group_id
@@ -178,7 +237,7 @@ class GroupRecord:
                     token_ids=list(s.token_ids),
                     logprobs=list(s.logprobs),
                     finish_reason=s.finish_reason,
-                    engine_id=self.engine_id,
+                    engine_id=s.engine_id,
                     # Weight updates come later: every token is of policy version 0.
                     versions=[VersionSegment(0, len(s.token_ids))] if s.token_ids else [],
                     num_prompt_tokens=s.num_prompt_tokens,

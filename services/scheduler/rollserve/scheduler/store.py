@@ -7,15 +7,28 @@ same atomic step. A retried or replayed delivery therefore never produces a
 second entry, and a crash can never leave a delivered group pending (or the
 reverse). Submission is atomic the same way: all groups of a call are checked
 against ``pending`` and ``ended`` and written together, or none is.
+
+The length predictor's history lives in three keys of the scheduler's predictor
+namespace ``NS`` (hash-tagged, so one slot in Redis Cluster): ``rollserve:pred:{NS}:keys``
+(hash prompt_key -> the key's record), ``rollserve:pred:{NS}:used`` (sorted set
+prompt_key -> a counter value of its last write, for the eviction order; the counter is
+``rollserve:pred:{NS}:clock``) and ``rollserve:pred:{NS}:globals`` (the prior and the
+predictor's clock). A save writes the keys a
+finished group touched and the globals in one script and trims the oldest keys beyond
+the predictor's ``max_keys``: its cost is bounded per finished group. History is a hint,
+not a delivery: a save lost in a crash loses one group's observations, never a sample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import redis.asyncio as aioredis
 from rollserve.client.wire import (
+    KEY_PREFIX,
     RUNS_KEY,
     GroupResult,
     encode_entry,
@@ -74,6 +87,28 @@ end
 return out
 """
 
+# KEYS: records, used, globals, clock. ARGV: max_keys, globals, then prompt_key, record pairs
+# (least recently used first). Returns how many of the oldest keys were trimmed.
+_SAVE_HISTORY = """
+local pairs = (#ARGV - 2) / 2
+local last = redis.call('INCRBY', KEYS[4], pairs)
+for i = 3, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[2], last - pairs + (i - 1) / 2, ARGV[i])
+end
+redis.call('SET', KEYS[3], ARGV[2])
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[1])
+if excess <= 0 then
+  return 0
+end
+local old = redis.call('ZRANGE', KEYS[2], 0, excess - 1)
+redis.call('HDEL', KEYS[1], unpack(old))
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
+return excess
+"""
+
+_HISTORY_BATCH = 1000  # prompt keys read per round trip when loading history
+
 _spec_encoder = msgspec.msgpack.Encoder()
 _spec_decoder = msgspec.msgpack.Decoder(GroupSpec)
 
@@ -95,17 +130,38 @@ class DuplicateGroup(ValueError):
         self.group_id = group_id
 
 
+@dataclass(frozen=True, slots=True)
+class History:
+    """The length predictor's saved state: key records oldest-used first, and the globals."""
+
+    records: list[tuple[str, bytes]]
+    globals: bytes | None
+
+
+def history_keys(namespace: str) -> tuple[str, str, str, str]:
+    """Redis keys of a predictor namespace: records (hash), use order (zset), globals
+    (string) and the counter that orders writes."""
+    prefix = f"{KEY_PREFIX}:pred:{{{namespace}}}"
+    return f"{prefix}:keys", f"{prefix}:used", f"{prefix}:globals", f"{prefix}:clock"
+
+
 class Store:
-    def __init__(self, client: aioredis.Redis, stream_maxlen: int = 0) -> None:
+    def __init__(
+        self, client: aioredis.Redis, stream_maxlen: int = 0, predictor_namespace: str = "default"
+    ) -> None:
         self._redis = client
         self._stream_maxlen = stream_maxlen
+        self._history_keys = list(history_keys(predictor_namespace))
         self._submit = client.register_script(_SUBMIT)
         self._deliver = client.register_script(_DELIVER)
         self._cancel = client.register_script(_CANCEL)
+        self._save_history = client.register_script(_SAVE_HISTORY)
 
     @classmethod
-    def from_url(cls, url: str, stream_maxlen: int = 0) -> Store:
-        return cls(aioredis.Redis.from_url(url), stream_maxlen)
+    def from_url(
+        cls, url: str, stream_maxlen: int = 0, predictor_namespace: str = "default"
+    ) -> Store:
+        return cls(aioredis.Redis.from_url(url), stream_maxlen, predictor_namespace)
 
     async def ping(self) -> None:
         await self._redis.ping()
@@ -149,3 +205,43 @@ class Store:
             specs += (_spec_decoder.decode(_raw(body)) for body in bodies.values())
         specs.sort(key=lambda s: s.submitted_at)
         return specs
+
+    async def save_history(
+        self, records: Mapping[str, bytes], globals_: bytes, max_keys: int
+    ) -> int:
+        """Writes predictor key records (least recently used first) and the globals, keeping
+        the ``max_keys`` most recently written keys; returns how many old keys were dropped."""
+        argv: list[str | bytes | int] = [max_keys, globals_]
+        for prompt_key, record in records.items():
+            argv += [prompt_key, record]
+        return int(await self._save_history(keys=self._history_keys, args=argv))
+
+    async def load_history(self) -> History:
+        """The saved predictor state, key records oldest-used first."""
+        records_key, used_key, globals_key, _ = self._history_keys
+        records: list[tuple[str, bytes]] = []
+        start = 0
+        while True:
+            names = cast(
+                list[bytes], await self._redis.zrange(used_key, start, start + _HISTORY_BATCH - 1)
+            )
+            if not names:
+                break
+            values = await self._redis.hmget(records_key, names)
+            records += (
+                (_text(name), _raw(value))
+                for name, value in zip(names, values, strict=True)
+                if value is not None
+            )
+            start += len(names)
+        saved = await self._redis.get(globals_key)
+        return History(records, None if saved is None else _raw(saved))
+
+    async def drop_history_keys(self, prompt_keys: Sequence[str]) -> None:
+        """Forgets saved key records (ones that no longer load)."""
+        if prompt_keys:
+            records_key, used_key, _, _ = self._history_keys
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hdel(records_key, *prompt_keys)
+                pipe.zrem(used_key, *prompt_keys)
+                await pipe.execute()

@@ -96,6 +96,12 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
     if group.n > limits.max_n:
         raise ValidationError(f"{where}.n ({group.n}) is above the limit ({limits.max_n})")
     sampling = _validate_sampling(f"{where}.sampling", group.sampling, len(prompt), limits)
+    epoch = group.epoch if group.HasField("epoch") else None
+    if epoch is not None and epoch < 0:
+        raise ValidationError(
+            f"{where}.epoch ({epoch}) must be >= 0 (the pass over the dataset, from 0); "
+            "leave it unset to let the scheduler count"
+        )
     metadata = tuple(sorted(group.metadata.items()))
     size = sum(len(k) + len(v) for k, v in metadata)
     if size > MAX_METADATA_BYTES:
@@ -112,6 +118,7 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
         priority=group.priority,
         metadata=metadata,
         submitted_at=context.now,
+        epoch=epoch,
     )
 
 

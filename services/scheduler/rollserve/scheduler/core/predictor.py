@@ -229,6 +229,11 @@ class LengthPredictor:
         """The predictor's clock: the newest epoch observed or advanced to."""
         return self._epoch
 
+    def last_epoch(self, prompt_key: str) -> int | None:
+        """The newest epoch ``prompt_key`` was observed in; None if it is not tracked."""
+        stats = self._keys.get(prompt_key)
+        return None if stats is None else stats.last_epoch
+
     def __len__(self) -> int:
         return len(self._keys)
 

@@ -1,0 +1,112 @@
+"""The engine's gRPC service on a scripted backend: which samples a call generates, how they
+are seeded and what it refuses. Faked: the backend (no vLLM); the servicer and gRPC are real."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+from rollserve.engine.service import (
+    EngineCounters,
+    EngineServicer,
+    ModelInfo,
+    SampleOutput,
+    SampleRequest,
+)
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+INFO = ModelInfo(
+    model="scripted", max_model_len=256, max_num_seqs=8, vocab_size=1000, eos_token_id=1
+)
+
+
+class ScriptedBackend:
+    """Sample of seed ``s`` generates tokens ``s, s + 1, s + 2`` (``7, 8, 9`` unseeded)."""
+
+    def __init__(self) -> None:
+        self.requests: list[SampleRequest] = []
+
+    @property
+    def info(self) -> ModelInfo:
+        return INFO
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        first = 7 if request.seed is None else request.seed
+        tokens = [first, first + 1, first + 2][: request.max_tokens]
+        yield SampleOutput(tokens, [-0.5] * len(tokens), "length", len(request.prompt_token_ids), 0)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        pass
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, ScriptedBackend]]:
+    backend = ScriptedBackend()
+    servicer = EngineServicer("scripted", flush_interval_s=0.0)
+    servicer.attach(backend)
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield pb_grpc.EngineStub(channel), backend
+    await server.stop(None)
+
+
+def request(n: int, indices: Sequence[int] = (), seed: int | None = 100) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=3)
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(
+        request_id="r", prompt_token_ids=[5, 6, 7], n=n, sampling=sampling, sample_indices=indices
+    )
+
+
+async def tokens_by_index(
+    stub: pb_grpc.EngineAsyncStub, req: pb.GenerateRequest
+) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    async for message in stub.Generate(req, timeout=10):
+        kind = message.WhichOneof("kind")
+        assert kind != "error", message.error.message
+        deltas = message.chunk.deltas if kind == "chunk" else [message.complete]
+        for delta in deltas:
+            out.setdefault(delta.index, []).extend(delta.token_ids)
+    return out
+
+
+async def test_sample_indices_generate_those_samples_seeded_by_index(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+) -> None:
+    stub, backend = engine
+    whole = await tokens_by_index(stub, request(n=4))
+    part = await tokens_by_index(stub, request(n=4, indices=[3, 1]))
+    assert sorted(whole) == [0, 1, 2, 3] and whole[2] == [102, 103, 104]
+    assert part == {1: whole[1], 3: whole[3]}
+    assert [r.request_id for r in backend.requests[4:]] == ["r/3", "r/1"]
+    assert [r.seed for r in backend.requests[4:]] == [103, 101]
+
+
+@pytest.mark.parametrize(
+    ("indices", "problem"),
+    [
+        ([0, 9], "sample_indices[1] (9) must be below n (8)"),
+        ([-1], "sample_indices[0] (-1) must be >= 0"),
+        ([2, 5, 2], "sample_indices[2] (2) repeats sample_indices[0]"),
+    ],
+)
+async def test_bad_sample_indices_are_invalid_argument(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend], indices: list[int], problem: str
+) -> None:
+    stub, backend = engine
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await tokens_by_index(stub, request(n=8, indices=indices))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or "")
+    assert backend.requests == []
