@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from rollserve.scheduler.core.policy import Policy
     from rollserve.sim.des import RunResult
     from rollserve.sim.profile import CostProfile
+    from rollserve.sim.scenarios import SimGroup
 
 BASELINE = "round_robin"
 ORACLE = "oracle"  # rl with every sample's true length instead of predictions
@@ -158,7 +159,21 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         sync_base=sync_base,
     )
     out.update(length_median=median, length_max=max(lengths), steps=measured)
+    # What no placement can beat: the longest sample of a step, alone on an engine, takes its
+    # solo time; a group may span at most max_staleness + 1 steps.
+    spans = 1 if over is None else cfg.max_staleness + 1
+    floor = statistics.fmean(_solo_s(groups, profile) for groups in sync_steps) / spans
+    reference = sync_base or base
+    out["step_floor_s"] = floor
+    out["max_vs_sync_round_robin"] = (
+        reference.makespan_s / floor if reference is not None else float("nan")
+    )
     console.print(_table(scenario.name, results, base, sync_base))
+    console.print(
+        f"floor: the longest sample of a step alone on an engine takes {floor * spans:.1f} s"
+        + (f", over {spans} steps {floor:.1f} s a step" if spans > 1 else "")
+        + f"; no policy beats {out['max_vs_sync_round_robin']:.2f}x synchronous {BASELINE}"
+    )
     figures = _figures(results, lengths, cfg.out_dir, scenario.name)
     out["figures"] = [str(p) for p in figures]
     for path in figures:
@@ -168,6 +183,19 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         cfg.json_path.write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"wrote {cfg.json_path}")
     return out
+
+
+def _solo_s(groups: list[SimGroup], profile: CostProfile) -> float:
+    """Simulated time of the step's longest sample alone on one engine."""
+    from rollserve.sim.engine_model import SimEngine, SimRequest
+
+    longest = max(groups, key=lambda g: min(max(g.output_lens), g.max_tokens))
+    engine = SimEngine("solo", profile)
+    engine.add(SimRequest("solo", longest.prompt_len, max(longest.output_lens), longest.max_tokens))
+    total = 0.0
+    while engine.has_work():
+        total += engine.step().duration_s
+    return total
 
 
 def _ratio(r: RunResult, ref: RunResult | None) -> float:

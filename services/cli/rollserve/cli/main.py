@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
     policies.add_argument("--json", type=Path)
     policies.set_defaults(func=_cmd_bench_policies)
+    from rollserve.cli.sim import add_bench_fleet
+
+    add_bench_fleet(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )
@@ -277,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The services themselves; their flags are their own.
     sub.add_parser("engine", help="run one engine service", add_help=False)
     sub.add_parser("scheduler", help="run the scheduler service", add_help=False)
+    sub.add_parser("sim", help="run simulated engines: one, or a fleet", add_help=False)
     return parser
 
 
@@ -290,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollserve.scheduler.server import main as scheduler_main
 
         return scheduler_main(argv[1:])
+    if argv and argv[0] == "sim":
+        from rollserve.cli.sim import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     result: int = args.func(args)
     return result

@@ -4,10 +4,10 @@ The loop keeps, per engine, a :class:`~rollserve.sim.engine_model.SimEngine` and
 current step ends. Events are step completions, taken in time order:
 
 1. at a completion, the samples that finished in that step are recorded (a group is done when
-   its last sample is), the policy is asked for a plan on a snapshot built as the scheduler
-   runtime builds one (queue in arrival order, engine views with in-flight samples, capacity
-   ``ceil(max_num_seqs * capacity_factor)``, outstanding and predicted tokens, KV use), and its
-   assignments are added to the engines;
+   its last sample is); when any did (or groups arrived), the policy is asked for a plan on a
+   snapshot built as the scheduler runtime builds one (queue in arrival order, engine views
+   with in-flight samples, capacity ``ceil(max_num_seqs * capacity_factor)``, outstanding and
+   predicted tokens, KV use), and its assignments are added to the engines;
 2. every engine with work and no step in progress starts a step now; the step's outcome is
    computed at its start (the engine's state moves on) and its completion is queued at
    ``now + duration``. Requests added to an engine during its step wait for its next step,
@@ -421,7 +421,8 @@ class _Fleet:
                         self.predictor.observe(
                             g.group.prompt_key, length, g.group.epoch, g.group.prompt_len
                         )
-        self.dispatch()
+        if done:  # only a finished sample frees a slot or KV for the queue
+            self.dispatch()
         self.start_idle()
         return completed
 

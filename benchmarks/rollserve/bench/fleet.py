@@ -1,0 +1,366 @@
+"""``rollserve bench fleet``: the real scheduler against fleets of simulated engines.
+
+One row per engine count E, side by side in one run. Each row starts the real scheduler
+process (``python -m rollserve.scheduler``, no engines at start) and one sim fleet process
+(``python -m rollserve.sim fleet --engines E``) whose engines register with it, over one
+embedded Redis. Once the scheduler sees E healthy engines the bench measures the scheduler's
+idle CPU for a moment (it probes every engine's health each second), then submits
+``groups_per_engine x E`` groups of n samples with the client SDK and reads every one from the
+stream, acknowledging it. The load grows with the fleet, so ideal scaling is groups/s growing
+as E and the scheduler's CPU per group staying flat.
+
+Per row: the makespan (submit to last group read) in wall seconds and, divided by
+``time_scale``, in simulated seconds; delivered groups and output tokens per simulated second;
+the scheduler process's CPU seconds (user + system, psutil) per delivered group and its idle
+CPU share; the fleet process's CPU per group; the Chunk and Complete messages the engines sent
+per group; the engines' busy share (simulated busy seconds over E x simulated makespan); the
+fleet's start time and peak memory; and how far the fleet fell behind real time (a fleet that
+cannot keep up runs slower than the hardware it simulates, so its simulated rates are too low:
+the row says so). Ratios are against the first row.
+
+Engine time and everything the engines compute is simulated (the profile's hardware) and
+labelled so; the scheduler, Redis, the SDK and every message between them are real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["FleetConfig", "FleetRow", "run_fleet"]
+
+FLEET_START_TIMEOUT_S = 300.0
+REGISTER_TIMEOUT_S = 120.0
+SCHEDULER_START_TIMEOUT_S = 60.0
+CONSUME_TIMEOUT_S = 3600.0
+IDLE_PROBE_S = 2.0
+"""Seconds of an idle scheduler (engines registered, nothing queued) whose CPU is measured."""
+SUBMIT_BATCH = 1000
+PROMPT_LEN_MEDIAN = 400
+PROMPT_LEN_SIGMA = 0.5
+PROMPT_LEN_MAX = 4096
+PROMPT_VOCAB = 32000
+LAG_WARNING_SHARE = 0.01
+"""Warn when the fleet fell behind real time by more than this share of the makespan."""
+_READY = re.compile(r"rollserve-sim ready .*start_s=(?P<start>[\d.]+) rss_mb=(?P<rss>[\d.]+)")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    engines: tuple[int, ...] = (8, 64, 512)
+    groups_per_engine: int = 2
+    n: int = 4
+    time_scale: float = 4.0
+    policy: str = "least_outstanding"
+    profile: str = "gpu-h100-llama8b"
+    response_median: float = 150.0
+    max_tokens: int = 1024
+    seed: int = 0
+    json_path: Path | None = None
+    run_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    engines: int
+    groups: int
+    samples: int
+    output_tokens: int
+    makespan_wall_s: float
+    makespan_simulated_s: float
+    groups_per_simulated_s: float
+    tokens_per_simulated_s: float
+    scheduler_cpu_s: float
+    scheduler_cpu_ms_per_group: float
+    scheduler_cpu_ms_per_group_net: float  # less its idle rate over the makespan
+    scheduler_cpu_share: float  # of one core, during the makespan
+    scheduler_idle_cpu_share: float
+    fleet_cpu_ms_per_group: float
+    chunks_per_group: float
+    engine_busy_share: float
+    prefix_hit_rate: float
+    preemptions: int
+    fleet_start_s: float
+    fleet_rss_mb: float
+    fleet_behind_s: float  # real seconds the most-behind engine gave up
+    fleet_max_lag_ms: float
+    fleet_kept_up: bool
+
+
+def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any]:
+    from rollserve.cli.redis_server import EmbeddedRedis
+    from rollserve.sim.profile import load_profile
+
+    console = console or Console(width=200)
+    profile = load_profile(cfg.profile)
+    console.print(
+        f"[bold]SIMULATED engines[/bold]: {profile.name} ({profile.simulated_hardware}); "
+        f"time_scale {cfg.time_scale:g} (real s per simulated s). Real: scheduler "
+        f"({cfg.policy}), Redis, SDK.\n  {cfg.groups_per_engine} groups x {cfg.n} per engine, "
+        f"response median {cfg.response_median:g} tokens, max_tokens {cfg.max_tokens}"
+    )
+    rows: list[FleetRow] = []
+    with tempfile.TemporaryDirectory(prefix="rollserve-bench-fleet-") as tmp:
+        run_dir = cfg.run_dir or Path(tmp)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with EmbeddedRedis() as redis_server:
+            for engines in cfg.engines:
+                row = _run_row(cfg, engines, redis_server.url, run_dir / f"e{engines}")
+                rows.append(row)
+                console.print(
+                    f"  {engines} engines: {row.groups} groups in {row.makespan_wall_s:.1f} s "
+                    f"wall = {row.makespan_simulated_s:.1f} s simulated"
+                )
+                if not row.fleet_kept_up:
+                    console.print(
+                        f"  [yellow]the fleet fell {row.fleet_behind_s:.1f} s behind real time: "
+                        "its simulated rates are understated; raise --time-scale[/yellow]"
+                    )
+    console.print(_table(rows, profile.name))
+    out: dict[str, Any] = {
+        "simulated": True,
+        "note": "engine time is simulated (the profile's hardware); scheduler, Redis, SDK real",
+        "profile": profile.name,
+        "simulated_hardware": profile.simulated_hardware,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("json_path", "run_dir")},
+        "rows": [asdict(r) for r in rows],
+    }
+    if cfg.json_path is not None:
+        cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg.json_path.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"wrote {cfg.json_path}")
+    return out
+
+
+def _table(rows: list[FleetRow], profile: str) -> Table:
+    table = Table(title=f"real scheduler on sim fleets ({profile}, SIMULATED engines, one run)")
+    base = rows[0] if rows else None
+    versus = f"vs {base.engines if base else '-'}"
+    columns = (
+        "engines",
+        "groups",
+        "makespan sim s",
+        "groups/sim s",
+        versus,
+        "tokens/sim s",
+        "sched CPU ms/group (net of idle)",
+        versus,
+        "sched CPU busy / idle",
+        "fleet CPU ms/group",
+        "chunks/group",
+        "engine busy",
+        "fleet start s / MB",
+        "fleet behind real s",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in rows:
+        assert base is not None
+        table.add_row(
+            str(r.engines),
+            str(r.groups),
+            f"{r.makespan_simulated_s:.1f}",
+            f"{r.groups_per_simulated_s:.2f}",
+            f"{r.groups_per_simulated_s / base.groups_per_simulated_s:.2f}x",
+            f"{r.tokens_per_simulated_s:,.0f}",
+            f"{r.scheduler_cpu_ms_per_group:.2f} ({r.scheduler_cpu_ms_per_group_net:.2f})",
+            f"{r.scheduler_cpu_ms_per_group / base.scheduler_cpu_ms_per_group:.2f}x",
+            f"{r.scheduler_cpu_share:.0%} / {r.scheduler_idle_cpu_share:.0%}",
+            f"{r.fleet_cpu_ms_per_group:.2f}",
+            f"{r.chunks_per_group:.1f}",
+            f"{r.engine_busy_share:.1%}",
+            f"{r.fleet_start_s:.2f} / {r.fleet_rss_mb:.0f}",
+            f"{r.fleet_behind_s:.2f}" + ("" if r.fleet_kept_up else " (!)"),
+        )
+    return table
+
+
+def _groups(cfg: FleetConfig, count: int) -> list[Any]:
+    from rollserve.client import PromptGroup, SamplingParams
+
+    rng = random.Random(cfg.seed)
+    groups = []
+    for g in range(count):
+        length = round(PROMPT_LEN_MEDIAN * math.exp(PROMPT_LEN_SIGMA * rng.gauss(0, 1)))
+        length = min(PROMPT_LEN_MAX, max(16, length))
+        groups.append(
+            PromptGroup(
+                group_id=f"g{g}",
+                prompt_token_ids=[rng.randrange(PROMPT_VOCAB) for _ in range(length)],
+                n=cfg.n,
+                sampling=SamplingParams(max_tokens=cfg.max_tokens, seed=g * cfg.n),
+                prompt_key=f"p{g}",
+            )
+        )
+    return groups
+
+
+def _run_row(cfg: FleetConfig, engines: int, redis_url: str, log_dir: Path) -> FleetRow:
+    import psutil
+    from rollserve.cli.stack import ManagedProcess, free_port, wait_serving
+    from rollserve.client import GroupStatus, RolloutClient
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    scheduler = ManagedProcess.start(
+        "scheduler",
+        [
+            sys.executable,
+            "-m",
+            "rollserve.scheduler",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--policy",
+            cfg.policy,
+            "--max-n",
+            str(max(64, cfg.n)),
+        ],
+        log_dir,
+    )
+    scheduler.address = f"127.0.0.1:{port}"
+    fleet: ManagedProcess | None = None
+    stats_path = log_dir / "fleet-stats.json"
+    try:
+        wait_serving(scheduler.address, SCHEDULER_START_TIMEOUT_S, scheduler)
+        fleet = ManagedProcess.start(
+            "fleet",
+            [
+                sys.executable,
+                "-m",
+                "rollserve.sim",
+                "fleet",
+                "--engines",
+                str(engines),
+                "--profile",
+                cfg.profile,
+                "--time-scale",
+                str(cfg.time_scale),
+                "--response-median",
+                str(cfg.response_median),
+                "--seed",
+                str(cfg.seed),
+                "--scheduler-address",
+                scheduler.address,
+                "--stats-path",
+                str(stats_path),
+            ],
+            log_dir,
+        )
+        start_s, rss_mb = _wait_ready(fleet)
+        count = cfg.groups_per_engine * engines
+        groups = _groups(cfg, count)
+        sched_proc = psutil.Process(scheduler.popen.pid)
+        fleet_proc = psutil.Process(fleet.popen.pid)
+        with RolloutClient(scheduler.address, redis_url, f"fleet-{uuid.uuid4().hex[:8]}") as client:
+            _wait_registered(client, engines, fleet)
+            idle_before = _cpu_s(sched_proc)
+            time.sleep(IDLE_PROBE_S)
+            idle_share = (_cpu_s(sched_proc) - idle_before) / IDLE_PROBE_S
+            sched_before, fleet_before = _cpu_s(sched_proc), _cpu_s(fleet_proc)
+            started = time.monotonic()
+            for i in range(0, count, SUBMIT_BATCH):
+                client.submit(groups[i : i + SUBMIT_BATCH])
+            seen: set[str] = set()
+            samples = tokens = 0
+            for item in client.groups(limit=count, timeout_s=CONSUME_TIMEOUT_S):
+                result = item.result
+                if result.group_id in seen:
+                    raise RuntimeError(f"group {result.group_id} delivered twice")
+                if result.status != GroupStatus.DELIVERED or len(result.samples) != cfg.n:
+                    raise RuntimeError(
+                        f"group {result.group_id}: {result.status} with "
+                        f"{len(result.samples)} samples: {result.error}"
+                    )
+                seen.add(result.group_id)
+                samples += len(result.samples)
+                tokens += sum(len(s.token_ids) for s in result.samples)
+                item.done()
+            wall_s = time.monotonic() - started
+            sched_cpu = _cpu_s(sched_proc) - sched_before
+            fleet_cpu = _cpu_s(fleet_proc) - fleet_before
+        if len(seen) != count:
+            raise RuntimeError(
+                f"{engines} engines: {len(seen)} of {count} groups arrived within "
+                f"{CONSUME_TIMEOUT_S:.0f} s; logs in {log_dir}"
+            )
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        scheduler.stop()
+    totals = json.loads(stats_path.read_text())
+    simulated_s = wall_s / cfg.time_scale
+    behind_s = float(totals["behind_s_max"])
+    return FleetRow(
+        engines=engines,
+        groups=count,
+        samples=samples,
+        output_tokens=tokens,
+        makespan_wall_s=wall_s,
+        makespan_simulated_s=simulated_s,
+        groups_per_simulated_s=count / simulated_s,
+        tokens_per_simulated_s=tokens / simulated_s,
+        scheduler_cpu_s=sched_cpu,
+        scheduler_cpu_ms_per_group=sched_cpu / count * 1000,
+        scheduler_cpu_ms_per_group_net=max(0.0, sched_cpu - idle_share * wall_s) / count * 1000,
+        scheduler_cpu_share=sched_cpu / wall_s,
+        scheduler_idle_cpu_share=idle_share,
+        fleet_cpu_ms_per_group=fleet_cpu / count * 1000,
+        chunks_per_group=totals["chunks"] / count,
+        engine_busy_share=totals["busy_simulated_s"] / (engines * simulated_s),
+        prefix_hit_rate=totals["cached_prompt_tokens"] / max(1, totals["prompt_tokens"]),
+        preemptions=totals["preemptions"],
+        fleet_start_s=start_s,
+        fleet_rss_mb=rss_mb,
+        fleet_behind_s=behind_s,
+        fleet_max_lag_ms=float(totals["max_lag_s"]) * 1000,
+        fleet_kept_up=behind_s <= LAG_WARNING_SHARE * wall_s,
+    )
+
+
+def _cpu_s(process: Any) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def _wait_ready(fleet: Any) -> tuple[float, float]:
+    """Waits for the fleet's ready line; returns its start seconds and peak memory (MB)."""
+    from rollserve.cli.stack import StackError
+
+    deadline = time.monotonic() + FLEET_START_TIMEOUT_S
+    while True:
+        match = _READY.search(fleet.log_tail(1 << 20))
+        if match:
+            return float(match["start"]), float(match["rss"])
+        if fleet.popen.poll() is not None or time.monotonic() > deadline:
+            raise StackError(
+                f"the sim fleet did not start; log {fleet.log_path}:\n{fleet.log_tail()}"
+            )
+        time.sleep(0.1)
+
+
+def _wait_registered(client: Any, engines: int, fleet: Any) -> None:
+    """Waits until the scheduler sees every engine of the fleet healthy."""
+    from rollserve.cli.stack import StackError
+
+    deadline = time.monotonic() + REGISTER_TIMEOUT_S
+    while (healthy := client.status().healthy_engines) < engines:
+        if fleet.popen.poll() is not None or time.monotonic() > deadline:
+            raise StackError(
+                f"{healthy} of {engines} sim engines healthy at the scheduler; "
+                f"fleet log {fleet.log_path}:\n{fleet.log_tail()}"
+            )
+        time.sleep(0.2)

@@ -1,0 +1,121 @@
+"""``rollserve sim engine|fleet`` and ``rollserve bench fleet``: simulated engines.
+
+``rollserve sim`` hands its arguments to the sim service (``rollserve.sim.server``), whose flags
+are its settings; ``rollserve bench fleet`` runs the real scheduler against sim fleets of
+several sizes (``rollserve.bench.fleet``). Both import their modules only when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    """``rollserve sim ...``: serve one sim engine or a fleet."""
+    from rollserve.sim.server import main as sim_main
+
+    return sim_main(argv)
+
+
+def _engine_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of counts"
+        ) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give engine counts of at least 1, e.g. 8,64")
+    return counts
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
+    return value
+
+
+def add_bench_fleet(bench_sub: Any) -> None:
+    """Adds ``fleet`` to the ``rollserve bench`` subcommands."""
+    from rollserve.bench.fleet import FleetConfig
+
+    defaults = FleetConfig()
+    fleet = bench_sub.add_parser(
+        "fleet",
+        help="the real scheduler against sim fleets of several sizes (simulated engines)",
+        description=(
+            "Starts Redis, the real scheduler and a sim fleet per engine count; submits groups "
+            "with the client SDK and reads them from the stream. Engine time is simulated."
+        ),
+    )
+    fleet.add_argument(
+        "--engines",
+        type=_engine_counts,
+        default=defaults.engines,
+        help="comma-separated engine counts, one row each (default: 8,64,512)",
+    )
+    fleet.add_argument(
+        "--groups",
+        type=_positive_int,
+        default=defaults.groups_per_engine,
+        help=f"groups per engine: the load grows with the fleet "
+        f"(default: {defaults.groups_per_engine})",
+    )
+    fleet.add_argument(
+        "--n", type=_positive_int, default=defaults.n, help=f"samples per group ({defaults.n})"
+    )
+    fleet.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=defaults.time_scale,
+        help=f"real seconds per simulated second ({defaults.time_scale})",
+    )
+    fleet.add_argument("--policy", default=defaults.policy, help="scheduler placement policy")
+    fleet.add_argument("--profile", default=defaults.profile, help="sim cost profile")
+    fleet.add_argument(
+        "--median",
+        type=_positive_float,
+        default=defaults.response_median,
+        help=f"median response length, tokens ({defaults.response_median:g})",
+    )
+    fleet.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=defaults.max_tokens,
+        help=f"max_tokens of every group ({defaults.max_tokens})",
+    )
+    fleet.add_argument("--seed", type=int, default=defaults.seed)
+    fleet.add_argument("--json", type=Path, help="also write the results here")
+    fleet.add_argument("--run-dir", type=Path, help="keep the logs here (default: a temp dir)")
+    fleet.set_defaults(func=_cmd_bench_fleet)
+
+
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from rollserve.bench.fleet import FleetConfig, run_fleet
+
+    run_fleet(
+        FleetConfig(
+            engines=args.engines,
+            groups_per_engine=args.groups,
+            n=args.n,
+            time_scale=args.time_scale,
+            policy=args.policy,
+            profile=args.profile,
+            response_median=args.median,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            json_path=args.json,
+            run_dir=args.run_dir,
+        )
+    )
+    return 0
