@@ -131,7 +131,7 @@ def test_oracle_isolates_the_longest_sample() -> None:
     # of its own, so the step takes about its own length; round robin batches it with others.
     lens = (400, 60, 60, 60, 60, 60, 60, 60)
     steps = [[group("a", lens), group("b", (60,) * 8)]]
-    oracle = run_des(steps, rl_for(PROFILE), PROFILE, engines=3, oracle=True)
+    oracle = run_des(steps, rl_for(PROFILE), PROFILE, engines=3, oracle="sample")
     rr = run_des(steps, create_policy("round_robin"), PROFILE, engines=3)
     alone = 400 * (PROFILE.step_base_s + PROFILE.per_decode_seq_s)
     assert oracle.makespan_s < rr.makespan_s

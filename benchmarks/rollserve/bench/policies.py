@@ -3,10 +3,11 @@
 Every policy runs the same scenario (the same groups with the same true lengths, the same
 simulated engines) through :mod:`rollserve.sim.des`, which calls the policy code the scheduler
 runs. ``oracle`` is the ``rl`` policy given every sample's true length: the bound of what
-placement can do. ``rl`` gets the length predictor, which has seen ``warm_steps`` earlier steps
-of the scenario (a run in progress; 0 starts it cold); the baselines use no prediction, as the
-systems they stand for. ``rl`` and the oracle use the simulated profile's step costs as their
-cost model.
+placement can do; ``oracle_group`` is ``rl`` given each group's true mean length, the bound of
+what any length predictor can give it (a prompt's samples still vary). ``rl`` gets the length
+predictor, which has seen ``warm_steps`` earlier steps of the scenario (a run in progress; 0
+starts it cold); the baselines use no prediction, as the systems they stand for. ``rl`` and the
+oracles use the simulated profile's step costs as their cost model.
 
 Synchronous by default (every group of a step delivered); with ``oversample`` the trainer's
 batch is over-sampled and the tail carried over within ``max_staleness`` policy versions
@@ -36,13 +37,15 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policy import Policy
-    from rollserve.sim.des import RunResult
+    from rollserve.sim.des import Oracle, RunResult
     from rollserve.sim.profile import CostProfile
     from rollserve.sim.scenarios import SimGroup
 
 BASELINE = "round_robin"
 ORACLE = "oracle"  # rl with every sample's true length instead of predictions
-DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", ORACLE)
+GROUP_ORACLE = "oracle_group"  # rl with each group's true mean length: a perfect predictor
+DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", GROUP_ORACLE, ORACLE)
+_ORACLES: dict[str, Oracle] = {ORACLE: "sample", GROUP_ORACLE: "group"}
 # Policies that are given predictions (the others ignore them, as the systems they stand for).
 _PREDICTED = {"rl"}
 
@@ -122,10 +125,10 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     stream = [g for groups in steps for g in groups]
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
-        policy = rl_policy_for(profile) if name in ("rl", ORACLE) else create_policy(name)
+        policy = rl_policy_for(profile) if name == "rl" or name in _ORACLES else create_policy(name)
         kwargs: dict[str, Any] = {
             "predictor": predictor() if name in _PREDICTED else None,
-            "oracle": name == ORACLE,
+            "oracle": _ORACLES.get(name),
         }
         if over is None:
             results[name] = run_des(sync_steps, policy, profile, scenario.engines, **kwargs)

@@ -31,7 +31,9 @@ policy version ``k``):
 Predictions: with a :class:`~rollserve.scheduler.core.predictor.LengthPredictor` the loop
 predicts each queued group's length from the prompt's history, its finished siblings and its
 running siblings' progress, exactly as the scheduler does, and observes every group when it
-is done; with ``oracle`` the snapshot carries each sample's true length instead. The
+is done; with ``oracle="sample"`` the snapshot carries each sample's true length instead, and
+with ``oracle="group"`` each sample is given its group's true mean length (what a perfect
+predictor of a prompt could know before its samples run). The
 prediction a sample had when it was placed is kept for the accuracy report.
 
 Policies see one pseudo-token per ``PSEUDO_TOKEN`` prompt tokens (a stable hash of the prompt's
@@ -46,6 +48,7 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import LengthPredictor, mean_absolute_error, tail_auc
@@ -55,6 +58,10 @@ from rollserve.sim.profile import CostProfile
 from rollserve.sim.scenarios import SimGroup
 
 __all__ = ["DesConfig", "RunResult", "StepStats", "run_des", "run_des_async"]
+
+Oracle = Literal["sample", "group"] | None
+"""What the snapshot is told instead of predictions: each sample's true length, or its group's
+true mean; None: the predictor's estimates (or nothing)."""
 
 PSEUDO_TOKEN = 16
 TAIL_SHARE = 0.1  # tail time: while only the last 10% of a step's samples run
@@ -169,6 +176,10 @@ def _pseudo_tokens(group: SimGroup) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _true_mean(group: SimGroup) -> float:
+    return sum(min(n, group.max_tokens) for n in group.output_lens) / group.n
+
+
 class _Group:
     """A group in the loop: what is queued, running and done, and its tokens per version."""
 
@@ -214,7 +225,7 @@ class _Fleet:
         *,
         cfg: DesConfig,
         predictor: LengthPredictor | None,
-        oracle: bool,
+        oracle: Oracle,
         keep_timeline: bool,
     ) -> None:
         self.policy = policy
@@ -265,9 +276,14 @@ class _Fleet:
     def _remaining(self, rid: str, r: _Running) -> float:
         """Predicted tokens a running sample has left."""
         progress = self.sims[r.engine_id].progress(rid)
-        if self.oracle:
+        if self.oracle is not None:
             g = r.group.group
-            return float(min(g.output_lens[r.index], g.max_tokens) - progress)
+            known = (
+                min(g.output_lens[r.index], g.max_tokens)
+                if self.oracle == "sample"
+                else _true_mean(g)
+            )
+            return max(0.0, known - progress)
         if r.predicted is None:
             return 0.0
         if progress < r.predicted:
@@ -288,8 +304,10 @@ class _Fleet:
             sg = g.group
             predicted = self._predict(g)
             lens: tuple[float, ...] = ()
-            if self.oracle:
+            if self.oracle == "sample":
                 lens = tuple(float(min(sg.output_lens[i], sg.max_tokens)) for i in g.pending)
+            elif self.oracle == "group":
+                lens = (_true_mean(sg),) * len(g.pending)
             out.append(
                 QueuedGroup(
                     key=key,
@@ -485,7 +503,7 @@ def run_des(
     *,
     cfg: DesConfig | None = None,
     predictor: LengthPredictor | None = None,
-    oracle: bool = False,
+    oracle: Oracle = None,
     keep_timeline: bool = True,
 ) -> RunResult:
     """Runs every step synchronously with ``policy``; returns what happened (simulated)."""
@@ -530,7 +548,7 @@ def run_des_async(
     max_staleness: int = 1,
     cfg: DesConfig | None = None,
     predictor: LengthPredictor | None = None,
-    oracle: bool = False,
+    oracle: Oracle = None,
     keep_timeline: bool = True,
 ) -> RunResult:
     """``steps`` trainer steps of ``batch`` groups each, over-sampled by ``oversample`` from
