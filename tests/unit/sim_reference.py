@@ -183,6 +183,13 @@ class ReferenceSimEngine:
             )
         if request.prefix_len and not request.prefix_id:
             raise ValueError(f"{where}: prefix_len ({request.prefix_len}) needs a prefix_id")
+        if not 0 <= request.system_len <= request.prompt_len:
+            raise ValueError(
+                f"{where}: system_len ({request.system_len}) must be between 0 and "
+                f"prompt_len ({request.prompt_len})"
+            )
+        if request.system_len and not request.system_id:
+            raise ValueError(f"{where}: system_len ({request.system_len}) needs a system_id")
         if request.prompt_len + request.max_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"{where}: prompt_len ({request.prompt_len}) + max_tokens "
@@ -268,11 +275,12 @@ class ReferenceSimEngine:
         )
 
     def _shared_keys(self, request: SimRequest) -> list[_BlockKey]:
-        if not request.prefix_id:
-            return []
         # The prompt's last token is always computed (vLLM caps a cache hit one token short).
-        shareable = min(request.prefix_len, request.prompt_len - 1) // self.profile.block_size
-        return [(request.prefix_id, i) for i in range(shareable)]
+        last, size = request.prompt_len - 1, self.profile.block_size
+        system = min(request.system_len, last) // size if request.system_id else 0
+        own = min(request.prefix_len, last) // size if request.prefix_id else 0
+        keys = [(request.system_id, i) for i in range(system)]
+        return keys + [(request.prefix_id, i) for i in range(system, own)]
 
     def _grow(self, seq: _Seq) -> bool:
         """Reserves the KV slot of a decoding request's next token; False if no block is left."""

@@ -80,6 +80,10 @@ def random_requests(
             prefix_len = min(shared, prompt_len)
             if rng.random() < 0.2:
                 prefix_len = rng.randint(0, prompt_len)
+        system_id, system_len = "", 0
+        if rng.random() < 0.3:
+            system_id, shared = rng.choice(prefixes)
+            system_len = min(shared // 2, prompt_len)
         max_tokens = rng.randint(1, capacity - prompt_len)
         if rng.random() < (0.2 if tight else 0.7):
             max_tokens = min(max_tokens, rng.randint(1, 64))
@@ -94,6 +98,8 @@ def random_requests(
                 max_tokens=max_tokens,
                 prefix_id=prefix_id,
                 prefix_len=prefix_len,
+                system_id=f"sys-{system_id}" if system_id else "",
+                system_len=system_len,
                 priority=rng.randint(0, 2) if with_priorities else 0,
             )
         )

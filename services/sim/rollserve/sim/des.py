@@ -381,6 +381,8 @@ class _Fleet:
                         max_tokens=sg.max_tokens,
                         prefix_id=sg.prompt_key,
                         prefix_len=sg.prompt_len,
+                        system_id=sg.prefix_id,
+                        system_len=sg.prefix_len,
                         priority=g.priority,
                     )
                 )

@@ -36,7 +36,9 @@ the prompt's last token, which is always computed, as in vLLM) are keyed ``(pref
 On admission the longest run of them already cached is reused (a reference each, counted in
 ``cached_prompt_tokens``); the others are computed in this step and registered at once, so a
 sibling admitted in the same step already hits them (vLLM v1 caches full blocks when it
-allocates them). Blocks past the shared prefix are private. A released shared block stays
+allocates them). Requests may also share a first part across prompts (``system_id``,
+``system_len``: a system prompt): those blocks are keyed ``(system_id, i)`` and the rest of the
+prefix ``(prefix_id, i)``. Blocks past the shared prefix are private. A released shared block stays
 cached; with no reference left it is evictable, the tail of a prefix before its head.
 
 What the model leaves out: chunked prefill (a long prompt is one step's work), swap-mode
@@ -84,6 +86,10 @@ class SimRequest:
     prefix_id: str = ""  # requests with the same non-empty prefix_id share their prefix
     prefix_len: int = 0  # the first prefix_len prompt tokens
     priority: int = 0  # lower first; FCFS within a priority
+    # A prefix shared across prompts (a system prompt, few-shot examples): requests with the same
+    # non-empty system_id share their first system_len tokens, whatever their prefix_id.
+    system_id: str = ""
+    system_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +286,13 @@ class SimEngine:
             )
         if request.prefix_len and not request.prefix_id:
             raise ValueError(f"{where}: prefix_len ({request.prefix_len}) needs a prefix_id")
+        if not 0 <= request.system_len <= request.prompt_len:
+            raise ValueError(
+                f"{where}: system_len ({request.system_len}) must be between 0 and "
+                f"prompt_len ({request.prompt_len})"
+            )
+        if request.system_len and not request.system_id:
+            raise ValueError(f"{where}: system_len ({request.system_len}) needs a system_id")
         if request.prompt_len + request.max_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"{where}: prompt_len ({request.prompt_len}) + max_tokens "
@@ -416,11 +429,13 @@ class SimEngine:
         seq.shared = []
 
     def _shared_keys(self, request: SimRequest) -> tuple[_BlockKey, ...]:
-        if not request.prefix_id:
-            return ()
         # The prompt's last token is always computed (vLLM caps a cache hit one token short).
-        shareable = min(request.prefix_len, request.prompt_len - 1) // self.profile.block_size
-        return tuple((request.prefix_id, i) for i in range(shareable))
+        last, size = request.prompt_len - 1, self.profile.block_size
+        system = min(request.system_len, last) // size if request.system_id else 0
+        own = min(request.prefix_len, last) // size if request.prefix_id else 0
+        return tuple((request.system_id, i) for i in range(system)) + tuple(
+            (request.prefix_id, i) for i in range(system, own)
+        )
 
     def _admit(self, seq: _Seq, budget_used: int) -> int | None:
         """Gives a waiting request its blocks; returns the tokens it prefills, or None if it
