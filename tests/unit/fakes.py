@@ -51,6 +51,7 @@ class FakeEngine:
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     cancelled: int = 0
+    hanging: int = 0  # HANG calls that reached their wait (so a cancel now is seen)
     _server: Any = None
     _health: Any = None
 
@@ -98,6 +99,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 if not first and e.behaviour is Behaviour.DIE_MID_STREAM:
                     await e.die(context)
                 if not first and e.behaviour is Behaviour.HANG:
+                    e.hanging += 1
                     await asyncio.Event().wait()
                 if not first and e.behaviour is Behaviour.FATAL_ERROR:
                     error = pb.Error(message="fake engine cannot do it", retryable=False)

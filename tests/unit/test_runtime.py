@@ -376,7 +376,8 @@ async def test_cancel_cancels_every_call_of_a_split_group(redis_url: str) -> Non
 
         async def both_running() -> bool:
             loads = {e.engine_id: e.inflight_samples for e in runtime.status().engines}
-            return loads == {"a": 2, "b": 2}
+            # Both calls reached the engines: a cancel before that never reaches them.
+            return loads == {"a": 2, "b": 2} and a.hanging == 1 and b.hanging == 1
 
         await eventually(both_running, "the group's samples running on both engines")
         assert runtime.status().inflight_groups == 1
