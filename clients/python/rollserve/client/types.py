@@ -96,6 +96,9 @@ class PromptGroup:
     prompt_key: stable id of the dataset row across epochs; the scheduler keeps
         length history by it (defaults to nothing: no history).
     priority: lower runs first.
+    epoch: the pass over the dataset this group belongs to (from 0); the length
+        history of a prompt_key decays by epochs. None: one more than the last epoch
+        the scheduler learnt the prompt_key in.
     metadata: passed through to the stream entry untouched.
     """
 
@@ -106,6 +109,7 @@ class PromptGroup:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt_key: str = ""
     priority: int = 0
+    epoch: int | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,6 +129,10 @@ class PromptGroup:
             raise InvalidArgument(
                 f"group {self.group_id!r}: priority ({self.priority}) must fit in int32"
             )
+        if self.epoch is not None and not 0 <= self.epoch <= INT32_MAX:
+            raise InvalidArgument(
+                f"group {self.group_id!r}: epoch ({self.epoch}) must be >= 0 and fit in int32"
+            )
         if any(not isinstance(v, str) for v in self.metadata.values()):
             raise InvalidArgument(f"group {self.group_id!r}: metadata values must be str")
 
@@ -137,6 +145,7 @@ class PromptGroup:
             sampling=self.sampling.to_proto(),
             prompt_key=self.prompt_key,
             priority=self.priority,
+            epoch=self.epoch,
             metadata=dict(self.metadata),
         )
 

@@ -1,0 +1,19 @@
+"""The SDK's PromptGroup: what it checks before anything is sent, and its wire form."""
+
+from __future__ import annotations
+
+import pytest
+from rollserve.client import InvalidArgument, PromptGroup
+
+
+def test_epoch_is_optional_and_goes_on_the_wire() -> None:
+    unset = PromptGroup(group_id="g", prompt_token_ids=[1, 2], n=2).to_proto()
+    assert not unset.HasField("epoch")
+    first = PromptGroup(group_id="g", prompt_token_ids=[1, 2], n=2, epoch=0).to_proto()
+    assert first.HasField("epoch") and first.epoch == 0
+    assert PromptGroup(group_id="g", prompt_text="hi", n=1, epoch=7).to_proto().epoch == 7
+
+
+def test_a_negative_epoch_is_refused_with_its_value() -> None:
+    with pytest.raises(InvalidArgument, match=r"epoch \(-1\) must be >= 0"):
+        PromptGroup(group_id="g", prompt_token_ids=[1], n=1, epoch=-1)
