@@ -324,7 +324,7 @@ def test_shipped_profiles_load() -> None:
         profile = load_profile(name)
         assert profile.name == name
         assert profile.source and profile.simulated_hardware
-    assert "provisional, not yet calibrated" in load_profile("cpu-tiny").source
+    assert "rollserve sim calibrate" in load_profile("cpu-tiny").source  # calibrated here
     gpu = load_profile("gpu-h100-llama8b")
     assert 5e-3 < gpu.step_time(1, 0, 1000) < 10e-3  # one stream decodes at 100-200 tokens/s
 

@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.cli.sim import add_bench_fleet
 
     add_bench_fleet(bench_sub)
+    from rollserve.bench.fidelity import add_bench_fidelity
+
+    add_bench_fidelity(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )
@@ -294,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollserve.scheduler.server import main as scheduler_main
 
         return scheduler_main(argv[1:])
+    if argv[:2] == ["sim", "calibrate"]:
+        from rollserve.sim.calibrate import cli_main as calibrate_main
+
+        return calibrate_main(argv[2:])
     if argv and argv[0] == "sim":
         from rollserve.cli.sim import main as sim_main
 

