@@ -192,3 +192,39 @@ def test_oversampled_steps_deliver_the_batch_within_the_staleness_bound() -> Non
         run_des_async(
             stream, create_policy("round_robin"), PROFILE, 2, batch=4, steps=1, oversample=-1
         )
+
+
+def test_tail_batching_stops_the_tail_and_runs_it_in_long_rounds() -> None:
+    # Groups 0, 5, 10, ... are long: over-sampled steps stop them once the batch is done and
+    # defer their prompts; when a batch of them waits, a long round runs just those, to the end.
+    stream = [group(f"g{i}", (400 if i % 5 == 0 else 20, 10, 5, 5)) for i in range(80)]
+    result = run_des_async(
+        stream,
+        create_policy("least_loaded"),
+        PROFILE,
+        engines=2,
+        batch=4,
+        steps=8,
+        oversample=0.5,
+        tail="batch",
+    )
+    # The 8 steps, then long rounds for the prompts still deferred (the last may be short).
+    assert len(result.steps) > 8
+    assert [s.groups for s in result.steps[:-1]] == [4] * (len(result.steps) - 1)
+    assert 1 <= result.steps[-1].groups <= 4
+    # Restarted from scratch: every delivered token is of the step's own version.
+    assert result.offpolicy_token_fraction == 0.0 and result.max_staleness == 0
+    assert result.discarded_tokens > 0
+    # Only a long round delivers a long prompt (a regular step stops it long before its end).
+    assert any(s.output_tokens >= 400 for s in result.steps)
+    with pytest.raises(ValueError, match="tail"):
+        run_des_async(
+            stream,
+            create_policy("least_loaded"),
+            PROFILE,
+            2,
+            batch=4,
+            steps=1,
+            oversample=0.5,
+            tail="drop",  # type: ignore[arg-type]
+        )

@@ -37,7 +37,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policy import Policy
-    from rollserve.sim.des import Oracle, RunResult
+    from rollserve.sim.des import Oracle, RunResult, Tail
     from rollserve.sim.profile import CostProfile
     from rollserve.sim.scenarios import SimGroup
 
@@ -59,6 +59,7 @@ class PoliciesConfig:
     warm_steps: int = 1
     oversample: float | None = None  # None: synchronous steps
     max_staleness: int = 1
+    tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
 
@@ -103,7 +104,10 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     mode = (
         "synchronous: every group of a step delivered"
         if over is None
-        else f"over-sampled by {over:g}, tail deferred within {cfg.max_staleness} version(s)"
+        else f"over-sampled by {over:g}, the rest carried over within {cfg.max_staleness} "
+        "version(s)"
+        if cfg.tail == "carry"
+        else f"over-sampled by {over:g}, the rest stopped and batched into long rounds"
     )
     console.print(
         f"[bold]SIMULATED[/bold] {scenario.name}: {scenario.description}\n"
@@ -142,6 +146,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
                 steps=measured,
                 oversample=over,
                 max_staleness=cfg.max_staleness,
+                tail=cfg.tail,
                 **kwargs,
             )
         console.print(f"  ran {name}")
@@ -164,7 +169,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     out.update(length_median=median, length_max=max(lengths), steps=measured)
     # What no placement can beat: the longest sample of a step, alone on an engine, takes its
     # solo time; a group may span at most max_staleness + 1 steps.
-    spans = 1 if over is None else cfg.max_staleness + 1
+    spans = 1 if over is None or cfg.tail == "batch" else cfg.max_staleness + 1
     floor = statistics.fmean(_solo_s(groups, profile) for groups in sync_steps) / spans
     reference = sync_base or base
     out["step_floor_s"] = floor
@@ -223,6 +228,7 @@ def _report(
         "warm_steps": cfg.warm_steps,
         "oversample": cfg.oversample,
         "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
+        "tail": cfg.tail if cfg.oversample is not None else None,
         "policies": {},
     }
     if sync_base is not None:
@@ -239,6 +245,8 @@ def _report(
             "recomputed_tokens": r.recomputed_tokens,
             "offpolicy_token_fraction": r.offpolicy_token_fraction,
             "max_staleness": r.max_staleness,
+            "discarded_token_fraction": r.discarded_tokens
+            / max(1, sum(s.output_tokens for s in r.steps)),
             "decision_us": r.decision_us,
             "predictor_mae": r.predictor_mae,
             "predictor_tail_auc": r.predictor_tail_auc,
@@ -269,6 +277,7 @@ def _table(
         "recomputed",
         "off-policy",
         "stale",
+        "discarded",
         "pred MAE",
         "tail AUC",
         "decision µs",
@@ -292,6 +301,7 @@ def _table(
             f"{r.recomputed_tokens:,}",
             f"{r.offpolicy_token_fraction:.1%}",
             str(r.max_staleness),
+            f"{r.discarded_tokens / max(1, sum(s.output_tokens for s in r.steps)):.0%}",
             "-" if mae is None else f"{mae:,.0f}",
             "-" if auc is None else f"{auc:.3f}",
             f"{r.decision_us:,.0f}",

@@ -125,6 +125,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
             warm_steps=args.warm_steps,
             oversample=args.oversample,
             max_staleness=args.max_staleness,
+            tail=args.tail,
             json_path=args.json,
             out_dir=args.out_dir,
         )
@@ -259,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     policies.add_argument(
         "--max-staleness", type=int, default=1, help="policy versions a carried group may lag"
+    )
+    policies.add_argument(
+        "--tail",
+        choices=("carry", "batch"),
+        default="carry",
+        help="over-sampled runs: carry unfinished groups over (partial rollouts), or stop them "
+        "and run their prompts together in long rounds (tail batching)",
     )
     policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
     policies.add_argument("--json", type=Path)

@@ -104,6 +104,7 @@ class RunResult:
     decision_s: float
     # (predicted length when placed, true length) per placed sample with a prediction.
     predictions: list[tuple[float, int]] = field(default_factory=list)
+    discarded_tokens: int = 0  # generated, then thrown away (tail batching's early stops)
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)
     simulated: bool = True
 
@@ -126,7 +127,8 @@ class RunResult:
 
     @property
     def bubble_ratio(self) -> float:
-        return 1.0 - self.busy_s / (self.engines * self.total_s)
+        # Engine steps running across the last step's end count whole: clamp at 0.
+        return max(0.0, 1.0 - self.busy_s / (self.engines * self.total_s))
 
     @property
     def tail_s(self) -> float:
@@ -248,6 +250,7 @@ class _Fleet:
         self.queued: dict[str, _Group] = {}  # groups with samples to place, in arrival order
         self.touched: set[str] = set()
         self.version = 0
+        self.discarded_tokens = 0  # generated, then thrown away by an abort
 
     # -- predictions ---------------------------------------------------------------------
 
@@ -426,7 +429,9 @@ class _Fleet:
         self.touched.add(ended)
         completed = []
         for rid, tokens in done:
-            r = self.running.pop(rid)
+            r = self.running.pop(rid, None)
+            if r is None:
+                continue  # aborted while its last step ran
             self.per_engine[r.engine_id].discard(rid)
             g = r.group
             self._count(g, r.index, tokens)
@@ -445,6 +450,19 @@ class _Fleet:
             self.dispatch()
         self.start_idle()
         return completed
+
+    def abort(self, g: _Group) -> int:
+        """Stops every sample of ``g`` and forgets it; returns the tokens thrown away."""
+        thrown = sum(g.finished.values())
+        for rid, r in list(self._running_of(g)):
+            thrown += self.sims[r.engine_id].progress(rid)
+            self.sims[r.engine_id].abort(rid)
+            del self.running[rid]
+            self.per_engine[r.engine_id].discard(rid)
+            self.touched.add(r.engine_id)
+        self.queued.pop(g.group.key, None)
+        self.discarded_tokens += thrown
+        return thrown
 
     def _count(self, g: _Group, index: int, progress: int) -> None:
         """Counts the tokens sample ``index`` generated since last counted as this version's."""
@@ -474,6 +492,7 @@ class _Fleet:
             decisions=self.decisions,
             decision_s=self.decision_s,
             predictions=self.predictions,
+            discarded_tokens=self.discarded_tokens,
             timeline=self.timeline,
         )
 
@@ -538,6 +557,27 @@ def run_des(
     return fleet.result(out)
 
 
+def _stale(g: _Group, oldest: int) -> bool:
+    """Whether ``g`` has tokens of version ``oldest`` or older (then it must be delivered)."""
+    version = g.oldest_version()
+    return version is not None and version <= oldest
+
+
+def _has_batch(carried: list[_Group], batch: int, oldest: int, *, stop_rest: bool) -> bool:
+    """Whether the step can end: ``batch`` groups done and none left that must be delivered
+    (with ``stop_rest`` the others are stopped, not waited for)."""
+    if sum(1 for g in carried if g.done) < batch:
+        return False
+    return stop_rest or not any(_stale(g, oldest) for g in carried if not g.done)
+
+
+Tail = Literal["carry", "batch"]
+"""What happens to the groups still running when a step has its batch: ``carry`` runs them on
+into the next steps (partial rollouts, within the staleness bound); ``batch`` stops them and
+defers their prompts to a long round (tail batching, as RollPacker does): once ``batch``
+deferred prompts wait, a step runs just those, from scratch, to the end."""
+
+
 def run_des_async(
     stream: Sequence[SimGroup],
     policy: Policy,
@@ -548,19 +588,24 @@ def run_des_async(
     steps: int,
     oversample: float,
     max_staleness: int = 1,
+    tail: Tail = "carry",
     cfg: DesConfig | None = None,
     predictor: LengthPredictor | None = None,
     oracle: Oracle = None,
     keep_timeline: bool = True,
 ) -> RunResult:
     """``steps`` trainer steps of ``batch`` groups each, over-sampled by ``oversample`` from
-    ``stream`` (taken in order), the rest carried over within ``max_staleness`` versions."""
+    ``stream`` (taken in order); the rest carried over within ``max_staleness`` versions, or
+    deferred to long rounds (``tail``; then long rounds follow the last step until no prompt
+    is left deferred)."""
     if batch < 1 or steps < 1:
         raise ValueError(f"batch ({batch}) and steps ({steps}) must be >= 1")
     if not (math.isfinite(oversample) and oversample >= 0):
         raise ValueError(f"oversample ({oversample}) must be a finite number >= 0")
     if max_staleness < 0:
         raise ValueError(f"max_staleness ({max_staleness}) must be >= 0")
+    if tail not in ("carry", "batch"):
+        raise ValueError(f"tail ({tail!r}) must be 'carry' or 'batch'")
     fleet = _Fleet(
         policy,
         profile,
@@ -572,38 +617,55 @@ def run_des_async(
     )
     in_flight = math.ceil(batch * (1 + oversample))
     cursor = 0
+    launched = 0
     carried: list[_Group] = []  # launched, not delivered (running, queued or done)
+    deferred: list[SimGroup] = []  # tail batching: prompts stopped early, for a long round
     out: list[StepStats] = []
-    for step_no in range(steps):
+    step_no = 0
+    # In tail batching the prompts still deferred after the last step are owed: long rounds
+    # run them (fewer than a batch in the last one), so that every prompt stopped early is
+    # delivered within the run and its time counted.
+    while step_no < steps or (tail == "batch" and deferred):
         start = fleet.now
-        while len(carried) < in_flight:
+        long_round = tail == "batch" and (len(deferred) >= batch or step_no >= steps)
+        fresh: list[SimGroup] = []
+        if long_round:
+            fresh, deferred = deferred[:batch], deferred[batch:]
+        while not long_round and len(carried) + len(fresh) < in_flight:
             if cursor == len(stream):
                 raise ValueError(
                     f"the stream of {len(stream)} groups ran out at step {step_no}; "
                     f"{steps} steps of {batch} over-sampled by {oversample} need more"
                 )
-            # The launch step is the trainer's priority: carried-over groups run first.
-            g = _Group(stream[cursor], cursor, priority=step_no)
+            fresh.append(stream[cursor])
             cursor += 1
+        for group in fresh:
+            # The launch step is the trainer's priority: carried-over groups run first.
+            g = _Group(group, launched, priority=step_no)
+            launched += 1
             carried.append(g)
             fleet.submit(g)
         fleet.dispatch()
         fleet.start_idle()
-
-        def must_deliver(g: _Group, step: int = step_no) -> bool:
-            oldest = g.oldest_version()
-            return oldest is not None and oldest <= step - max_staleness
-
-        while True:
-            done = [g for g in carried if g.done]
-            if len(done) >= batch and not any(must_deliver(g) for g in carried if not g.done):
-                break
+        # A long round runs its prompts to the end; otherwise a group with tokens of version
+        # step - max_staleness or older is delivered in this step.
+        oldest = step_no + 1 if long_round else step_no - max_staleness
+        wanted = min(batch, len(carried)) if long_round else batch
+        while not _has_batch(carried, wanted, oldest, stop_rest=tail == "batch" and not long_round):
             fleet.advance()
-        forced = [g for g in done if must_deliver(g)]
-        rest = sorted((g for g in done if not must_deliver(g)), key=lambda g: g.done_at)
-        delivered = forced + rest[: max(0, batch - len(forced))]
+        done = [g for g in carried if g.done]
+        forced = [g for g in done if _stale(g, oldest)]
+        rest = sorted((g for g in done if not _stale(g, oldest)), key=lambda g: g.done_at)
+        delivered = forced + rest[: max(0, wanted - len(forced))]
         chosen = {id(g) for g in delivered}
         carried = [g for g in carried if id(g) not in chosen]
+        if tail == "batch":
+            for g in carried:
+                if not g.done:
+                    fleet.abort(g)
+                    deferred.append(g.group)
+            carried = [g for g in carried if g.done]
         out.append(_step_stats(step_no, start, fleet.now, delivered))
         fleet.new_version()
+        step_no += 1
     return fleet.result(out)
