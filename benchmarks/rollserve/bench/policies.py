@@ -320,24 +320,30 @@ def _figures(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.6 + 1.4 * len(results)), squeeze=False)
     horizon = max(r.total_s for r in results.values())
     for ax, (name, r) in zip(axes[:, 0], results.items(), strict=True):
+        grid = _batch_grid(r.timeline, r.engines, horizon)
+        # A bin busy for most of its width counts as a batch of at least 1 (bin edges cut steps).
+        grid[(grid >= 0.5) & (grid < 1)] = 1.0
+        # Log colours from a batch of 1 up, idle (below 1) white: a lone tail sample shows.
+        cmap = plt.get_cmap("viridis").with_extremes(under="white")
         image = ax.imshow(
-            _batch_grid(r.timeline, r.engines, horizon),
+            grid,
             aspect="auto",
             interpolation="nearest",
             extent=(0, horizon, r.engines - 0.5, -0.5),
-            cmap="Blues",
-            vmin=0,
+            cmap=cmap,
+            norm=LogNorm(vmin=1, vmax=max(2.0, float(grid.max()))),
         )
         ax.set_ylabel(name, rotation=0, ha="right", va="center")
         ax.set_yticks([])
         fig.colorbar(image, ax=ax, pad=0.01, label="batch")
-    axes[-1, 0].set_xlabel("simulated time (s); colour: mean decode batch (white: idle)")
+    axes[-1, 0].set_xlabel("simulated time (s); colour: mean decode batch, log scale (white: idle)")
     fig.suptitle(f"Engine timelines, {label} (simulated)")
     fig.tight_layout()
     timeline = out_dir / "timelines.png"

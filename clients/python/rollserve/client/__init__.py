@@ -1,10 +1,19 @@
 """rollserve's trainer SDK: submit prompt groups, read finished groups exactly once.
 
-Sync: :class:`RolloutClient`; asyncio: :class:`AsyncRolloutClient`. The stream's
+Sync: :class:`RolloutClient`; asyncio: :class:`AsyncRolloutClient`. Trainer steps over-sampled
+with the tail carried over: :class:`StepBatcher` / :class:`AsyncStepBatcher`. The stream's
 format, for readers in other languages, is in docs/stream-format.md.
 """
 
 from rollserve.client.aio import AsyncReceivedGroup, AsyncRolloutClient
+from rollserve.client.batches import (
+    AsyncStepBatcher,
+    BatchedGroup,
+    BatchTimeout,
+    Dropped,
+    StepBatch,
+    StepBatcher,
+)
 from rollserve.client.client import ReceivedGroup, RolloutClient
 from rollserve.client.errors import (
     InvalidArgument,
@@ -31,7 +40,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "AsyncReceivedGroup",
     "AsyncRolloutClient",
+    "AsyncStepBatcher",
+    "BatchTimeout",
+    "BatchedGroup",
     "CancelResult",
+    "Dropped",
     "EngineStatus",
     "FinishReason",
     "GroupResult",
@@ -46,6 +59,8 @@ __all__ = [
     "SamplingParams",
     "SchedulerStatus",
     "SchedulerUnavailable",
+    "StepBatch",
+    "StepBatcher",
     "StreamUnavailable",
     "UndecodableEntry",
     "VersionSegment",

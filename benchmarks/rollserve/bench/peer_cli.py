@@ -1,0 +1,86 @@
+"""The ``rollserve bench peer`` command line (light: the benchmark is imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_bench_peer(bench_sub: Any) -> None:
+    """Registers ``peer`` under ``rollserve bench``."""
+    p: argparse.ArgumentParser = bench_sub.add_parser(
+        "peer",
+        help="rollserve vs vllm-router in front of vLLM OpenAI servers, same engines and tasks",
+    )
+    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    p.add_argument("--prompts", type=Path, help="prompt set (default: the shipped one)")
+    p.add_argument("--engines", type=_positive, default=2)
+    p.add_argument("--steps", type=_positive, default=12, help="measured trainer steps (K)")
+    p.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first")
+    p.add_argument("--groups", type=_positive, default=16, help="groups per step (B)")
+    p.add_argument("--n", type=_positive, default=4, help="samples per group")
+    p.add_argument("--max-tokens", type=_positive, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="least_outstanding", help="rollserve's scheduler policy")
+    p.add_argument(
+        "--scheduler-args", default="", help="more scheduler flags for rollserve, one string"
+    )
+    p.add_argument("--oversample", type=float, default=0.5)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument(
+        "--router-policies",
+        help="comma-separated vllm-router policies to try on a short run, the best measured "
+        "(default: all that need no KV events)",
+    )
+    p.add_argument("--router-policy", help="measure this vllm-router policy, no trial")
+    p.add_argument("--trial-steps", type=_positive, default=3, help="steps per router policy")
+    p.add_argument("--repeats", type=_positive, default=1, help="rounds, alternating the order")
+    p.add_argument(
+        "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
+    )
+    p.add_argument("--run-dir", type=Path, help="keep every process's log here")
+    p.add_argument("--json", type=Path)
+    p.set_defaults(func=_cmd_bench_peer)
+
+
+def _cmd_bench_peer(args: argparse.Namespace) -> int:
+    from rollserve.bench.peer import PeerConfig, run_peer
+    from rollserve.bench.peer_router import ROUTER_POLICIES
+
+    policies = tuple(p for p in (args.router_policies or "").split(",") if p)
+    run_peer(
+        PeerConfig(
+            model=args.model,
+            prompts=args.prompts,
+            engines=args.engines,
+            steps=args.steps,
+            warmup_steps=args.warmup_steps,
+            batch=args.groups,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            policy=args.policy,
+            scheduler_args=tuple(shlex.split(args.scheduler_args)),
+            oversample=args.oversample,
+            max_staleness=args.max_staleness,
+            router_policies=policies or ROUTER_POLICIES,
+            router_policy=args.router_policy,
+            trial_steps=args.trial_steps,
+            repeats=args.repeats,
+            omp_threads=args.omp_threads,
+            run_dir=args.run_dir,
+            json_path=args.json,
+        )
+    )
+    return 0

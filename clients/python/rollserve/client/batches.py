@@ -1,0 +1,557 @@
+"""Trainer steps of ``B`` groups, over-sampled, with the tail carried over within a staleness bound.
+
+A synchronous trainer submits ``B`` groups a step and waits for the slowest: with long-tailed
+response lengths the engines idle through the tail of every step. The step batcher keeps more
+groups in flight than a step needs, hands the trainer the first ``B`` that finish, and carries the
+others over into later steps, where they run first:
+
+```python
+with RolloutClient("scheduler:50051", "redis://redis:6379/0", "grpo-7") as client:
+    batcher = StepBatcher(client, prompt_groups(), batch_size=64, oversample=0.5, max_staleness=1)
+    for step, batch in zip(range(steps), batcher):
+        train_on([g.result for g in batch.groups])  # g.staleness: policy versions behind
+        batcher.ack(batch)
+        publish_weights(step + 1)
+    batcher.cancel_outstanding()
+```
+
+The algorithm, step ``s`` (the number of batches handed out so far), with ``B = batch_size``:
+
+1. **Top up.** Take groups from the trainer's iterator until ``ceil(B * (1 + oversample))`` are
+   outstanding (launched, not yet in a batch) and submit them with ``priority = s``: the
+   scheduler runs lower values first, so groups carried over from earlier steps go first.
+2. **Wait** on the run's stream until at least ``B`` outstanding groups have finished *and* every
+   group launched at step ``s - max_staleness`` or earlier has finished (it is *due*: the
+   staleness bound says it must be in this batch).
+3. **Hand out** the batch: the due groups first (oldest launch first), then the others in the
+   order they finished, ``B`` in all. The rest stay outstanding, finished or not.
+
+Every :class:`BatchedGroup` records its launch step and delivery step; their difference is
+its staleness in policy versions when the trainer publishes one version per step. It never
+exceeds ``max_staleness``. ``oversample = 0`` is a synchronous trainer: every batch is the
+``B`` groups launched at its step. Batches hold exactly ``B`` groups until the iterator runs
+out; then the last batches hold what is left, and iteration ends when nothing is outstanding.
+A group whose generation failed is handed out like the others (its ``status`` says so).
+
+Delivery keeps the SDK's guarantee: a group is acknowledged only by :meth:`StepBatcher.ack`,
+after the trainer has used its batch. Finished groups carried over stay pending in the
+consumer group meanwhile; ``claim_idle_ms`` of the client must exceed the time a group may
+wait (``max_staleness`` steps) if other consumers share the consumer group, or they take it
+over. Stream entries of groups this batcher did not launch are left pending and logged.
+
+Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
+ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,
+every launched group is due in its own step, so nothing could be carried over).
+
+:class:`BatcherState` decides (no I/O, like :class:`~rollserve.client.consumer.ConsumerState`);
+:class:`StepBatcher` (sync) and :class:`AsyncStepBatcher` (asyncio) carry out its decisions
+over a :class:`~rollserve.client.RolloutClient` or :class:`~rollserve.client.AsyncRolloutClient`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from rollserve.client.consumer import ReceivedBase
+from rollserve.client.errors import InvalidArgument, RolloutError
+from rollserve.client.types import CancelResult, PromptGroup
+from rollserve.client.wire import GroupResult
+
+__all__ = [
+    "AsyncBatchClient",
+    "AsyncStepBatcher",
+    "BatchClient",
+    "BatchTimeout",
+    "BatchedGroup",
+    "BatcherState",
+    "Dropped",
+    "StepBatch",
+    "StepBatcher",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+
+R = TypeVar("R", bound=ReceivedBase)
+
+# Over-sampling rates are decimals such as 0.1: 10 * (1 + 0.1) is 11.000000000000002 in binary
+# floating point, which must launch 11 groups, not 12.
+_ROUNDING_DIGITS = 9
+
+
+class BatchTimeout(RolloutError, TimeoutError):
+    """No batch was complete within ``batch_timeout_s``; nothing was lost (the groups stay
+    outstanding and the next call waits for them again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedGroup(Generic[R]):
+    """A finished group in a trainer's batch."""
+
+    received: R  # the stream entry; acknowledged by ``ack`` of the batcher
+    launch_step: int  # the step it was submitted in (its priority)
+    delivery_step: int  # the step whose batch it is in
+    due: bool  # it had reached max_staleness: the batch waited for it
+
+    @property
+    def group_id(self) -> str:
+        return self.received.group_id
+
+    @property
+    def result(self) -> GroupResult:
+        return self.received.result
+
+    @property
+    def staleness(self) -> int:
+        """Steps (policy versions) between its launch and its delivery."""
+        return self.delivery_step - self.launch_step
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch(Generic[R]):
+    """One step's groups: due groups first (oldest launch first), then by finish order."""
+
+    step: int
+    groups: tuple[BatchedGroup[R], ...]
+    launched: int  # groups submitted at the start of this step
+
+    @property
+    def results(self) -> list[GroupResult]:
+        return [g.result for g in self.groups]
+
+    @property
+    def received(self) -> list[R]:
+        return [g.received for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """What ``cancel_outstanding`` did with the groups launched and not handed out."""
+
+    cancelled: tuple[str, ...]  # were queued or running: never delivered
+    discarded: tuple[str, ...]  # had finished: their entries acknowledged unused
+    # Finished before the cancel, but their entries were not read within the drain time:
+    # still pending in the consumer group.
+    unread: tuple[str, ...]
+
+    @property
+    def group_ids(self) -> tuple[str, ...]:
+        return self.cancelled + self.discarded + self.unread
+
+
+class Arrival(enum.Enum):
+    """What a stream entry was to the batcher."""
+
+    NEW = "new"  # an outstanding group finished
+    DUPLICATE = "duplicate"  # a second entry of a group it holds already
+    UNKNOWN = "unknown"  # a group it did not launch (or handed out long ago)
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished(Generic[R]):
+    received: R
+    launch_step: int
+
+
+class BatcherState(Generic[R]):
+    """The step batcher's bookkeeping, without I/O (see the module's docstring)."""
+
+    def __init__(self, batch_size: int, oversample: float, max_staleness: int) -> None:
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size ({batch_size}) must be >= 1")
+        if not (math.isfinite(oversample) and 0 <= oversample <= 1):
+            raise InvalidArgument(
+                f"oversample ({oversample}) must be in [0, 1]: more would carry over more "
+                "groups than one batch holds, and the due ones could not all be delivered"
+            )
+        if max_staleness < 0:
+            raise InvalidArgument(f"max_staleness ({max_staleness}) must be >= 0")
+        self.batch_size = batch_size
+        self.oversample = oversample
+        self.max_staleness = max_staleness
+        self.in_flight = math.ceil(round(batch_size * (1 + oversample), _ROUNDING_DIGITS))
+        if self.in_flight > batch_size and max_staleness == 0:
+            raise InvalidArgument(
+                f"oversample ({oversample}) needs max_staleness >= 1: with 0 every group is "
+                "due in the step it was launched in, so none can be carried over"
+            )
+        self.step = 0  # batches handed out so far; the step being assembled
+        self.source_done = False  # the trainer's iterator is exhausted
+        self.launched_now = 0  # groups launched at the current step
+        self._running: dict[str, int] = {}  # group id -> launch step; not finished yet
+        self._finished: dict[str, _Finished[R]] = {}  # in finish order; not handed out yet
+
+    # ------------------------------------------------------------ launching
+
+    @property
+    def outstanding(self) -> int:
+        """Groups launched and not yet handed out (running, queued or finished)."""
+        return len(self._running) + len(self._finished)
+
+    def to_launch(self) -> int:
+        """How many groups to take from the iterator now."""
+        return 0 if self.source_done else max(0, self.in_flight - self.outstanding)
+
+    def check_new(self, group_id: str) -> None:
+        if group_id in self._running or group_id in self._finished:
+            raise InvalidArgument(f"group {group_id!r} is outstanding already; ids must be unique")
+
+    def launched(self, group_id: str) -> None:
+        """The group was submitted (with ``priority = step``)."""
+        self.check_new(group_id)
+        self._running[group_id] = self.step
+        self.launched_now += 1
+
+    # ------------------------------------------------------------ finishing
+
+    def on_finished(self, received: R) -> Arrival:
+        group_id = received.group_id
+        launch_step = self._running.pop(group_id, None)
+        if launch_step is not None:
+            self._finished[group_id] = _Finished(received, launch_step)
+            return Arrival.NEW
+        if group_id in self._finished:
+            return Arrival.DUPLICATE
+        return Arrival.UNKNOWN
+
+    def is_due(self, launch_step: int) -> bool:
+        """A group of this launch step must be in the current step's batch."""
+        return launch_step + self.max_staleness <= self.step
+
+    def waiting_for(self) -> list[str]:
+        """Due groups that have not finished yet."""
+        return [g for g, launch in self._running.items() if self.is_due(launch)]
+
+    def ready(self) -> bool:
+        """The current step's batch can be handed out."""
+        if self.waiting_for():
+            return False
+        if len(self._finished) >= self.batch_size:
+            return True
+        return self.source_done and not self._running and bool(self._finished)
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing left to launch or to hand out: iteration ends."""
+        return self.source_done and not self.outstanding
+
+    def take_batch(self) -> StepBatch[R]:
+        """Hands out the current step's batch and moves to the next step."""
+        if not self.ready():
+            raise RuntimeError("take_batch() before ready()")
+        finished = list(self._finished.values())
+        due = sorted((f for f in finished if self.is_due(f.launch_step)), key=_launch_step)
+        rest = [f for f in finished if not self.is_due(f.launch_step)]
+        # Validation bounds the carried-over groups by batch_size, so every due group fits.
+        assert len(due) <= self.batch_size, "more due groups than a batch holds"
+        chosen = (due + rest)[: self.batch_size]
+        batch = StepBatch(
+            step=self.step,
+            groups=tuple(
+                BatchedGroup(
+                    received=f.received,
+                    launch_step=f.launch_step,
+                    delivery_step=self.step,
+                    due=self.is_due(f.launch_step),
+                )
+                for f in chosen
+            ),
+            launched=self.launched_now,
+        )
+        for f in chosen:
+            del self._finished[f.received.group_id]
+        self.step += 1
+        self.launched_now = 0
+        return batch
+
+    def drop_outstanding(self) -> tuple[list[str], list[R]]:
+        """Forgets every outstanding group: (ids still running, finished entries held)."""
+        running = list(self._running)
+        held = [f.received for f in self._finished.values()]
+        self._running.clear()
+        self._finished.clear()
+        return running, held
+
+
+def _launch_step(f: _Finished[R]) -> int:
+    return f.launch_step
+
+
+def _with_priority(group: PromptGroup, step: int) -> PromptGroup:
+    return dataclasses.replace(group, priority=step)
+
+
+# ---------------------------------------------------------------- the edges
+
+
+class BatchClient(Protocol[R]):
+    """What :class:`StepBatcher` uses of a client (:class:`~rollserve.client.RolloutClient`)."""
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int: ...
+
+    def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> Iterator[R]: ...
+
+    def ack(self, *received: R) -> int: ...
+
+    def cancel(self, group_ids: Sequence[str]) -> CancelResult: ...
+
+
+class AsyncBatchClient(Protocol[R]):
+    """What :class:`AsyncStepBatcher` uses of :class:`~rollserve.client.AsyncRolloutClient`."""
+
+    async def submit(self, groups: Sequence[PromptGroup]) -> int: ...
+
+    def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[R]: ...
+
+    async def ack(self, *received: R) -> int: ...
+
+    async def cancel(self, group_ids: Sequence[str]) -> CancelResult: ...
+
+
+class _Launcher(Generic[R]):
+    """Takes groups from the trainer's iterator; keeps those a failed Submit did not queue."""
+
+    def __init__(self, state: BatcherState[R], groups: Iterable[PromptGroup]) -> None:
+        self._state = state
+        self._source = iter(groups)
+        self._backlog: list[PromptGroup] = []  # taken from the iterator, not submitted yet
+
+    def next_launch(self) -> list[PromptGroup]:
+        """The groups to submit now, with the current step as their priority."""
+        state = self._state
+        while len(self._backlog) < state.to_launch():
+            group = next(self._source, None)
+            if group is None:
+                state.source_done = True
+                break
+            state.check_new(group.group_id)
+            if any(g.group_id == group.group_id for g in self._backlog):
+                raise InvalidArgument(f"group {group.group_id!r} repeats; ids must be unique")
+            self._backlog.append(group)
+        return [_with_priority(g, state.step) for g in self._backlog]
+
+    def submitted(self, groups: Sequence[PromptGroup]) -> None:
+        for group in groups:
+            self._state.launched(group.group_id)
+        self._backlog.clear()
+
+
+def _note(arrival: Arrival, received: ReceivedBase) -> None:
+    if arrival is Arrival.UNKNOWN:
+        log.warning(
+            "stream entry %s of group %r: not launched by this batcher; left pending",
+            received.entry_id,
+            received.group_id,
+        )
+    elif arrival is Arrival.DUPLICATE:
+        log.info(
+            "stream entry %s: duplicate of group %r; acked", received.entry_id, received.group_id
+        )
+
+
+def _close(stream: Iterator[R]) -> None:
+    """Closes the client's ``groups()`` generator now, not in the garbage collector."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
+
+async def _aclose(stream: AsyncIterator[R]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _timeout(state: BatcherState[R], timeout_s: float | None) -> BatchTimeout:
+    waiting = state.waiting_for()
+    return BatchTimeout(
+        f"step {state.step}: no batch of {state.batch_size} within {timeout_s} s "
+        f"({state.outstanding} outstanding; waiting for due groups {waiting[:5]})"
+    )
+
+
+class StepBatcher(Generic[R]):
+    """Batches of ``batch_size`` groups from a sync client; iterate it, ``ack`` each batch.
+
+    client: a :class:`~rollserve.client.RolloutClient` of the run (or anything with its
+        ``submit``, ``groups``, ``ack`` and ``cancel``).
+    groups: the trainer's prompt groups, taken as needed; their ``priority`` is replaced
+        by the launch step.
+    batch_size: groups per batch (``B``).
+    oversample: keep ``ceil(B * (1 + oversample))`` groups outstanding; 0 is synchronous.
+    max_staleness: steps a group may wait between launch and delivery.
+    batch_timeout_s: longest wait for one batch before :class:`BatchTimeout`; None waits
+        as long as it takes.
+    """
+
+    def __init__(
+        self,
+        client: BatchClient[R],
+        groups: Iterable[PromptGroup],
+        *,
+        batch_size: int,
+        oversample: float = 0.0,
+        max_staleness: int = 1,
+        batch_timeout_s: float | None = None,
+    ) -> None:
+        self._client = client
+        self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
+        self._launcher = _Launcher(self.state, groups)
+        self._timeout_s = batch_timeout_s
+
+    def __iter__(self) -> Iterator[StepBatch[R]]:
+        return self
+
+    def __next__(self) -> StepBatch[R]:
+        self._top_up()
+        if self.state.exhausted:
+            raise StopIteration
+        self._wait_ready()
+        return self.state.take_batch()
+
+    def ack(self, batch: StepBatch[R]) -> int:
+        """Acknowledges the batch's groups (one XACK): call it once the trainer used them."""
+        return self._client.ack(*batch.received) if batch.groups else 0
+
+    def cancel_outstanding(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Dropped:
+        """Ends the run's tail: cancels the outstanding groups still running and acknowledges,
+        unused, those that finished, reading the stream up to ``drain_timeout_s`` for the
+        entries of groups that finished before the cancel reached the scheduler."""
+        running, held = self.state.drop_outstanding()
+        cancelled: Sequence[str] = ()
+        unread: set[str] = set()
+        if running:
+            result = self._client.cancel(running)
+            cancelled, unread = result.cancelled, set(result.unknown)
+        if unread and drain_timeout_s > 0:
+            stream = self._client.groups(timeout_s=drain_timeout_s)
+            try:
+                for received in stream:
+                    if received.group_id in unread:
+                        unread.discard(received.group_id)
+                        held.append(received)
+                    if not unread:
+                        break
+            finally:
+                _close(stream)
+        if held:
+            self._client.ack(*held)
+        return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
+
+    def _top_up(self) -> None:
+        launch = self._launcher.next_launch()
+        if launch:
+            self._client.submit(launch)
+            self._launcher.submitted(launch)
+
+    def _wait_ready(self) -> None:
+        state = self.state
+        if state.ready():
+            return
+        stream = self._client.groups(timeout_s=self._timeout_s)
+        try:
+            for received in stream:
+                arrival = state.on_finished(received)
+                _note(arrival, received)
+                if arrival is Arrival.DUPLICATE:
+                    self._client.ack(received)
+                if state.ready():
+                    return
+        finally:
+            _close(stream)
+        raise _timeout(state, self._timeout_s)
+
+
+class AsyncStepBatcher(Generic[R]):
+    """The asyncio twin of :class:`StepBatcher`, over an
+    :class:`~rollserve.client.AsyncRolloutClient`: ``async for batch in batcher``,
+    ``await batcher.ack(batch)``."""
+
+    def __init__(
+        self,
+        client: AsyncBatchClient[R],
+        groups: Iterable[PromptGroup],
+        *,
+        batch_size: int,
+        oversample: float = 0.0,
+        max_staleness: int = 1,
+        batch_timeout_s: float | None = None,
+    ) -> None:
+        self._client = client
+        self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
+        self._launcher = _Launcher(self.state, groups)
+        self._timeout_s = batch_timeout_s
+
+    def __aiter__(self) -> AsyncIterator[StepBatch[R]]:
+        return self
+
+    async def __anext__(self) -> StepBatch[R]:
+        await self._top_up()
+        if self.state.exhausted:
+            raise StopAsyncIteration
+        await self._wait_ready()
+        return self.state.take_batch()
+
+    async def ack(self, batch: StepBatch[R]) -> int:
+        """Acknowledges the batch's groups (one XACK): call it once the trainer used them."""
+        return await self._client.ack(*batch.received) if batch.groups else 0
+
+    async def cancel_outstanding(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Dropped:
+        """See :meth:`StepBatcher.cancel_outstanding`."""
+        running, held = self.state.drop_outstanding()
+        cancelled: Sequence[str] = ()
+        unread: set[str] = set()
+        if running:
+            result = await self._client.cancel(running)
+            cancelled, unread = result.cancelled, set(result.unknown)
+        if unread and drain_timeout_s > 0:
+            stream = self._client.groups(timeout_s=drain_timeout_s)
+            try:
+                async for received in stream:
+                    if received.group_id in unread:
+                        unread.discard(received.group_id)
+                        held.append(received)
+                    if not unread:
+                        break
+            finally:
+                await _aclose(stream)
+        if held:
+            await self._client.ack(*held)
+        return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
+
+    async def _top_up(self) -> None:
+        launch = self._launcher.next_launch()
+        if launch:
+            await self._client.submit(launch)
+            self._launcher.submitted(launch)
+
+    async def _wait_ready(self) -> None:
+        state = self.state
+        if state.ready():
+            return
+        stream = self._client.groups(timeout_s=self._timeout_s)
+        try:
+            async for received in stream:
+                arrival = state.on_finished(received)
+                _note(arrival, received)
+                if arrival is Arrival.DUPLICATE:
+                    await self._client.ack(received)
+                if state.ready():
+                    return
+        finally:
+            await _aclose(stream)
+        raise _timeout(state, self._timeout_s)

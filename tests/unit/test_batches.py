@@ -1,0 +1,371 @@
+"""The step batcher (``rollserve.client.batches``) against a fake of the client's edges.
+
+Faked: the client (``RolloutClient`` / ``AsyncRolloutClient``): its ``submit``, ``groups``,
+``ack`` and ``cancel``. ``FakeRun`` is a discrete-event stand-in for the scheduler, the
+engines and the stream: a group submitted at virtual time ``t`` finishes at ``t + its
+duration`` (``durations`` by group id; ``None`` never finishes), and ``groups()`` hands out
+finished groups in finish order, advancing the clock to each one, until ``timeout_s``
+(virtual seconds) has passed. Real: the batcher, its state and the SDK's types
+(``PromptGroup``, ``GroupResult`` and the received-entry base class).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import pytest
+from rollserve.client import (
+    AsyncStepBatcher,
+    BatchTimeout,
+    CancelResult,
+    GroupResult,
+    GroupStatus,
+    InvalidArgument,
+    PromptGroup,
+    StepBatch,
+    StepBatcher,
+)
+from rollserve.client.consumer import ReceivedBase
+
+DEFAULT_DURATION = 1.0
+
+
+class FakeRun:
+    """The run as a trainer's client sees it, on a virtual clock."""
+
+    def __init__(self, durations: dict[str, float | None] | None = None) -> None:
+        self.durations = durations or {}
+        self.now = 0.0
+        self.submitted: list[PromptGroup] = []
+        self.acked: list[str] = []
+        self.cancelled: list[str] = []
+        self.finish_at: dict[str, float] = {}
+        self._finishing: list[tuple[float, int, str]] = []  # (finish time, seq, group id)
+        self._seq = 0
+        self._entries = 0
+
+    # ------------------------------------------------------------- the edges
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int:
+        for group in groups:
+            self.submitted.append(group)
+            duration = self.durations.get(group.group_id, DEFAULT_DURATION)
+            if duration is not None:
+                self.finish_at[group.group_id] = self.now + duration
+                self._push(self.now + duration, group.group_id)
+        return len(groups)
+
+    def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> Iterator[ReceivedBase]:
+        deadline = None if timeout_s is None else self.now + timeout_s
+        while self._finishing and (deadline is None or self._finishing[0][0] <= deadline):
+            at, _, group_id = heapq.heappop(self._finishing)
+            if group_id in self.cancelled:
+                continue
+            self.now = max(self.now, at)
+            yield self._entry(group_id)
+        if deadline is not None:
+            self.now = max(self.now, deadline)
+
+    def ack(self, *received: ReceivedBase) -> int:
+        self.acked.extend(r.group_id for r in received)
+        return len(received)
+
+    def cancel(self, group_ids: Sequence[str]) -> CancelResult:
+        """Groups still running are cancelled (never delivered); those finished by now are
+        unknown to the scheduler, and their entries stay in the stream."""
+        cancelled = [g for g in group_ids if self.finish_at.get(g, math.inf) > self.now]
+        self.cancelled.extend(cancelled)
+        unknown = [g for g in group_ids if g not in cancelled]
+        return CancelResult(cancelled=tuple(cancelled), unknown=tuple(unknown))
+
+    # ------------------------------------------------------------- scripting
+
+    def inject(self, group_id: str, at: float) -> None:
+        """A stream entry for ``group_id`` at ``at`` (a duplicate, or a foreign group)."""
+        self._push(at, group_id)
+
+    def priority_of(self, group_id: str) -> int:
+        return next(g.priority for g in self.submitted if g.group_id == group_id)
+
+    def _push(self, at: float, group_id: str) -> None:
+        heapq.heappush(self._finishing, (at, self._seq, group_id))
+        self._seq += 1
+
+    def _entry(self, group_id: str) -> ReceivedBase:
+        self._entries += 1
+        result = GroupResult(run_id="fake", group_id=group_id, status=GroupStatus.DELIVERED)
+        return ReceivedBase(result, f"{self._entries}-0", 1)
+
+
+class AsyncFakeRun:
+    """The same run behind the asyncio client's interface."""
+
+    def __init__(self, run: FakeRun) -> None:
+        self.run = run
+
+    async def submit(self, groups: Sequence[PromptGroup]) -> int:
+        return self.run.submit(groups)
+
+    async def groups(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[ReceivedBase]:
+        for received in self.run.groups(limit=limit, timeout_s=timeout_s):
+            yield received
+
+    async def ack(self, *received: ReceivedBase) -> int:
+        return self.run.ack(*received)
+
+    async def cancel(self, group_ids: Sequence[str]) -> CancelResult:
+        return self.run.cancel(group_ids)
+
+
+def prompt_groups(count: int | None = None) -> Iterator[PromptGroup]:
+    index = 0
+    while count is None or index < count:
+        yield PromptGroup(group_id=f"g{index}", prompt_token_ids=[1, 2, 3], n=2, priority=99)
+        index += 1
+
+
+def ids(batch: StepBatch[ReceivedBase]) -> list[str]:
+    return [g.group_id for g in batch.groups]
+
+
+def take(batcher: StepBatcher[ReceivedBase], steps: int) -> list[StepBatch[ReceivedBase]]:
+    batches = []
+    for _, batch in zip(range(steps), batcher, strict=False):
+        batcher.ack(batch)
+        batches.append(batch)
+    return batches
+
+
+def check_invariants(
+    run: FakeRun,
+    batches: Sequence[StepBatch[ReceivedBase]],
+    batch_size: int,
+    max_staleness: int,
+    *,
+    tail: Sequence[str] = (),
+) -> None:
+    """Exact batch sizes, the staleness bound, due groups first, nothing lost or duplicated."""
+    delivered = [g.group_id for b in batches for g in b.groups]
+    assert len(delivered) == len(set(delivered)), "a group was delivered twice"
+    submitted = [g.group_id for g in run.submitted]
+    assert sorted(delivered + list(tail)) == sorted(submitted), "a group was lost"
+    assert run.acked[: len(delivered)] == delivered  # acked once each, in batch order
+    for step, batch in enumerate(batches):
+        assert batch.step == step
+        assert len(batch) == batch_size
+        for group in batch.groups:
+            assert group.delivery_step == step
+            assert 0 <= group.staleness <= max_staleness
+            assert run.priority_of(group.group_id) == group.launch_step
+        dues = [g.due for g in batch.groups]
+        assert dues == sorted(dues, reverse=True), "due groups come first"
+
+
+def test_synchronous_batches_are_the_groups_of_their_step() -> None:
+    run = FakeRun({f"g{i}": float(8 - i) for i in range(8)})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=4, oversample=0.0)
+    batches = take(batcher, 3)
+    assert [sorted(ids(b)) for b in batches] == [
+        ["g0", "g1", "g2", "g3"],
+        ["g4", "g5", "g6", "g7"],
+        ["g10", "g11", "g8", "g9"],
+    ]
+    assert ids(batches[0]) == ["g3", "g2", "g1", "g0"]  # in finish order
+    assert all(g.staleness == 0 and not g.due for b in batches for g in b.groups)
+    assert [b.launched for b in batches] == [4, 4, 4]
+    check_invariants(run, batches, 4, 0)
+
+
+def test_oversampled_batches_carry_the_tail_over() -> None:
+    # B=4, oversample 0.5: 6 in flight. g1 and g4 are long: they are carried over.
+    run = FakeRun({"g1": 10.0, "g4": 2.5})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=4, oversample=0.5, max_staleness=1)
+    first = next(batcher)
+    assert first.launched == 6
+    assert ids(first) == ["g0", "g2", "g3", "g5"]
+    assert batcher.state.outstanding == 2
+    batcher.ack(first)
+    second = next(batcher)  # launches 4 more at priority 1; g1 and g4 are due
+    assert second.launched == 4
+    assert [g.group_id for g in second.groups if g.due] == ["g4", "g1"]  # finish order
+    assert ids(second)[:2] == ["g4", "g1"]
+    assert run.now == pytest.approx(10.0)  # it waited for g1
+    assert {g.group_id: g.staleness for g in second.groups}["g1"] == 1
+    batcher.ack(second)
+    check_invariants(run, [first, second], 4, 1, tail=["g8", "g9"])
+    assert [run.priority_of(f"g{i}") for i in range(10)] == [0] * 6 + [1] * 4
+
+
+def test_a_due_group_is_waited_for_even_when_others_finished() -> None:
+    # g0 takes 5 s; B=2, 3 in flight. At step 1 three newer groups finish first, but g0 is due.
+    run = FakeRun({"g0": 5.0, "g1": 0.1, "g2": 0.2, "g3": 0.1, "g4": 0.1})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=0.5, max_staleness=1)
+    batches = take(batcher, 2)
+    assert ids(batches[0]) == ["g1", "g2"]
+    assert ids(batches[1])[0] == "g0"
+    assert batches[1].groups[0].due
+    check_invariants(run, batches, 2, 1, tail=batcher.cancel_outstanding().group_ids)
+
+
+def test_a_larger_staleness_bound_lets_a_group_wait_longer() -> None:
+    run = FakeRun({"g0": 25.0})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=0.5, max_staleness=2)
+    batches = take(batcher, 3)
+    where = {g.group_id: (b.step, g.staleness) for b in batches for g in b.groups}
+    assert where["g0"] == (2, 2)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize(("oversample", "max_staleness"), [(0.0, 1), (0.25, 1), (0.5, 1), (1.0, 2)])
+def test_invariants_hold_for_long_tailed_durations(
+    seed: int, oversample: float, max_staleness: int
+) -> None:
+    rng = random.Random(seed)
+    durations: dict[str, float | None] = {f"g{i}": rng.lognormvariate(0.0, 1.2) for i in range(400)}
+    run = FakeRun(durations)
+    batcher = StepBatcher(
+        run, prompt_groups(), batch_size=8, oversample=oversample, max_staleness=max_staleness
+    )
+    batches = take(batcher, 12)
+    tail = batcher.cancel_outstanding(drain_timeout_s=math.inf)
+    assert not tail.unread
+    check_invariants(run, batches, 8, max_staleness, tail=tail.group_ids)
+    assert batcher.state.outstanding == 0
+
+
+def test_the_iterator_running_out_ends_with_a_partial_batch() -> None:
+    run = FakeRun({"g0": 3.0})
+    batcher = StepBatcher(run, prompt_groups(7), batch_size=3, oversample=0.5, max_staleness=1)
+    batches = take(batcher, 100)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    delivered = [g for b in batches for g in ids(b)]
+    assert sorted(delivered) == sorted(f"g{i}" for i in range(7))
+    assert next(batcher, None) is None
+
+
+def test_cancel_outstanding_cancels_the_running_and_drains_the_finished() -> None:
+    # B=2, 4 in flight; g0 and g2 make the first batch at t=1; g3 finished then too, unread.
+    run = FakeRun({"g1": 10.0})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=1.0, max_staleness=1)
+    assert ids(take(batcher, 1)[0]) == ["g0", "g2"]
+    dropped = batcher.cancel_outstanding()
+    assert dropped.cancelled == ("g1",)
+    assert dropped.discarded == ("g3",)  # its entry was read from the stream and acked
+    assert dropped.unread == ()
+    assert run.acked == ["g0", "g2", "g3"]
+    assert batcher.state.outstanding == 0
+    assert next(batcher)  # the iterator goes on with new groups
+
+
+def test_cancel_outstanding_acks_the_finished_groups_it_holds() -> None:
+    # Step 1 waits for g1 (due) and reads g3, g4, g5 meanwhile; g4 and g5 are held.
+    run = FakeRun({"g1": 10.0})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=1.0, max_staleness=1)
+    batches = take(batcher, 2)
+    assert ids(batches[1]) == ["g3", "g1"]  # both due, in finish order
+    dropped = batcher.cancel_outstanding()
+    assert (dropped.cancelled, dropped.discarded) == ((), ("g4", "g5"))
+    check_invariants(run, batches, 2, 1, tail=dropped.group_ids)
+
+
+def test_a_batch_that_never_completes_times_out_and_loses_nothing() -> None:
+    run = FakeRun({"g0": None})
+    batcher = StepBatcher(
+        run, prompt_groups(), batch_size=2, oversample=0.5, max_staleness=1, batch_timeout_s=30.0
+    )
+    first = next(batcher)  # g1 and g2 finish; g0 never does
+    batcher.ack(first)
+    with pytest.raises(BatchTimeout, match="g0"):
+        next(batcher)
+    assert batcher.state.waiting_for() == ["g0"]
+    assert batcher.state.outstanding == 3  # g0 and the two launched at step 1, finished now
+
+
+def test_failed_groups_are_handed_out_with_their_status() -> None:
+    class FailingRun(FakeRun):
+        def _entry(self, group_id: str) -> ReceivedBase:
+            received = super()._entry(group_id)
+            if group_id == "g1":
+                result = GroupResult(
+                    run_id="fake", group_id=group_id, status=GroupStatus.FAILED, error="boom"
+                )
+                return ReceivedBase(result, received.entry_id, 1)
+            return received
+
+    run = FailingRun()
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2)
+    batch = next(batcher)
+    assert [r.status for r in batch.results] == [GroupStatus.DELIVERED, GroupStatus.FAILED]
+
+
+def test_foreign_groups_are_left_pending_and_duplicates_acked() -> None:
+    run = FakeRun({"g0": 0.5, "g1": 2.0})
+    run.inject("stranger", at=0.1)  # an entry of a group this batcher did not launch
+    run.inject("g0", at=1.0)  # a second entry of g0, which the batcher holds by then
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2)
+    batch = next(batcher)
+    assert ids(batch) == ["g0", "g1"]
+    assert run.acked == ["g0"]  # the duplicate entry, unused; the stranger stays pending
+    batcher.ack(batch)
+    assert run.acked == ["g0", "g0", "g1"]
+
+
+def test_priority_is_the_launch_step_and_group_ids_must_be_unique() -> None:
+    run = FakeRun()
+    twice = [PromptGroup(group_id="same", prompt_token_ids=[1], n=1)] * 2
+    batcher = StepBatcher(run, twice, batch_size=2)
+    with pytest.raises(InvalidArgument, match="repeats"):
+        next(batcher)
+    assert run.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 4, "oversample": 1.5}, "oversample"),
+        ({"batch_size": 4, "oversample": float("nan")}, "oversample"),
+        ({"batch_size": 4, "oversample": 0.5, "max_staleness": 0}, "max_staleness >= 1"),
+        ({"batch_size": 4, "max_staleness": -1}, "max_staleness"),
+    ],
+)
+def test_settings_are_checked(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        StepBatcher(FakeRun(), [], **kwargs)  # type: ignore[arg-type]
+
+
+def test_in_flight_is_rounded_as_written() -> None:
+    batcher = StepBatcher(FakeRun(), [], batch_size=10, oversample=0.1)
+    assert batcher.state.in_flight == 11
+    assert StepBatcher(FakeRun(), [], batch_size=16, oversample=0.5).state.in_flight == 24
+
+
+async def test_the_async_batcher_makes_the_same_batches() -> None:
+    def durations() -> dict[str, float | None]:
+        rng = random.Random(7)
+        return {f"g{i}": rng.lognormvariate(0.0, 1.2) for i in range(200)}
+
+    sync_run = FakeRun(durations())
+    sync_batches = take(
+        StepBatcher(sync_run, prompt_groups(), batch_size=8, oversample=0.5, max_staleness=1), 10
+    )
+    async_run = FakeRun(durations())
+    batcher = AsyncStepBatcher(
+        AsyncFakeRun(async_run), prompt_groups(), batch_size=8, oversample=0.5, max_staleness=1
+    )
+    async_batches = []
+    async for batch in batcher:
+        await batcher.ack(batch)
+        async_batches.append(batch)
+        if len(async_batches) == 10:
+            break
+    tail = await batcher.cancel_outstanding(drain_timeout_s=math.inf)
+    assert [ids(b) for b in async_batches] == [ids(b) for b in sync_batches]
+    check_invariants(async_run, async_batches, 8, 1, tail=tail.group_ids)

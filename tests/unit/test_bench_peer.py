@@ -1,0 +1,170 @@
+"""The pure parts of ``rollserve bench peer``: the peer's command lines and request bodies, the
+metrics it reads from vLLM's servers, and the figures of its table. No process is started."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from pathlib import Path
+
+from rich.console import Console
+from rollserve.assets import default_prompts, reasoner_dir
+from rollserve.bench.peer import (
+    PEER,
+    ROLLSERVE,
+    ROLLSERVE_SYNC,
+    Environment,
+    PeerConfig,
+    print_tables,
+    to_prompt_group,
+)
+from rollserve.bench.peer_router import (
+    Sampling,
+    completion_body,
+    counters_delta,
+    parse_counters,
+    server_argv,
+    server_env,
+)
+from rollserve.bench.peer_stats import (
+    DeliveredGroup,
+    DeliveredSample,
+    PromptStream,
+    SideRun,
+    StepRecord,
+    same_draws,
+    summarize,
+)
+from rollserve.engine.settings import EngineSettings
+from rollserve.workload import read_prompt_set
+
+METRICS = """\
+# HELP vllm:request_success_total Count of successfully processed requests.
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="reasoner"} 33.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="reasoner"} 2.0
+vllm:prefix_cache_queries_total{engine="0",model_name="reasoner"} 477.0
+vllm:prefix_cache_hits_total{engine="0",model_name="reasoner"} 96.0
+vllm:num_requests_running{engine="0",model_name="reasoner"} 0.0
+"""
+
+
+def test_the_peer_servers_get_the_engine_services_arguments() -> None:
+    settings = EngineSettings(model=reasoner_dir())
+    argv = server_argv(settings, 8123)
+    flags = dict(itertools.pairwise(argv))
+    assert flags["--max-num-seqs"] == str(settings.max_num_seqs)
+    assert flags["--block-size"] == str(settings.block_size)
+    assert flags["--max-model-len"] == str(settings.max_model_len)
+    assert flags["--scheduling-policy"] == settings.scheduling_policy
+    assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert "--enable-prefix-caching" in argv
+    assert "--no-enable-chunked-prefill" in argv  # per-request seeds crash it on CPU
+    env = server_env(settings, omp_threads=1)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(settings.kv_cache_space_gib)
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_request_is_one_sample_with_its_own_seed_and_logprobs() -> None:
+    body = completion_body((0, 5, 6), Sampling(n=4, max_tokens=64, temperature=1.0), seed=1003)
+    assert body["prompt"] == [0, 5, 6]
+    assert body["seed"] == 1003
+    assert body["logprobs"] == 0
+    assert body["return_token_ids"] is True
+    assert "n" not in body
+
+
+def test_server_counters_are_read_and_differenced() -> None:
+    before = parse_counters(METRICS)
+    assert before == {"requests": 35.0, "cache_queries": 477.0, "cache_hits": 96.0}
+    after = {"requests": 45.0, "cache_queries": 577.0, "cache_hits": 146.0}
+    delta = counters_delta([before, before], [after, before])
+    assert delta == {
+        "cache_queries": 100.0,
+        "cache_hits": 50.0,
+        "requests:0": 10.0,
+        "requests:1": 0,
+    }
+
+
+def test_both_sides_get_the_same_prompts_and_seeds() -> None:
+    a = PromptStream(reasoner_dir(), None, seed=3)
+    b = PromptStream(reasoner_dir(), None, seed=3)
+    assert [a.group(i) for i in range(5)] == [b.group(i) for i in range(5)]
+    assert a.group(2).seed == 3 + 2000
+    assert a.group(len(a.rows)).prompt_key == a.group(0).prompt_key  # the stream repeats
+    group = to_prompt_group(a.group(7), Sampling(n=4, max_tokens=128, temperature=1.0))
+    assert group.group_id == "g7"
+    assert group.sampling.seed == a.group(7).seed
+    assert group.n == 4
+
+
+def run_of(name: str, stream: PromptStream, answers: dict[int, str]) -> SideRun:
+    """Two steps of two groups; group i's two samples answer ``answers[i]``."""
+    tokenizer_encode = stream._tokenizer.encode  # the model's tokenizer
+    groups = []
+    for index, text in answers.items():
+        ids = tuple(tokenizer_encode(text).ids)
+        samples = (
+            DeliveredSample(ids, "stop", "engine-0", 10, 0),
+            DeliveredSample(ids[:1], "length", "engine-1", 10, 5),
+        )
+        step = index // 2
+        groups.append(DeliveredGroup(index, stream.group(index).prompt_key, step, step, samples))
+    return SideRun(
+        name=name,
+        steps=[StepRecord(0, 2.0, 2, 10), StepRecord(1, 6.0, 2, 10)],
+        groups=groups,
+        wall_s=8.0,
+        cache_queries=40,
+        cache_hits=10,
+        samples_per_engine={"engine-0": 4, "engine-1": 4},
+    )
+
+
+def test_summaries_score_the_delivered_samples() -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    rows = {r.prompt_key: r for r in read_prompt_set(default_prompts())}
+    answers = {i: "answer " + rows[stream.group(i).prompt_key].answer for i in range(4)}
+    run = run_of(ROLLSERVE, stream, answers)
+    summary = summarize(run, stream)
+    assert summary.groups == 4
+    assert summary.groups_per_s == 0.5
+    assert summary.mean_step_s == 4.0
+    assert summary.max_step_s == 6.0
+    assert summary.mean_reward == 0.5  # the full answers score 1, the cut-off ones 0
+    assert summary.mixed_group_share == 1.0
+    assert summary.length_cut_share == 0.5
+    assert summary.staleness == {0: 4}
+    assert summary.prefix_cache_hit_rate == 0.25
+    assert summary.engine_share == {"engine-0": 0.5, "engine-1": 0.5}
+    both, same = same_draws(run, run_of(PEER, stream, {**answers, 3: "pass 1"}))
+    assert (both, same) == (8, 7)  # group 3 differs in its full sample only
+
+
+def test_the_tables_print(tmp_path: Path) -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    answers = {i: "answer 1" for i in range(4)}
+    rows = {
+        name: summarize(run_of(name, stream, answers), stream)
+        for name in (PEER, ROLLSERVE, ROLLSERVE_SYNC)
+    }
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    env = Environment(
+        cfg=PeerConfig(),
+        model=reasoner_dir(),
+        stream=stream,
+        sampling=Sampling(4, 1024, 1.0),
+        omp_threads=1,
+        log_dir=tmp_path,
+        console=console,
+        trial=[
+            {"policy": "cache_aware", "groups_per_s": 1.0, "mean_step_s": 2.0, "output_tokens": 5}
+        ],
+        router_policy="cache_aware",
+    )
+    print_tables(rows, env, {name: [0.5] for name in rows})
+    text = out.getvalue()
+    assert "cache_aware (used)" in text
+    assert "1.00x" in text
+    assert "least_outstanding (over 0.5, stale <= 1)" in text
