@@ -134,3 +134,24 @@ def test_settings_are_validated() -> None:
         RLSettings(base_s=-1)
     with pytest.raises(ValueError, match="default_len"):
         RLSettings(default_len=0)
+
+
+def test_the_scheduler_gives_rl_its_engines_step_costs() -> None:
+    from pydantic import ValidationError
+    from rollserve.scheduler.server import build_policy
+    from rollserve.scheduler.settings import SchedulerSettings
+    from rollserve.sim.profile import load_profile
+
+    cpu = load_profile("cpu-tiny")
+    settings = SchedulerSettings(redis_url="redis://x", policy="rl", cost_profile="cpu-tiny")
+    policy = build_policy(settings)
+    assert isinstance(policy, RLPolicy)
+    assert policy.settings.base_s == cpu.step_base_s
+    assert policy.settings.per_kv_token_s == cpu.per_kv_token_s
+    # Without a profile, the GPU-class defaults; other policies ignore it.
+    plain = build_policy(SchedulerSettings(redis_url="redis://x", policy="rl"))
+    assert isinstance(plain, RLPolicy) and plain.settings == RLSettings()
+    other = SchedulerSettings(redis_url="redis://x", policy="round_robin", cost_profile="cpu-tiny")
+    assert build_policy(other).name == "round_robin"
+    with pytest.raises(ValidationError, match="no shipped profile"):
+        SchedulerSettings(redis_url="redis://x", policy="rl", cost_profile="tpu-v9")

@@ -66,16 +66,10 @@ class PoliciesConfig:
 
 def rl_policy_for(profile: CostProfile) -> Policy:
     """The rl policy with the simulated engines' step costs as its cost model."""
-    from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
+    from rollserve.scheduler.core.policies.rl import RLPolicy
+    from rollserve.sim.profile import rl_settings
 
-    return RLPolicy(
-        RLSettings(
-            base_s=profile.step_base_s,
-            per_seq_s=profile.per_decode_seq_s,
-            per_kv_token_s=profile.per_kv_token_s,
-            per_prefill_token_s=profile.per_prefill_token_s,
-        )
-    )
+    return RLPolicy(rl_settings(profile))
 
 
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.client.wire import stream_key
-from rollserve.scheduler.core.policy import create_policy, policy_names
+from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
@@ -124,7 +124,7 @@ async def serve(
         await store.close()
         raise SystemExit(f"redis_url {settings.redis_url!r} is unreachable: {exc}") from exc
     tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
-    runtime = SchedulerRuntime(settings, store, create_policy(settings.policy), tokenize)
+    runtime = SchedulerRuntime(settings, store, build_policy(settings), tokenize)
     await runtime.start()
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine to use (repeatable)",
     )
     p.add_argument("--policy", default="least_outstanding", choices=policy_names())
+    p.add_argument(
+        "--cost-profile",
+        help="the engines' step-cost profile for rl (cpu-tiny, gpu-h100-llama8b or a TOML file)",
+    )
     p.add_argument("--tokenizer", help="model dir used to tokenize prompt_text")
     p.add_argument("--max-queued-groups", type=int, default=100_000)
     p.add_argument("--max-n", type=int, default=64)
@@ -208,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_policy(settings: SchedulerSettings) -> Policy:
+    """The configured policy; ``rl`` with the engines' step costs when a profile is given."""
+    if settings.policy == "rl" and settings.cost_profile is not None:
+        from rollserve.scheduler.core.policies.rl import RLPolicy
+        from rollserve.sim.profile import load_profile, rl_settings
+
+        return RLPolicy(rl_settings(load_profile(settings.cost_profile)))
+    return create_policy(settings.policy)
+
+
 def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
     return SchedulerSettings(
         host=args.host,
@@ -215,6 +229,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,
+        cost_profile=args.cost_profile,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,
         max_n=args.max_n,

@@ -32,6 +32,11 @@ class SchedulerSettings(BaseModel):
         (), description="engines known at start; more may register over gRPC"
     )
     policy: str = Field(DEFAULT_POLICY, description="placement policy")
+    cost_profile: str | None = Field(
+        None,
+        description="the engines' step costs for the rl policy's cost model: a shipped profile "
+        "name (cpu-tiny, gpu-h100-llama8b) or a profile TOML; None: GPU-class defaults",
+    )
     tokenizer: str | None = Field(
         None, description="model dir whose tokenizer.json tokenizes prompt_text"
     )
@@ -82,6 +87,15 @@ class SchedulerSettings(BaseModel):
         pattern=r"^[A-Za-z0-9_.-]+$",
         description="Redis namespace of the length history: one per model or experiment",
     )
+
+    @field_validator("cost_profile")
+    @classmethod
+    def _loadable_profile(cls, value: str | None) -> str | None:
+        if value is not None:
+            from rollserve.sim.profile import load_profile
+
+            load_profile(value)  # its ValueError names the file and what is wrong
+        return value
 
     @field_validator("policy")
     @classmethod

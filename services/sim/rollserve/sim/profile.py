@@ -19,8 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tomllib
+
+if TYPE_CHECKING:
+    from rollserve.scheduler.core.policies.rl import RLSettings
 
 __all__ = ["CostProfile", "load_profile", "profile_names"]
 
@@ -138,3 +142,15 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         return CostProfile(**data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def rl_settings(profile: CostProfile) -> RLSettings:
+    """The ``rl`` policy's settings with ``profile``'s step costs as its cost model."""
+    from rollserve.scheduler.core.policies.rl import RLSettings
+
+    return RLSettings(
+        base_s=profile.step_base_s,
+        per_seq_s=profile.per_decode_seq_s,
+        per_kv_token_s=profile.per_kv_token_s,
+        per_prefill_token_s=profile.per_prefill_token_s,
+    )
