@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -427,15 +427,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
     ) -> AsyncIterator[pb.GenerateResponse]:
         backend = await self._require_backend(context)
-        problem = _validate(request, backend.info)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.request_id in self._runs:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id ({request.request_id}) is already running on {self._engine_id}; "
-                "wait for it to end or Abort it first",
-            )
+        await refuse_bad_generate(request, backend.info, self._runs, self._engine_id, context)
         sample_requests = _sample_requests(request)
         run = _Run(
             request.request_id,
@@ -557,6 +549,26 @@ def _sample_requests(request: pb.GenerateRequest) -> list[tuple[int, SampleReque
         )
         for i in indices
     ]
+
+
+async def refuse_bad_generate(
+    request: pb.GenerateRequest,
+    info: ModelInfo,
+    running: Container[str],
+    engine_id: str,
+    context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
+) -> None:
+    """Aborts the call (INVALID_ARGUMENT, ALREADY_EXISTS) unless ``request`` can start on this
+    engine: the checks every Engine backend makes before it generates anything."""
+    problem = _validate(request, info)
+    if problem is not None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    if request.request_id in running:
+        await context.abort(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"request_id ({request.request_id}) is already running on {engine_id}; "
+            "wait for it to end or Abort it first",
+        )
 
 
 def _validate(request: pb.GenerateRequest, info: ModelInfo) -> str | None:

@@ -50,7 +50,7 @@ from rollserve.engine.server import (
     _set_health,
     _stay_registered,
 )
-from rollserve.engine.service import _FINISH_REASONS, ModelInfo, _validate
+from rollserve.engine.service import _FINISH_REASONS, ModelInfo, refuse_bad_generate
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile
 from rollserve.sim.realtime import RealTimeEngine, StepClock
@@ -171,15 +171,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         request: pb.GenerateRequest,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
     ) -> AsyncIterator[pb.GenerateResponse]:
-        problem = _validate(request, self.info)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.request_id in self._runs:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id ({request.request_id}) is already running on {self.engine_id}; "
-                "wait for it to end or Abort it first",
-            )
+        await refuse_bad_generate(request, self.info, self._runs, self.engine_id, context)
         run, sim_requests = self._plan(request)
         self._runs[run.request_id] = run
         self.totals.generate_calls += 1
