@@ -117,7 +117,12 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Runs the scheduler until ``stop`` is set (or SIGTERM/SIGINT when it is None)."""
-    store = Store.from_url(settings.redis_url, settings.stream_maxlen, settings.predictor_namespace)
+    store = Store.from_url(
+        settings.redis_url,
+        settings.stream_maxlen,
+        settings.predictor_namespace,
+        max_connections=settings.redis_max_connections,
+    )
     try:
         await store.ping()
     except redis.exceptions.ConnectionError as exc:
@@ -208,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_PREDICTOR_DEFAULTS.max_keys,
         help="prompt keys whose length history is kept (least recently used dropped)",
     )
+    p.add_argument(
+        "--redis-max-connections",
+        type=int,
+        default=64,
+        help="connections to Redis at most; more concurrent writes wait for one",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -230,6 +241,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,
         cost_profile=args.cost_profile,
+        redis_max_connections=args.redis_max_connections,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,
         max_n=args.max_n,

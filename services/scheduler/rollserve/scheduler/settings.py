@@ -72,6 +72,12 @@ class SchedulerSettings(BaseModel):
     heartbeat_interval_ms: int = Field(
         2000, ge=100, le=600_000, description="heartbeat period told to registering engines"
     )
+    redis_max_connections: int = Field(
+        64,
+        ge=2,
+        le=10_000,
+        description="connections to Redis at most; more concurrent writes wait for one",
+    )
     stream_maxlen: int = Field(
         0, ge=0, description="approximate cap of a run's stream length; 0 keeps every entry"
     )

@@ -38,6 +38,9 @@ from rollserve.client.wire import (
 )
 from rollserve.scheduler.state import GroupSpec
 
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_CONNECTION_WAIT_S = 30.0
+
 # KEYS: pending, ended, runs. ARGV: run_id, then group_id, body pairs.
 # Returns the first group id that is already pending or ended, or nothing.
 _SUBMIT = """
@@ -159,9 +162,22 @@ class Store:
 
     @classmethod
     def from_url(
-        cls, url: str, stream_maxlen: int = 0, predictor_namespace: str = "default"
+        cls,
+        url: str,
+        stream_maxlen: int = 0,
+        predictor_namespace: str = "default",
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        connection_wait_s: float = DEFAULT_CONNECTION_WAIT_S,
     ) -> Store:
-        return cls(aioredis.Redis.from_url(url), stream_maxlen, predictor_namespace)
+        """A store over at most ``max_connections`` connections to ``url``. A caller that finds
+        them all in use waits up to ``connection_wait_s`` for one (then ConnectionError, as
+        when Redis is down): deliveries of many groups finishing at once queue instead of
+        failing with "Too many connections"."""
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=connection_wait_s
+        )
+        return cls(aioredis.Redis.from_pool(pool), stream_maxlen, predictor_namespace)
 
     async def ping(self) -> None:
         await self._redis.ping()
