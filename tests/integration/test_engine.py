@@ -7,6 +7,8 @@ Long-running requests use greedy decoding so that they are deterministic.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -19,10 +21,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from tests.integration.engine_proc import free_port, start_engine_process
+from tests.integration.engine_proc import STOP_TIMEOUT_S, free_port, start_engine_process
 
 pytestmark = pytest.mark.integration
 
@@ -372,4 +375,24 @@ def test_second_engine_registers_and_stops_cleanly(tiny_model_dir: Path, tmp_pat
         assert engine.leftover_pids == [], engine.log_tail()
     finally:
         server.stop(None)
+        engine.kill()
+
+
+def test_engine_whose_vllm_core_dies_stops_serving_and_exits(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """When vLLM's engine core dies under it, the engine does not go on answering SERVING to
+    health checks: it shuts down and exits with ENGINE_DIED_EXIT_CODE for a supervisor."""
+    engine = start_engine_process(
+        tiny_model_dir, "engine-doomed", ["--omp-num-threads", "1"], log_dir=tmp_path
+    )
+    try:
+        core = [pid for pid in engine.group_pids() if pid != engine.proc.pid]
+        assert core, "expected vLLM's engine core next to the engine"
+        for pid in core:
+            os.kill(pid, signal.SIGKILL)
+        code = engine.proc.wait(timeout=STOP_TIMEOUT_S)
+        assert code == ENGINE_DIED_EXIT_CODE, engine.log_tail()
+        assert "engine core died" in engine.log_tail(10**6)
+    finally:
         engine.kill()

@@ -5,6 +5,8 @@ warm it up, switch health to SERVING, print the ready line, register with the sc
 Shutdown (SIGTERM or SIGINT): health NOT_SERVING, stop the gRPC server with a grace period
 (running Generate calls may finish; the rest are cancelled, which aborts their vLLM requests),
 shut vLLM down, then make sure no child process is left (vLLM's engine core runs in one).
+When vLLM's engine core dies on its own, health goes NOT_SERVING and the process shuts down
+the same way and exits with ENGINE_DIED_EXIT_CODE.
 
 Children and abrupt death: vLLM's engine-core child does not notice its parent's death. On
 Linux the engine core is started with PR_SET_PDEATHSIG (SIGKILL), so it dies with this
@@ -48,6 +50,10 @@ READY_PREFIX = "rollserve-engine ready"
 
 CHILD_EXIT_TIMEOUT_S = 10.0
 """How long vLLM's children may take to exit after shutdown before they are killed."""
+ENGINE_CHECK_INTERVAL_S = 0.5
+"""How often the process checks that vLLM's engine core is alive."""
+ENGINE_DIED_EXIT_CODE = 3
+"""Exit status when vLLM's engine core died (a supervisor should restart the engine)."""
 SCHEDULER_RPC_TIMEOUT_S = 5.0
 SCHEDULER_RETRY_MIN_S = 0.5
 SCHEDULER_RETRY_MAX_S = 10.0
@@ -85,6 +91,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
 
     backend: VllmBackend | None = None
     link: asyncio.Task[None] | None = None
+    died = False
     try:
         # The import takes seconds and needs no event loop; model loading must run on this
         # thread (vLLM starts its engine-core child from the calling thread and binds its
@@ -112,8 +119,14 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
                 _stay_registered(settings.scheduler_address, settings.engine_id, address),
                 name="scheduler-link",
             )
-        await stop.wait()
-        logger.info("stopping: draining for up to %.1f s", settings.shutdown_grace_s)
+        died = await _until_stop_or_death(stop, backend)
+        if died:
+            # A dead engine core never serves again: say so to health checks (the scheduler
+            # stops placing work here) and exit non-zero so a supervisor restarts the engine.
+            logger.error("vLLM's engine core died; NOT_SERVING and exiting")
+            await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        else:
+            logger.info("stopping: draining for up to %.1f s", settings.shutdown_grace_s)
     finally:
         await health_servicer.enter_graceful_shutdown()
         if link is not None:
@@ -128,6 +141,18 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         logger.info("stopped")
+    if died:
+        raise SystemExit(ENGINE_DIED_EXIT_CODE)
+
+
+async def _until_stop_or_death(stop: asyncio.Event, backend: VllmBackend) -> bool:
+    """Waits for ``stop``; True if vLLM's engine core died first."""
+    while not stop.is_set():
+        if backend.dead:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), ENGINE_CHECK_INTERVAL_S)
+    return False
 
 
 async def _set_health(servicer: Any, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:

@@ -267,6 +267,11 @@ class VllmBackend:
             preemptions=totals.get("vllm:num_preemptions", 0),
         )
 
+    @property
+    def dead(self) -> bool:
+        """Whether vLLM's engine core has died: nothing will be generated here again."""
+        return self._llm is not None and bool(self._llm.errored)
+
     def shutdown(self) -> None:
         """Stops the engine core (its child process) and the output handler, and lets go
         of the AsyncLLM so that its finalizer runs now, not at interpreter exit."""
