@@ -239,8 +239,7 @@ def _report(
             "recomputed_tokens": r.recomputed_tokens,
             "offpolicy_token_fraction": r.offpolicy_token_fraction,
             "max_staleness": r.max_staleness,
-            "discarded_token_fraction": r.discarded_tokens
-            / max(1, sum(s.output_tokens for s in r.steps)),
+            "discarded_token_fraction": r.discarded_token_fraction,
             "decision_us": r.decision_us,
             "predictor_mae": r.predictor_mae,
             "predictor_tail_auc": r.predictor_tail_auc,
@@ -295,7 +294,7 @@ def _table(
             f"{r.recomputed_tokens:,}",
             f"{r.offpolicy_token_fraction:.1%}",
             str(r.max_staleness),
-            f"{r.discarded_tokens / max(1, sum(s.output_tokens for s in r.steps)):.0%}",
+            f"{r.discarded_token_fraction:.0%}",
             "-" if mae is None else f"{mae:,.0f}",
             "-" if auc is None else f"{auc:.3f}",
             f"{r.decision_us:,.0f}",

@@ -144,6 +144,11 @@ class RunResult:
         return sum(s.offpolicy_tokens for s in self.steps) / tokens if tokens else 0.0
 
     @property
+    def discarded_token_fraction(self) -> float:
+        """Tokens thrown away per token delivered."""
+        return self.discarded_tokens / max(1, sum(s.output_tokens for s in self.steps))
+
+    @property
     def max_staleness(self) -> int:
         return max((s.max_staleness for s in self.steps), default=0)
 
