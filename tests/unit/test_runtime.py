@@ -160,18 +160,27 @@ async def test_group_fails_with_reason_after_max_attempts(redis_url: str) -> Non
     assert runtime.counters.groups_failed == 1
 
 
-async def test_engine_rejection_fails_the_group_without_retry(redis_url: str) -> None:
-    rejecting = await FakeEngine("picky", behaviour=Behaviour.REJECT).start()
-    runtime = await make_runtime(redis_url, [rejecting])
+@pytest.mark.parametrize(
+    ("behaviour", "message"),
+    [
+        (Behaviour.REJECT, "fake engine rejects it"),  # the call refused: INVALID_ARGUMENT
+        (Behaviour.FATAL_ERROR, "fake engine cannot do it"),  # an Error message, not retryable
+    ],
+)
+async def test_a_non_retryable_engine_failure_fails_the_group_without_retry(
+    redis_url: str, behaviour: Behaviour, message: str
+) -> None:
+    engine = await FakeEngine("e", behaviour=behaviour).start()
+    runtime = await make_runtime(redis_url, [engine])
     run = new_run()
     try:
         await runtime.submit(run, specs(run, 1))
         [result] = await read_stream(redis_url, run, 1)
     finally:
         await runtime.stop()
-        await rejecting.stop()
-    assert result.status == GroupStatus.FAILED and "fake engine rejects it" in result.error
-    assert len(rejecting.requests) == 1
+        await engine.stop()
+    assert result.status == GroupStatus.FAILED and message in result.error
+    assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
 async def test_cancel_running_group_aborts_engine_call_and_never_delivers(
@@ -398,23 +407,6 @@ async def test_cancel_cancels_every_call_of_a_split_group(redis_url: str) -> Non
     client = aioredis.Redis.from_url(redis_url)
     assert await client.xlen(stream_key(run)) == 0
     await client.aclose()
-
-
-async def test_a_non_retryable_engine_error_fails_the_group_without_retry(
-    redis_url: str,
-) -> None:
-    engine = await FakeEngine("e", behaviour=Behaviour.FATAL_ERROR).start()
-    runtime = await make_runtime(redis_url, [engine])
-    run = new_run()
-    try:
-        await runtime.submit(run, specs(run, 1))
-        [result] = await read_stream(redis_url, run, 1)
-    finally:
-        await runtime.stop()
-        await engine.stop()
-    assert result.status == GroupStatus.FAILED
-    assert "fake engine cannot do it" in result.error
-    assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
 async def test_partly_placed_groups_show_their_pending_samples_and_engines_count_samples(
