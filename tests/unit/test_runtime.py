@@ -285,6 +285,7 @@ class Recording:
     def __init__(self, inner: Policy) -> None:
         self.name = inner.name
         self.whole_groups = inner.whole_groups
+        self.moves_running = inner.moves_running
         self._inner = inner
         self.snapshots: list[Snapshot] = []
 

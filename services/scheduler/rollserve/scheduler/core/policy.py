@@ -18,6 +18,10 @@ class Policy(Protocol):
     # True when every Assign of the policy places all pending samples of its group; a
     # policy that places samples one by one (or splits groups) sets it False.
     whole_groups: bool
+    # True when the policy may preempt running samples (``Plan.preempts``): the edges then
+    # fill ``Snapshot.running`` and ask for a plan when a sample finishes even with nothing
+    # queued.
+    moves_running: bool
 
     def plan(self, snapshot: Snapshot) -> Plan:
         """Decide which queued groups start now and where. Groups left out stay queued."""

@@ -29,6 +29,9 @@ class QueuedGroup:
     # Per pending sample (aligned with ``pending``), when known one by one: an oracle's true
     # lengths in a simulation. Empty: every sample is ``predicted_len``.
     predicted_lens: tuple[float, ...] = ()
+    # Per pending sample (aligned with ``pending``): tokens it generated before it was
+    # preempted, kept and resumed from. Empty: none was preempted.
+    progress: tuple[int, ...] = ()
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -67,10 +70,29 @@ class EngineView:
 
 
 @dataclass(frozen=True, slots=True)
+class RunningSample:
+    """A sample being generated, for a policy that moves work while it runs
+    (``Policy.moves_running``)."""
+
+    group_key: str
+    index: int
+    engine_id: str
+    prompt_len: int
+    max_tokens: int  # of the whole sample, the tokens of earlier rounds included
+    progress: int  # tokens generated so far, over every round
+    predicted_left: float = 0.0  # predicted tokens still to generate (0: unknown)
+    preemptions: int = 0  # times it was moved or stopped so far
+    priority: int = 0
+    prompt_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     queue: tuple[QueuedGroup, ...]
     engines: tuple[EngineView, ...]
     now: float = 0.0  # seconds, on the clock of whoever built the snapshot
+    # The running samples, filled only for a policy that moves running work.
+    running: tuple[RunningSample, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,5 +106,18 @@ class Assign:
 
 
 @dataclass(frozen=True, slots=True)
+class Preempt:
+    """Stop running sample ``index`` of ``group_key`` on ``engine_id`` and keep what it
+    generated. It resumes (prompt + partial response as the prompt, ``max_tokens`` reduced by
+    what it has) on ``to_engine``, or, when that is empty, goes back to the queue."""
+
+    group_key: str
+    index: int
+    engine_id: str
+    to_engine: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     assignments: tuple[Assign, ...] = field(default_factory=tuple)
+    preempts: tuple[Preempt, ...] = field(default_factory=tuple)

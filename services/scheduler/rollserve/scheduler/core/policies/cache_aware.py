@@ -172,6 +172,7 @@ def _request_tokens(group: QueuedGroup) -> tuple[int, ...]:
 class CacheAware:
     name = "cache_aware"
     whole_groups = False
+    moves_running = False
 
     def __init__(
         self,

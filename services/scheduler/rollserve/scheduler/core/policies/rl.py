@@ -126,6 +126,7 @@ class _Engine:
 class RLPolicy:
     name = "rl"
     whole_groups = False
+    moves_running = False
 
     def __init__(self, settings: RLSettings | None = None) -> None:
         self.settings = settings or RLSettings()

@@ -39,6 +39,7 @@ from rollserve.scheduler.core.snapshot import Plan, Snapshot
 class RoundRobin:
     name = "round_robin"
     whole_groups = False
+    moves_running = False
 
     def __init__(self) -> None:
         self._last_engine: str | None = None  # the engine that got the latest sample
