@@ -91,6 +91,15 @@ def test_least_loaded_never_splits_a_group_over_engines() -> None:
     assert plan.assignments == ()  # 4 + 4 free slots, but on two engines: the group waits
 
 
+def test_least_loaded_makes_room_for_the_pending_samples_of_a_requeued_group() -> None:
+    # 3 of a's 8 samples were requeued after an engine failed: 3 free slots are room enough,
+    # and only those 3 are charged, so b still fits on the same engine.
+    engines = [engine("e0", capacity=8, inflight=2)]
+    group = queued("a", n=8, samples=(1, 4, 6))
+    plan = LeastLoaded().plan(snapshot([group, queued("b", n=3, seq=1)], engines))
+    assert placed(plan) == [("a", "e0", ()), ("b", "e0", ())]
+
+
 # cache_aware
 
 

@@ -3,13 +3,14 @@
 Algorithm
 ---------
 1. Order the queue by (priority, arrival); lower priority values first.
-2. For each group in that order, consider the healthy engines with room for all
-   ``n`` samples (``inflight_samples + n <= capacity_samples``), or idle ones.
+2. For each group in that order, consider the healthy engines with room for all its
+   pending samples (``n``, or fewer when some were requeued after an engine failed:
+   ``inflight_samples + pending <= capacity_samples``), or idle ones.
 3. Among them pick the one with the fewest outstanding tokens: the upper bound of
    tokens its running groups may still generate (``n * max_tokens`` minus what was
    generated so far). Ties go to the engine with fewer in-flight samples, then to
    the lowest engine id, so the plan is deterministic.
-4. Charge the group's ``n * max_tokens`` to that engine and continue.
+4. Charge the pending samples' ``max_tokens`` each to that engine and continue.
 
 A group that fits on no engine stays queued, and so do the groups behind it of
 the same or higher priority value: strict order, no head-of-line bypass, so a
@@ -60,12 +61,13 @@ class LeastOutstandingTokens:
         loads = [_Load.of(e) for e in snapshot.engines if e.healthy and e.capacity_samples > 0]
         assignments: list[Assign] = []
         for group in sorted(snapshot.queue, key=lambda g: (g.priority, g.seq)):
-            fitting = [load for load in loads if load.fits(group.n)]
+            pending = len(group.pending)
+            fitting = [load for load in loads if load.fits(pending)]
             if not fitting:
                 break
             best = min(fitting, key=_Load.sort_key)
-            best.free_samples -= group.n
-            best.inflight_samples += group.n
+            best.free_samples -= pending
+            best.inflight_samples += pending
             best.outstanding_tokens += group.max_new_tokens
             assignments.append(Assign(group.key, best.engine_id))
         return Plan(tuple(assignments))
