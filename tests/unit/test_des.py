@@ -13,6 +13,7 @@ import pytest
 from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
 from rollserve.scheduler.core.policy import create_policy
 from rollserve.scheduler.core.predictor import LengthPredictor
+from rollserve.scheduler.core.snapshot import Assign, Plan, Preempt, Snapshot
 from rollserve.sim.des import run_des, run_des_async
 from rollserve.sim.profile import CostProfile, load_profile
 from rollserve.sim.scenarios import (
@@ -228,3 +229,77 @@ def test_tail_batching_stops_the_tail_and_runs_it_in_long_rounds() -> None:
             oversample=0.5,
             tail="drop",  # type: ignore[arg-type]
         )
+
+
+class MoveOnce:
+    """A test policy: every sample to e000, then, at the first plan that sees one running
+    with at least ``after`` tokens, preempts it to ``to`` ("" back to the queue)."""
+
+    name = "move_once"
+    whole_groups = True
+    moves_running = True
+
+    def __init__(self, after: int, to: str) -> None:
+        self.after = after
+        self.to = to
+        self.moved: tuple[str, int] | None = None
+        self.seen_progress: list[tuple[int, ...]] = []
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        for g in snapshot.queue:
+            if g.progress:
+                self.seen_progress.append(g.progress)
+        target = self.to or "e001"
+        assigns = tuple(Assign(g.key, target if self.moved else "e000") for g in snapshot.queue)
+        if self.moved is None:
+            for s in snapshot.running:
+                if s.progress >= self.after:
+                    self.moved = (s.group_key, s.index)
+                    preempt = Preempt(s.group_key, s.index, s.engine_id, self.to)
+                    return Plan(assigns, (preempt,))
+        return Plan(assigns)
+
+
+@pytest.mark.parametrize("to", ["e001", ""])
+def test_a_preempted_sample_keeps_its_tokens_and_resumes(to: str) -> None:
+    groups = [group("a", (300, 40, 40, 40)), group("b", (30, 30, 30, 30))]
+    policy = MoveOnce(after=20, to=to)
+    result = run_des([groups], policy, PROFILE, engines=2)
+    (step,) = result.steps
+    assert policy.moved == ("a", 0)
+    assert result.moves == 1
+    # Resumed from its 20-odd tokens: no token lost, none counted twice.
+    assert step.samples == 8 and step.output_tokens == 300 + 3 * 40 + 4 * 30
+    assert result.moved_tokens >= 64 + 20
+    if not to:
+        # Requeued, it showed its kept tokens to the policy once, then ran on e001.
+        (progress,) = policy.seen_progress
+        assert progress[0] >= 20
+    # It finished on e001: the engine ran on after e000 was done.
+    ends = {e: max(t for i, _, t, _ in result.timeline if i == e) for e in (0, 1)}
+    assert ends[1] > ends[0]
+
+
+def test_a_policy_cannot_preempt_what_does_not_run_there() -> None:
+    class Bad(MoveOnce):
+        def plan(self, snapshot: Snapshot) -> Plan:
+            plan = super().plan(snapshot)
+            return Plan(
+                plan.assignments,
+                tuple(replace(p, engine_id="e001") for p in plan.preempts),
+            )
+
+    with pytest.raises(RuntimeError, match="impossible Preempt"):
+        run_des([[group("a", (300, 40))]], Bad(after=10, to="e001"), PROFILE, engines=2)
+
+
+def test_rl_keeps_new_work_off_engines_running_carried_over_work() -> None:
+    # Over-sampled steps: carried-over groups run at their launch step's priority; rl then
+    # places the next step's groups elsewhere while it can. Tokens add up either way.
+    stream = [group(f"g{i}", (400 if i % 3 == 0 else 20,) * 2) for i in range(24)]
+    for isolate in (True, False):
+        policy = RLPolicy(RLSettings(isolate_priorities=isolate))
+        assert policy.moves_running == isolate
+        result = run_des_async(stream, policy, PROFILE, engines=4, batch=4, steps=4, oversample=0.5)
+        assert sum(s.groups for s in result.steps) == 16
+        assert result.moves == 0

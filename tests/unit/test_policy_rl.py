@@ -4,11 +4,19 @@ the scheduler builds, the policy the real one."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
 from rollserve.scheduler.core.policy import create_policy
-from rollserve.scheduler.core.snapshot import EngineView, Plan, QueuedGroup, Snapshot
+from rollserve.scheduler.core.snapshot import (
+    EngineView,
+    Plan,
+    Preempt,
+    QueuedGroup,
+    RunningSample,
+    Snapshot,
+)
 
 
 def group(
@@ -155,3 +163,65 @@ def test_the_scheduler_gives_rl_its_engines_step_costs() -> None:
     assert build_policy(other).name == "round_robin"
     with pytest.raises(ValidationError, match="no shipped profile"):
         SchedulerSettings(redis_url="redis://x", policy="rl", cost_profile="tpu-v9")
+
+
+def running(
+    key: str, index: int, engine_id: str, left: float, *, priority: int = 0, progress: int = 100
+) -> RunningSample:
+    return RunningSample(
+        group_key=key,
+        index=index,
+        engine_id=engine_id,
+        prompt_len=100,
+        max_tokens=32768,
+        progress=progress,
+        predicted_left=left,
+        priority=priority,
+    )
+
+
+def test_new_work_stays_off_engines_running_more_urgent_work() -> None:
+    # e0 runs a sample carried over from the last step (priority 0); this step's group
+    # (priority 1) goes to the other engines while they have room.
+    carried = (running("old", 0, "e0", 5000),)
+    queue = (group("new", 100, n=4, priority=1),)
+    engines = (engine("e0", inflight_samples=1), engine("e1"), engine("e2"))
+    policy = RLPolicy()
+    assert policy.moves_running  # it reads the running samples
+    plan = policy.plan(Snapshot(queue, engines, running=carried))
+    assert "e0" not in placed(plan) and sum(len(s) for s in placed(plan).values()) == 4
+    # Without another engine with room, the work is not held back.
+    full = (engine("e0", inflight_samples=1), engine("e1", capacity=1, inflight_samples=1))
+    plan = policy.plan(Snapshot(queue, full, running=carried))
+    assert [e for e in placed(plan)] == ["e0"]
+    # Off, or with work of one priority, e0 is used like any engine.
+    off = RLPolicy(RLSettings(isolate_priorities=False, move_running=False))
+    assert not off.moves_running
+    same = (running("old", 0, "e0", 5000, priority=1),)
+    for p, r in ((off, carried), (RLPolicy(), same)):
+        plan = p.plan(Snapshot((group("new", 100, n=12, priority=1),), engines, running=r))
+        assert "e0" in placed(plan)
+
+
+def test_moves_split_long_running_samples_sharing_an_engine() -> None:
+    policy = RLPolicy(RLSettings(move_running=True))
+    assert policy.moves_running
+    two = (running("a", 0, "e0", 20000), running("a", 1, "e0", 20000, progress=50))
+    engines = (engine("e0", inflight_samples=2), engine("e1"))
+    # Off by default: rl reads the running samples (for priorities) but moves none.
+    assert RLPolicy().plan(Snapshot((), engines, running=two)).preempts == ()
+    plan = policy.plan(Snapshot((), engines, running=two))
+    assert plan.assignments == ()
+    # Either would do; the one with less context to prefill again on e1 goes.
+    assert plan.preempts == (Preempt("a", 1, "e0", "e1"),)
+    # One sample alone is never moved; a sample moved max_preemptions times stays.
+    alone = Snapshot((), engines, running=two[:1])
+    assert policy.plan(alone).preempts == ()
+    tired = tuple(replace(s, preemptions=2) for s in two)
+    assert policy.plan(Snapshot((), engines, running=tired)).preempts == ()
+    # Nothing is moved while work is still queued.
+    plan = policy.plan(Snapshot((group("q", 10, n=200),), engines, running=two))
+    assert plan.preempts == ()
+    # A move that saves little is not made.
+    short = (running("a", 0, "e0", 20000), running("b", 0, "e0", 10))
+    assert policy.plan(Snapshot((), engines, running=short)).preempts == ()

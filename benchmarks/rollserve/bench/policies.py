@@ -44,10 +44,11 @@ if TYPE_CHECKING:
 BASELINE = "round_robin"
 ORACLE = "oracle"  # rl with every sample's true length instead of predictions
 GROUP_ORACLE = "oracle_group"  # rl with each group's true mean length: a perfect predictor
+RL_MOVES = "rl_moves"  # rl that also moves running samples apart (Plan.preempts); off in rl
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", GROUP_ORACLE, ORACLE)
 _ORACLES: dict[str, Oracle] = {ORACLE: "sample", GROUP_ORACLE: "group"}
 # Policies that are given predictions (the others ignore them, as the systems they stand for).
-_PREDICTED = {"rl"}
+_PREDICTED = {"rl", RL_MOVES}
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,13 @@ class PoliciesConfig:
     out_dir: Path = Path("bench-policies")
 
 
-def rl_policy_for(profile: CostProfile) -> Policy:
-    """The rl policy with the simulated engines' step costs as its cost model."""
+def rl_policy_for(profile: CostProfile, *, moves: bool = False) -> Policy:
+    """The rl policy with the simulated engines' step costs as its cost model; with
+    ``moves``, moving running samples too."""
     from rollserve.scheduler.core.policies.rl import RLPolicy
     from rollserve.sim.profile import rl_settings
 
-    return RLPolicy(rl_settings(profile))
+    return RLPolicy(replace(rl_settings(profile), move_running=moves))
 
 
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:
@@ -123,7 +125,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     stream = [g for groups in steps for g in groups]
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
-        policy = rl_policy_for(profile) if name == "rl" or name in _ORACLES else create_policy(name)
+        policy = (
+            rl_policy_for(profile, moves=name == RL_MOVES)
+            if name in _PREDICTED or name in _ORACLES
+            else create_policy(name)
+        )
         kwargs: dict[str, Any] = {
             "predictor": predictor() if name in _PREDICTED else None,
             "oracle": _ORACLES.get(name),
@@ -237,6 +243,8 @@ def _report(
             "prefix_hit_rate": r.prefix_hit_rate,
             "preemptions": r.preemptions,
             "recomputed_tokens": r.recomputed_tokens,
+            "moves": r.moves,
+            "moved_tokens": r.moved_tokens,
             "offpolicy_token_fraction": r.offpolicy_token_fraction,
             "max_staleness": r.max_staleness,
             "discarded_token_fraction": r.discarded_token_fraction,

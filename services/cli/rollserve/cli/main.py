@@ -244,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--steps", type=_positive, help="override the scenario's steps")
     policies.add_argument("--engines", type=_positive, help="override the scenario's engines")
     policies.add_argument(
-        "--policies", help="comma-separated (default: the baselines, rl and the oracle)"
+        "--policies",
+        help="comma-separated (default: the baselines, rl and the oracles; also rl_moves: rl "
+        "that moves running samples apart)",
     )
     policies.add_argument(
         "--warm-steps",

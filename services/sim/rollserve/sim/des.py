@@ -28,6 +28,14 @@ policy version ``k``):
   Every delivered sample's tokens are counted per version: the off-policy fraction is the
   share of delivered tokens generated under an older version than the step's.
 
+Preemptions: a policy that moves running work (``Policy.moves_running``) is shown the running
+samples and asked for a plan at every finished sample, queue or not. A ``Preempt`` aborts the
+sample on its engine and keeps its tokens; it resumes on the target engine (or, with none,
+from the queue) as a new request whose prompt is prompt + partial response, with
+``max_tokens`` and its true length reduced by what it has, so the target prefills the whole
+context again (the prompt part from its prefix cache when it holds it). Its tokens keep the
+versions they were generated under.
+
 Predictions: with a :class:`~rollserve.scheduler.core.predictor.LengthPredictor` the loop
 predicts each queued group's length from the prompt's history, its finished siblings and its
 running siblings' progress, exactly as the scheduler does, and observes every group when it
@@ -52,7 +60,14 @@ from typing import Literal
 
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import LengthPredictor, mean_absolute_error, tail_auc
-from rollserve.scheduler.core.snapshot import EngineView, Plan, QueuedGroup, Snapshot
+from rollserve.scheduler.core.snapshot import (
+    EngineView,
+    Plan,
+    Preempt,
+    QueuedGroup,
+    RunningSample,
+    Snapshot,
+)
 from rollserve.sim.engine_model import SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile
 from rollserve.sim.scenarios import SimGroup
@@ -105,6 +120,8 @@ class RunResult:
     # (predicted length when placed, true length) per placed sample with a prediction.
     predictions: list[tuple[float, int]] = field(default_factory=list)
     discarded_tokens: int = 0  # generated, then thrown away (tail batching's early stops)
+    moves: int = 0  # running samples the policy preempted (Plan.preempts)
+    moved_tokens: int = 0  # prompt + partial response prefilled again by those resumptions
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)
     simulated: bool = True
 
@@ -204,6 +221,9 @@ class _Group:
         # counted, its progress then.
         self.versions: dict[int, int] = {}
         self.counted: dict[int, int] = {}
+        # Queued samples that were preempted: index -> (tokens they keep and resume from,
+        # times preempted).
+        self.partial: dict[int, tuple[int, int]] = {}
 
     @property
     def done(self) -> bool:
@@ -219,6 +239,8 @@ class _Running:
     index: int
     engine_id: str
     predicted: float | None
+    carried: int = 0  # tokens generated in earlier rounds (before preemptions)
+    moves: int = 0  # times preempted so far
 
 
 class _Fleet:
@@ -256,17 +278,15 @@ class _Fleet:
         self.touched: set[str] = set()
         self.version = 0
         self.discarded_tokens = 0  # generated, then thrown away by an abort
+        self.moves = 0
+        self.moved_tokens = 0
 
     # -- predictions ---------------------------------------------------------------------
 
     def _predict(self, g: _Group) -> float | None:
         if self.predictor is None:
             return None
-        progress = [
-            self.sims[r.engine_id].progress(rid)
-            for rid, r in self._running_of(g)
-            if r.index not in g.finished
-        ]
+        progress = [self._progress(rid, r) for rid, r in self._running_of(g)]
         return self.predictor.predict(
             g.group.prompt_key,
             g.group.prompt_len,
@@ -281,9 +301,13 @@ class _Fleet:
             if r is not None:
                 yield rid, r
 
+    def _progress(self, rid: str, r: _Running) -> int:
+        """Tokens a running sample has generated, over every round."""
+        return r.carried + self.sims[r.engine_id].progress(rid)
+
     def _remaining(self, rid: str, r: _Running) -> float:
         """Predicted tokens a running sample has left."""
-        progress = self.sims[r.engine_id].progress(rid)
+        progress = self._progress(rid, r)
         if self.oracle is not None:
             g = r.group.group
             known = (
@@ -329,6 +353,9 @@ class _Fleet:
                     prompt_token_ids=g.tokens,
                     predicted_len=predicted,
                     predicted_lens=lens,
+                    progress=tuple(g.partial.get(i, (0, 0))[0] for i in g.pending)
+                    if g.partial
+                    else (),
                 )
             )
         return tuple(out)
@@ -341,7 +368,7 @@ class _Fleet:
             longest = 0.0
             for rid in self.per_engine[eid]:
                 r = self.running[rid]
-                outstanding += max(0, r.group.group.max_tokens - sim.progress(rid))
+                outstanding += max(0, r.group.group.max_tokens - self._progress(rid, r))
                 left = self._remaining(rid, r)
                 predicted += left
                 longest = max(longest, left)
@@ -360,17 +387,43 @@ class _Fleet:
             )
         return tuple(result)
 
+    def running_samples(self) -> tuple[RunningSample, ...]:
+        out = []
+        for eid in self.sims:
+            for rid in sorted(self.per_engine[eid]):
+                r = self.running[rid]
+                sg = r.group.group
+                out.append(
+                    RunningSample(
+                        group_key=sg.key,
+                        index=r.index,
+                        engine_id=eid,
+                        prompt_len=sg.prompt_len,
+                        max_tokens=sg.max_tokens,
+                        progress=self._progress(rid, r),
+                        predicted_left=self._remaining(rid, r),
+                        preemptions=r.moves,
+                        priority=r.group.priority,
+                        prompt_key=sg.prompt_key,
+                    )
+                )
+        return tuple(out)
+
     def dispatch(self) -> None:
-        if not self.queued:
+        moving = self.policy.moves_running
+        if not self.queued and not (moving and self.running):
             return
         queue = self.queue()
         predicted = {q.key: q.predicted_len for q in queue}
-        snapshot = Snapshot(queue, self.views(), now=self.now)
+        running = self.running_samples() if moving else ()
+        snapshot = Snapshot(queue, self.views(), now=self.now, running=running)
         t0 = time.perf_counter()
         plan: Plan = self.policy.plan(snapshot)
         self.decision_s += time.perf_counter() - t0
         self.decisions += 1
         name = self.policy.name
+        for preempt in plan.preempts:
+            self._preempt(preempt)
         for assign in plan.assignments:
             g = self.queued.get(assign.group_key)
             if g is None or assign.engine_id not in self.sims:
@@ -380,28 +433,69 @@ class _Fleet:
                 if index not in g.pending:
                     raise RuntimeError(f"policy {name} placed {sg.key}/{index} twice")
                 g.pending.remove(index)
-                rid = f"{sg.key}/{index}"
-                self.sims[assign.engine_id].add(
-                    SimRequest(
-                        request_id=rid,
-                        prompt_len=sg.prompt_len,
-                        output_len=sg.output_lens[index],
-                        max_tokens=sg.max_tokens,
-                        prefix_id=sg.prompt_key,
-                        prefix_len=sg.prompt_len,
-                        system_id=sg.prefix_id,
-                        system_len=sg.prefix_len,
-                        priority=g.priority,
-                    )
-                )
+                carried, moves = g.partial.pop(index, (0, 0))
                 guess = predicted[sg.key]
-                self.running[rid] = _Running(g, index, assign.engine_id, guess)
-                if guess is not None:
+                self._run(_Running(g, index, assign.engine_id, guess, carried, moves))
+                if guess is not None and not carried:
                     self.predictions.append((guess, min(sg.output_lens[index], sg.max_tokens)))
-                self.per_engine[assign.engine_id].add(rid)
-                self.touched.add(assign.engine_id)
             if not g.pending:
                 del self.queued[assign.group_key]
+
+    def _run(self, r: _Running) -> None:
+        """Adds running sample ``r`` to its engine: from scratch, or resumed from its
+        ``carried`` tokens (prompt + partial response as its prompt)."""
+        sg = r.group.group
+        rid = f"{sg.key}/{r.index}"
+        self.sims[r.engine_id].add(
+            SimRequest(
+                request_id=rid,
+                prompt_len=sg.prompt_len + r.carried,
+                output_len=sg.output_lens[r.index] - r.carried,
+                max_tokens=sg.max_tokens - r.carried,
+                prefix_id=sg.prompt_key,
+                prefix_len=sg.prompt_len,
+                system_id=sg.prefix_id,
+                system_len=sg.prefix_len,
+                priority=r.group.priority,
+            )
+        )
+        self.running[rid] = r
+        self.per_engine[r.engine_id].add(rid)
+        self.touched.add(r.engine_id)
+
+    def _preempt(self, preempt: Preempt) -> None:
+        """Stops a running sample, keeping its tokens; resumes it on ``to_engine`` or queues
+        it. A sample whose last token is in its engine's current step has finished: the
+        preemption comes too late and is dropped, as an abort that races a finish is."""
+        rid = f"{preempt.group_key}/{preempt.index}"
+        r = self.running.get(rid)
+        target = preempt.to_engine
+        if (
+            r is None
+            or r.engine_id != preempt.engine_id
+            or target == r.engine_id
+            or (target and target not in self.sims)
+        ):
+            raise RuntimeError(f"policy {self.policy.name} planned an impossible {preempt}")
+        sg = r.group.group
+        progress = self._progress(rid, r)
+        if progress >= min(sg.output_lens[r.index], sg.max_tokens):
+            return
+        self.sims[r.engine_id].abort(rid)
+        del self.running[rid]
+        self.per_engine[r.engine_id].discard(rid)
+        self.touched.add(r.engine_id)
+        self.moves += 1
+        self.moved_tokens += sg.prompt_len + progress
+        moved = _Running(r.group, r.index, target, r.predicted, progress, r.moves + 1)
+        if target:
+            self._run(moved)
+            return
+        g = r.group
+        g.partial[r.index] = (progress, moved.moves)
+        g.pending.append(r.index)
+        g.pending.sort()
+        self.queued.setdefault(sg.key, g)
 
     # -- time ----------------------------------------------------------------------------
 
@@ -433,12 +527,14 @@ class _Fleet:
         self.now, _, ended, done = heapq.heappop(self.events)
         self.touched.add(ended)
         completed = []
-        for rid, tokens in done:
-            r = self.running.pop(rid, None)
-            if r is None:
-                continue  # aborted while its last step ran
+        for rid, round_tokens in done:
+            r = self.running.get(rid)
+            if r is None or r.engine_id != ended:
+                continue  # aborted (or moved) while its last step ran
+            del self.running[rid]
             self.per_engine[r.engine_id].discard(rid)
             g = r.group
+            tokens = r.carried + round_tokens
             self._count(g, r.index, tokens)
             g.finished[r.index] = tokens
             g.finish_times.append(self.now)
@@ -460,12 +556,14 @@ class _Fleet:
         """Stops every sample of ``g`` and forgets it; returns the tokens thrown away."""
         thrown = sum(g.finished.values())
         for rid, r in list(self._running_of(g)):
-            thrown += self.sims[r.engine_id].progress(rid)
+            thrown += self._progress(rid, r)
             self.sims[r.engine_id].abort(rid)
             del self.running[rid]
             self.per_engine[r.engine_id].discard(rid)
             self.touched.add(r.engine_id)
         self.queued.pop(g.group.key, None)
+        thrown += sum(tokens for tokens, _ in g.partial.values())
+        g.partial.clear()
         self.discarded_tokens += thrown
         return thrown
 
@@ -479,7 +577,7 @@ class _Fleet:
     def new_version(self) -> None:
         """The trainer published a new policy: tokens so far belong to the old one."""
         for rid, r in self.running.items():
-            self._count(r.group, r.index, self.sims[r.engine_id].progress(rid))
+            self._count(r.group, r.index, self._progress(rid, r))
         self.version += 1
 
     def result(self, steps: list[StepStats]) -> RunResult:
@@ -498,6 +596,8 @@ class _Fleet:
             decision_s=self.decision_s,
             predictions=self.predictions,
             discarded_tokens=self.discarded_tokens,
+            moves=self.moves,
+            moved_tokens=self.moved_tokens,
             timeline=self.timeline,
         )
 

@@ -18,9 +18,9 @@ class Policy(Protocol):
     # True when every Assign of the policy places all pending samples of its group; a
     # policy that places samples one by one (or splits groups) sets it False.
     whole_groups: bool
-    # True when the policy may preempt running samples (``Plan.preempts``): the edges then
-    # fill ``Snapshot.running`` and ask for a plan when a sample finishes even with nothing
-    # queued.
+    # True when the policy reads the running samples and may preempt them (``Plan.preempts``):
+    # the edges then fill ``Snapshot.running`` and ask for a plan when a sample finishes even
+    # with nothing queued.
     moves_running: bool
 
     def plan(self, snapshot: Snapshot) -> Plan:

@@ -44,6 +44,43 @@ Algorithm
    a higher priority value (strict order: the longest work is never overtaken). With no
    free slot anywhere planning stops.
 
+Deadlines: a trainer that over-samples and carries its tail over (``StepBatcher``) submits
+each step's groups with the step as their priority, so running work of a lower priority
+value than anything queued is carried-over work the current step must deliver: its end is
+the step's end. With ``isolate_priorities`` on, queued samples are not placed on an engine
+running such work while another engine has a free slot: new work would slow the step's
+critical path (every sample on an engine shares its steps), and it can wait or run
+elsewhere. Work of one priority (synchronous steps) is not affected.
+
+Moving running samples (off by default)
+---------------------------------------
+Lengths vary within a group as much as across groups, so the longest samples of a step
+are known only once they run: they are the ones still going when their siblings are done.
+By then they may share an engine with other long samples while other engines idle, and
+the step waits for the slowest of those engines. With ``move_running`` on, once a plan
+has placed the whole queue, the policy looks at the running samples and moves the tail
+apart (partial-rollout preemption: the sample stops, keeps its tokens, and resumes on the
+target with prompt + partial response as its prompt):
+
+6. Per engine, ``T`` from its running samples' predicted remaining lengths and contexts
+   (``prompt + progress``), plus what this plan placed there.
+7. Take the engine with the greatest ``T``. For each of its ``move_candidates`` samples
+   with most predicted tokens left (and fewer than ``max_preemptions`` moves so far), weigh
+   moving it to the engine with the least ``T`` that has a slot and KV room; that engine
+   pays the prefill of the sample's whole context. Make the move that leaves the lesser of
+   the two engines' ``T`` at most, if it cuts the greatest ``T`` by ``move_gain`` of it or
+   more. Repeat, at most ``moves_per_plan`` times; stop at the first engine no move helps
+   (the step's end is then set by it).
+
+Samples with no prediction (``predicted_left`` 0) are not moved. The moves cost
+O(running * moves_per_plan).
+
+Measured in the simulator (S1, ``docs/policies.md``), moves guided by the length predictor
+make steps slower, synchronous or over-sampled: it tells running samples of one group
+apart only by their progress, so it moves the wrong ones. Told each running sample's true
+remaining length, the same moves help. So they are off until a better per-sample predictor
+exists; the mechanism (``Plan.preempts``) is there for it and for other policies.
+
 Placing a sample costs O(log engines): engines whose longest sample is at least ``L`` are
 ordered by ``T``, the others by ``T - base_s * longest`` (what ``T`` becomes when ``L`` is
 their new longest), and as ``L`` falls engines move from the second heap to the first. A
@@ -57,6 +94,11 @@ Settings (:class:`RLSettings`)
 - ``kv_headroom`` (1.0): share of an engine's KV capacity a plan may fill by prediction.
 - ``prefix_memory`` (65536): prompts whose engines are remembered, least recently placed
   forgotten first; ``prefix_engines`` (8): engines remembered per prompt.
+- ``isolate_priorities`` (True): keep new work off engines running more urgent work.
+- ``move_running`` (False): move running samples apart as above.
+- ``move_gain`` (0.05): the share of the greatest ``T`` a move must save.
+- ``max_preemptions`` (2): moves of one sample, at most.
+- ``moves_per_plan`` (16) and ``move_candidates`` (4): bounds of one plan's search.
 """
 
 from __future__ import annotations
@@ -67,7 +109,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from rollserve.scheduler.core.policy import sample_plan
-from rollserve.scheduler.core.snapshot import EngineView, Plan, QueuedGroup, Snapshot
+from rollserve.scheduler.core.snapshot import (
+    EngineView,
+    Plan,
+    Preempt,
+    QueuedGroup,
+    RunningSample,
+    Snapshot,
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +129,12 @@ class RLSettings:
     kv_headroom: float = 1.0
     prefix_memory: int = 65536
     prefix_engines: int = 8
+    isolate_priorities: bool = True
+    move_running: bool = False
+    move_gain: float = 0.05
+    max_preemptions: int = 2
+    moves_per_plan: int = 16
+    move_candidates: int = 4
 
     def __post_init__(self) -> None:
         for name in ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s"):
@@ -95,6 +150,11 @@ class RLSettings:
                 f"prefix_memory ({self.prefix_memory}) must be >= 0 and prefix_engines "
                 f"({self.prefix_engines}) >= 1"
             )
+        if not 0 < self.move_gain < 1:
+            raise ValueError(f"move_gain ({self.move_gain}) must be in (0, 1)")
+        for name in ("max_preemptions", "moves_per_plan", "move_candidates"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
 
 
 class _Engine:
@@ -126,35 +186,123 @@ class _Engine:
 class RLPolicy:
     name = "rl"
     whole_groups = False
-    moves_running = False
 
     def __init__(self, settings: RLSettings | None = None) -> None:
         self.settings = settings or RLSettings()
+        self.moves_running = self.settings.move_running or self.settings.isolate_priorities
         # prompt key -> engines it was sent to, most recent last; least recently placed first.
         self._holders: OrderedDict[str, list[str]] = OrderedDict()
 
     def plan(self, snapshot: Snapshot) -> Plan:
+        placed: dict[tuple[str, str], list[int]] = {}
+        added: list[tuple[str, float, int]] = []  # (engine id, length, prompt length)
+        whole = self._place(snapshot, placed, added)
+        preempts: tuple[Preempt, ...] = ()
+        if self.settings.move_running and whole and snapshot.running:
+            preempts = self._moves(snapshot, added)
+        return Plan(sample_plan(placed).assignments, preempts)
+
+    def _place(
+        self,
+        snapshot: Snapshot,
+        placed: dict[tuple[str, str], list[int]],
+        added: list[tuple[str, float, int]],
+    ) -> bool:
+        """Places queued samples (steps 1-5) into ``placed`` and ``added``; whether every
+        queued sample was placed."""
         cfg = self.settings
         engines = {
             e.engine_id: _Engine(e, cfg)
             for e in snapshot.engines
             if e.healthy and e.capacity_samples > 0 and e.free_samples > 0
         }
-        if not engines or not snapshot.queue:
-            return Plan()
+        if not snapshot.queue:
+            return True
+        if cfg.isolate_priorities and snapshot.running:
+            engines = _without_urgent_work(engines, snapshot)
+        if not engines:
+            return False
         heaps = _Heaps(engines, cfg.base_s)
-        placed: dict[tuple[str, str], list[int]] = {}
         for _priority, neg_len, _seq, index, group in self._ordered(snapshot.queue):
             length = -neg_len
             target = self._choose(group, length, engines, heaps)
             if target is None:
                 # Strict order: nothing overtakes the longest work that does not fit.
-                break
-            added = self._added(length, group.prompt_len)
-            heaps.place(target, length, added, group.prompt_len + length)
+                return False
+            heaps.place(
+                target,
+                length,
+                self._added(length, group.prompt_len),
+                group.prompt_len + length,
+            )
             placed.setdefault((group.key, target.engine_id), []).append(index)
+            added.append((target.engine_id, length, group.prompt_len))
             self._remember(group.prompt_key or group.key, target.engine_id)
-        return sample_plan(placed)
+        return True
+
+    def _moves(
+        self, snapshot: Snapshot, added: list[tuple[str, float, int]]
+    ) -> tuple[Preempt, ...]:
+        """Running samples to move apart (steps 6-7)."""
+        cfg = self.settings
+        loads = {
+            e.engine_id: _Load(e, cfg)
+            for e in snapshot.engines
+            if e.healthy and e.capacity_samples > 0
+        }
+        for sample in snapshot.running:
+            load = loads.get(sample.engine_id)
+            if load is not None:
+                load.add(sample.predicted_left, sample.prompt_len + sample.progress, sample)
+        for engine_id, length, prompt_len in added:
+            loads[engine_id].add(length, prompt_len, None)
+        out: list[Preempt] = []
+        while len(out) < cfg.moves_per_plan and len(loads) > 1:
+            source = max(loads.values(), key=lambda load: (load.finish(), load.engine_id))
+            move = self._best_move(source, loads)
+            if move is None:
+                break
+            entry, target = move
+            source.remove(entry)
+            target.add(entry[0], entry[1], None)
+            moved = entry[2]
+            assert moved is not None  # only running samples are candidates
+            out.append(Preempt(moved.group_key, moved.index, moved.engine_id, target.engine_id))
+        return tuple(out)
+
+    def _best_move(self, source: _Load, loads: dict[str, _Load]) -> tuple[_Entry_, _Load] | None:
+        """The move of one of ``source``'s longest samples that cuts its ``T`` by
+        ``move_gain`` or more and leaves the lesser greatest ``T`` of source and target."""
+        cfg = self.settings
+        before = source.finish()
+        if len(source.entries) < 2 or before <= 0:
+            return None
+        movable = sorted(
+            (
+                e
+                for e in source.entries
+                if e[2] is not None and e[0] > 0 and e[2].preemptions < cfg.max_preemptions
+            ),
+            key=lambda e: (-e[0], e[2].group_key if e[2] else "", e[2].index if e[2] else 0),
+        )[: cfg.move_candidates]
+        best: tuple[float, _Entry_, _Load] | None = None
+        for entry in movable:
+            length, context, _ = entry
+            targets = [
+                load for load in loads.values() if load is not source and load.fits(length, context)
+            ]
+            if not targets:
+                return None
+            target = min(
+                targets, key=lambda load: (load.finish_with(length, context), load.engine_id)
+            )
+            after = max(
+                source.finish_without(entry),
+                target.finish_with(length, context) + cfg.per_prefill_token_s * context,
+            )
+            if after <= before * (1 - cfg.move_gain) and (best is None or after < best[0]):
+                best = (after, entry, target)
+        return None if best is None else (best[1], best[2])
 
     def _ordered(
         self, queue: tuple[QueuedGroup, ...]
@@ -212,6 +360,72 @@ class RLPolicy:
         self._holders[prompt_key] = engines
         while len(self._holders) > cfg.prefix_memory:
             self._holders.popitem(last=False)
+
+
+def _without_urgent_work(engines: dict[str, _Engine], snapshot: Snapshot) -> dict[str, _Engine]:
+    """``engines`` less those running work more urgent than anything queued, unless that
+    leaves none."""
+    first = min(group.priority for group in snapshot.queue)
+    urgent = {s.engine_id for s in snapshot.running if s.priority < first}
+    rest = {engine_id: e for engine_id, e in engines.items() if engine_id not in urgent}
+    return rest or engines
+
+
+_Entry_ = tuple[float, int, RunningSample | None]  # (predicted left, context, the sample)
+
+
+class _Load:
+    """One engine's running samples, each with its predicted remaining tokens and context,
+    and the ``T`` of the cost model over them (steps 6-7)."""
+
+    __slots__ = ("cfg", "engine_id", "entries", "free", "kv_budget", "kv_need", "longest", "rest")
+
+    def __init__(self, view: EngineView, cfg: RLSettings) -> None:
+        self.cfg = cfg
+        self.engine_id = view.engine_id
+        self.entries: list[_Entry_] = []
+        self.rest = 0.0  # the per-token terms of T
+        self.longest = 0.0
+        self.free = view.free_samples
+        cap = view.kv_capacity_tokens
+        self.kv_budget = cfg.kv_headroom * cap if cap else math.inf
+        self.kv_need = 0.0
+
+    def _terms(self, length: float, context: int) -> float:
+        cfg = self.cfg
+        return cfg.per_seq_s * length + cfg.per_kv_token_s * length * (context + length / 2)
+
+    def add(self, length: float, context: int, sample: RunningSample | None) -> None:
+        self.entries.append((length, context, sample))
+        self.longest = max(self.longest, length)
+        self.rest += self._terms(length, context)
+        self.kv_need += context + length
+        if sample is None:
+            self.free -= 1
+
+    def remove(self, entry: _Entry_) -> None:
+        self.entries.remove(entry)
+        if entry[0] >= self.longest:
+            self.longest = max((e[0] for e in self.entries), default=0.0)
+        self.rest -= self._terms(entry[0], entry[1])
+        self.kv_need -= entry[1] + entry[0]
+        self.free += 1
+
+    def finish(self) -> float:
+        return self.cfg.base_s * self.longest + self.rest
+
+    def finish_without(self, entry: _Entry_) -> float:
+        longest = max((e[0] for e in self.entries if e is not entry), default=0.0)
+        return self.cfg.base_s * longest + self.rest - self._terms(entry[0], entry[1])
+
+    def finish_with(self, length: float, context: int) -> float:
+        longest = max(length, self.longest)
+        return self.cfg.base_s * longest + self.rest + self._terms(length, context)
+
+    def fits(self, length: float, context: int) -> bool:
+        return self.free > 0 and (
+            not self.entries or self.kv_need + context + length <= self.kv_budget
+        )
 
 
 _Entry = tuple[float, str, int]  # (key, engine id, engine version when pushed)
