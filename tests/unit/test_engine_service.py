@@ -3,7 +3,10 @@ are seeded and what it refuses. Faked: the backend (no vLLM); the servicer and g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import cast
 
 import grpc
 import pytest
@@ -17,6 +20,7 @@ from rollserve.engine.service import (
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+WAIT_S = 10.0
 INFO = ModelInfo(
     model="scripted", max_model_len=256, max_num_seqs=8, vocab_size=1000, eos_token_id=1
 )
@@ -45,9 +49,39 @@ class ScriptedBackend:
         return EngineCounters()
 
 
-@pytest.fixture
-async def engine() -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, ScriptedBackend]]:
-    backend = ScriptedBackend()
+class HoldingBackend(ScriptedBackend):
+    """Each sample yields token 7, then holds until it is aborted and ends with reason abort."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted: list[str] = []
+        self._aborts: dict[str, asyncio.Event] = {}
+        self._arrived = asyncio.Event()
+
+    async def started(self, count: int) -> None:
+        """Returns once ``count`` samples have started."""
+        while len(self.requests) < count:
+            await self._arrived.wait()
+            self._arrived.clear()
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        self._arrived.set()
+        prompt_len = len(request.prompt_token_ids)
+        yield SampleOutput([7], [-0.5], None, prompt_len, 0)
+        await self._aborts.setdefault(request.request_id, asyncio.Event()).wait()
+        yield SampleOutput([], [], "abort", prompt_len, 0)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        self.aborted += request_ids
+        for request_id in request_ids:
+            self._aborts.setdefault(request_id, asyncio.Event()).set()
+
+
+@asynccontextmanager
+async def served(
+    backend: ScriptedBackend,
+) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
     servicer = EngineServicer("scripted", flush_interval_s=0.0)
     servicer.attach(backend)
     server = grpc.aio.server()
@@ -55,8 +89,22 @@ async def engine() -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, ScriptedBacke
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb_grpc.EngineStub(channel), backend
+        yield pb_grpc.EngineStub(channel)
     await server.stop(None)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, ScriptedBackend]]:
+    backend = ScriptedBackend()
+    async with served(backend) as stub:
+        yield stub, backend
+
+
+@pytest.fixture
+async def holding() -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, HoldingBackend]]:
+    backend = HoldingBackend()
+    async with served(backend) as stub:
+        yield stub, backend
 
 
 def request(n: int, indices: Sequence[int] = (), seed: int | None = 100) -> pb.GenerateRequest:
@@ -110,3 +158,64 @@ async def test_bad_sample_indices_are_invalid_argument(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert problem in (info.value.details() or "")
     assert backend.requests == []
+
+
+async def read_until_complete(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+    tokens: dict[int, list[int]],
+) -> pb.Complete:
+    """Reads the call's messages, gathering tokens by sample index, up to the next Complete."""
+    while True:
+        message = cast(pb.GenerateResponse, await call.read())
+        kind = message.WhichOneof("kind")
+        assert kind != "error", message.error.message
+        deltas = message.chunk.deltas if kind == "chunk" else [message.complete]
+        for delta in deltas:
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        if kind == "complete":
+            return message.complete
+
+
+async def test_abort_of_named_samples_ends_only_those_and_the_call_goes_on(
+    holding: tuple[pb_grpc.EngineAsyncStub, HoldingBackend],
+) -> None:
+    stub, backend = holding
+    call = stub.Generate(request(n=3))
+    await asyncio.wait_for(backend.started(3), WAIT_S)
+    reply = await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=[1]))
+    tokens: dict[int, list[int]] = {}
+    first = await read_until_complete(call, tokens)
+    assert reply.found and backend.aborted == ["r/1"]
+    assert first.index == 1 and first.finish_reason == pb.FINISH_REASON_ABORT
+    assert tokens[1] == [7]  # what it had generated when it was stopped
+    again = await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=[1]))
+    assert again.found and backend.aborted == ["r/1"]  # a finished sample is left as it is
+    await stub.Abort(pb.AbortRequest(request_id="r"))  # the rest
+    rest = [await read_until_complete(call, tokens) for _ in range(2)]
+    assert sorted(c.index for c in rest) == [0, 2]
+    assert {c.finish_reason for c in rest} == {pb.FINISH_REASON_ABORT}
+    assert backend.aborted == ["r/1", "r/0", "r/2"]
+    assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+    assert not (await stub.Abort(pb.AbortRequest(request_id="r"))).found
+
+
+@pytest.mark.parametrize(
+    ("indices", "problem"),
+    [
+        ([0], "sample_indices[0] (0) is not a sample of call r (its samples: [1, 3])"),
+        ([3, 3], "sample_indices[1] (3) repeats sample_indices[0]"),
+        ([-1], "sample_indices[0] (-1) is not a sample of call r"),
+    ],
+)
+async def test_abort_of_samples_the_call_does_not_generate_is_invalid_argument(
+    holding: tuple[pb_grpc.EngineAsyncStub, HoldingBackend], indices: list[int], problem: str
+) -> None:
+    stub, backend = holding
+    call = stub.Generate(request(n=4, indices=[3, 1]))
+    await asyncio.wait_for(backend.started(2), WAIT_S)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=indices))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or "")
+    assert backend.aborted == []
+    call.cancel()

@@ -488,6 +488,40 @@ async def test_abort_ends_samples_with_the_tokens_so_far() -> None:
     assert all(128001 not in t for t in tokens.values())
 
 
+async def test_abort_of_named_samples_ends_only_those_and_the_call_goes_on() -> None:
+    async with sim_engine(
+        time_scale=1.0, response_median=100_000, prompt_sigma=0, within_sigma=0
+    ) as (
+        servicer,
+        stub,
+    ):
+        call = stub.Generate(generate_request("long", n=4, max_tokens=20_000))
+        messages = [cast(pb.GenerateResponse, await call.read())]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Abort(pb.AbortRequest(request_id="long", sample_indices=[1, 7]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sample_indices[1] (7) is not a sample of call long" in (info.value.details() or "")
+        reply = await stub.Abort(pb.AbortRequest(request_id="long", sample_indices=[2, 0]))
+        assert reply.found
+        while True:
+            message = cast(pb.GenerateResponse, await call.read())
+            messages.append(message)
+            completes = [m.complete for m in messages if m.WhichOneof("kind") == "complete"]
+            if len(completes) == 2:
+                break
+        assert servicer.engine.engine.running == 2  # samples 1 and 3 go on
+        call.cancel()
+    assert sorted(c.index for c in completes) == [0, 2]
+    assert all(c.finish_reason == pb.FINISH_REASON_ABORT for c in completes)
+    tokens: dict[int, list[int]] = {}
+    for message in messages:
+        for delta in message.chunk.deltas:
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+    for c in completes:
+        tokens.setdefault(c.index, []).extend(c.token_ids)
+    assert all(0 < len(tokens[i]) < 20_000 for i in (0, 2))
+
+
 async def test_cancelling_the_call_aborts_its_samples_in_the_engine() -> None:
     async with sim_engine(
         time_scale=1.0, response_median=100_000, prompt_sigma=0, within_sigma=0

@@ -100,3 +100,39 @@ def test_cancel_and_fail_leave_finished_samples_alone() -> None:
     other.start([1], "e0")
     other.fail()
     assert {s.state for s in other.samples} == {SampleState.FAILED}
+
+
+def test_a_preempted_sample_keeps_its_tokens_and_resuming_is_not_a_new_attempt() -> None:
+    record = GroupRecord.new(spec(n=2, max_tokens=8), seq=1)
+    record.start([0, 1], "e0", now=1.0)
+    record.add_tokens(0, [1, 2], [-0.1, -0.2])
+    record.preempt(0)
+    assert record.samples[0].state == SampleState.QUEUED and pending_of(record) == (0,)
+    assert record.progress(pending_of(record)) == (2,)
+    with pytest.raises(RuntimeError, match="QUEUED -> PREEMPTED"):
+        record.preempt(0)
+    record.start([0], "e1", now=2.0)
+    assert record.attempts == 1
+    record.add_tokens(0, [3], [-0.3])
+    for index in (0, 1):
+        record.finish_sample(index, FinishReason.STOP, 5, 0)
+    moved, stayed = record.to_samples()
+    assert moved.token_ids == [1, 2, 3] and moved.logprobs == [-0.1, -0.2, -0.3]
+    assert (moved.preemptions, moved.resumed_tokens, moved.engine_id) == (1, 2, "e1")
+    assert moved.started_at == 1.0
+    assert (stayed.preemptions, stayed.resumed_tokens) == (0, 0)
+
+
+def test_an_engine_failure_after_a_preemption_starts_the_sample_over() -> None:
+    record = GroupRecord.new(spec(n=1), seq=1)
+    record.start([0], "e0", now=1.0)
+    record.add_tokens(0, [1, 2], [-0.1, -0.2])
+    record.preempt(0)
+    record.start([0], "e1", now=2.0)
+    record.add_tokens(0, [3], [-0.3])
+    assert record.requeue([0], "e1 died") == (0,)
+    sample = record.samples[0]
+    assert sample.token_ids == [] and sample.logprobs == []
+    assert (sample.preemptions, sample.resumed_tokens) == (0, 0)
+    record.start([0], "e2", now=3.0)
+    assert record.attempts == 2

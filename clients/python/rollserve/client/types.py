@@ -197,6 +197,7 @@ class SchedulerStatus:
     groups_cancelled: int
     engine_failures: int  # times an engine was marked unhealthy
     engines: tuple[EngineStatus, ...]
+    samples_preempted: int = 0  # times a running sample was stopped, its tokens kept
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -211,6 +212,7 @@ class SchedulerStatus:
             groups_cancelled=msg.groups_cancelled,
             engine_failures=msg.engine_failures,
             engines=tuple(EngineStatus.from_proto(e) for e in msg.engines),
+            samples_preempted=msg.samples_preempted,
         )
 
     @property

@@ -370,6 +370,7 @@ class StatusResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _builtins.int
     PREDICTOR_KEYS_FIELD_NUMBER: _builtins.int
     PREDICTOR_EPOCH_FIELD_NUMBER: _builtins.int
+    SAMPLES_PREEMPTED_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -386,6 +387,8 @@ class StatusResponse(_message.Message):
     """prompt keys with length history"""
     predictor_epoch: _builtins.int
     """the length predictor's newest epoch"""
+    samples_preempted: _builtins.int
+    """times a running sample was stopped, its tokens kept"""
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -403,10 +406,11 @@ class StatusResponse(_message.Message):
         engines: _abc.Iterable[Global___EngineStatus] | None = ...,
         predictor_keys: _builtins.int = ...,
         predictor_epoch: _builtins.int = ...,
+        samples_preempted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,15 +688,25 @@ class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDICES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    @_builtins.property
+    def sample_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The samples of the call to abort, each one it generates; empty means all of them.
+        An aborted sample's stream ends with a Complete of FINISH_REASON_ABORT carrying its
+        last tokens; the call's other samples go on. A sample that already finished is left
+        as it is.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        sample_indices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "sample_indices", b"sample_indices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

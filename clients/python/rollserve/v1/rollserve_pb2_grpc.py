@@ -324,7 +324,9 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Aborts samples of a running Generate call (all, or those named): each ends
+        with FINISH_REASON_ABORT and the tokens produced so far.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -129,6 +129,9 @@ class EngineStub:
     error, after which it ends. Cancelling the call aborts the work.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.AbortRequest, _rollserve_pb2.AbortResponse]
+    """Aborts samples of a running Generate call (all, or those named): each ends
+    with FINISH_REASON_ABORT and the tokens produced so far.
+    """
     Stats: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.StatsRequest, _rollserve_pb2.StatsResponse]
 
 @_typing.type_check_only
@@ -142,6 +145,9 @@ class EngineAsyncStub(EngineStub):
     error, after which it ends. Cancelling the call aborts the work.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.AbortRequest, _rollserve_pb2.AbortResponse]  # type: ignore[assignment]
+    """Aborts samples of a running Generate call (all, or those named): each ends
+    with FINISH_REASON_ABORT and the tokens produced so far.
+    """
     Stats: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.StatsRequest, _rollserve_pb2.StatsResponse]  # type: ignore[assignment]
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
@@ -163,7 +169,10 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _rollserve_pb2.AbortRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_rollserve_pb2.AbortResponse, _abc.Awaitable[_rollserve_pb2.AbortResponse]]: ...
+    ) -> _typing.Union[_rollserve_pb2.AbortResponse, _abc.Awaitable[_rollserve_pb2.AbortResponse]]:
+        """Aborts samples of a running Generate call (all, or those named): each ends
+        with FINISH_REASON_ABORT and the tokens produced so far.
+        """
 
     @_abc_1.abstractmethod
     def Stats(

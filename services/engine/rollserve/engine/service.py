@@ -4,10 +4,12 @@ A Generate call runs samples of one prompt group: all n, or the indices in `samp
 Each is a separate vLLM request `"{request_id}/{i}"` with n=1, sample i seeded `seed + i` when
 a seed is given, so sample i is the same draw whichever call generates it: a scheduler may
 split a group over engines and calls. They share the prompt's KV blocks through
-the prefix cache, and each can be aborted alone. One task per sample pulls vLLM's delta
-outputs into that sample's buffer; the call's handler wakes when a buffer grows, waits out the
-rest of the flush interval so that more tokens gather, and then sends one Chunk with the new
-tokens of every sample, followed by a Complete for each sample that finished. Batching this way
+the prefix cache, and each can be aborted alone: Abort stops every sample of a call or those
+its `sample_indices` name, and each stopped sample completes with reason abort. One task per
+sample pulls vLLM's delta outputs into that sample's buffer; the call's handler wakes when a
+buffer grows, waits out the rest of the flush interval so that more tokens gather, and then
+sends one Chunk with the new tokens of every sample, followed by a Complete for each sample that
+finished. Batching this way
 keeps the messages per second bounded by the flush interval, not by the token rate.
 
 The servicer talks to vLLM through `GenerationBackend`, a small protocol: `VllmBackend` is the
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Container, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -40,6 +42,8 @@ __all__ = [
     "SampleRequest",
     "VllmBackend",
     "build_engine_args",
+    "refuse_bad_abort",
+    "refuse_bad_generate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -479,7 +483,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         run = self._runs.get(request.request_id)
         if run is None:
             return pb.AbortResponse(found=False)
-        await backend.abort(run.unfinished_ids())
+        await refuse_bad_abort(request, [s.index for s in run.samples], context)
+        chosen = set(request.sample_indices)
+        await backend.abort(
+            [
+                s.request_id
+                for s in run.samples
+                if s.finish_reason is None and (not chosen or s.index in chosen)
+            ]
+        )
         return pb.AbortResponse(found=True)
 
     async def Stats(
@@ -576,6 +588,18 @@ async def refuse_bad_generate(
         )
 
 
+async def refuse_bad_abort(
+    request: pb.AbortRequest,
+    call_indices: Sequence[int],
+    context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse],
+) -> None:
+    """Aborts the Abort call (INVALID_ARGUMENT) unless each of its ``sample_indices`` is a
+    sample its Generate call generates (``call_indices``), named once."""
+    problem = next(_abort_index_problems(request, call_indices), None)
+    if problem is not None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
 def _validate(request: pb.GenerateRequest, info: ModelInfo) -> str | None:
     """The first problem with the request, worded for the caller; None if it is valid."""
     return next(_problems(request, info), None)
@@ -624,12 +648,36 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
 
 def _index_problems(indices: Sequence[int], n: int) -> Iterator[str]:
     """Problems of `sample_indices`: each in 0..n-1, none twice (empty asks for all n)."""
+
+    def out_of_range(index: int) -> str:
+        if index < 0:
+            return "must be >= 0"
+        return f"must be below n ({n})" if index >= n else ""
+
+    return _listed_once(indices, out_of_range)
+
+
+def _abort_index_problems(request: pb.AbortRequest, call_indices: Sequence[int]) -> Iterator[str]:
+    """Problems of an Abort's `sample_indices`: each a sample of the call, none twice (empty
+    aborts them all)."""
+    generated = sorted(call_indices)
+
+    def not_in_call(index: int) -> str:
+        if index in generated:
+            return ""
+        return f"is not a sample of call {request.request_id} (its samples: {generated})"
+
+    return _listed_once(request.sample_indices, not_in_call)
+
+
+def _listed_once(indices: Sequence[int], problem: Callable[[int], str]) -> Iterator[str]:
+    """Problems of a `sample_indices` list: what ``problem`` says of an index ("" when
+    nothing), and an index named twice."""
     first_at: dict[int, int] = {}
     for position, index in enumerate(indices):
-        if index < 0:
-            yield f"sample_indices[{position}] ({index}) must be >= 0"
-        elif index >= n:
-            yield f"sample_indices[{position}] ({index}) must be below n ({n})"
+        own = problem(index)
+        if own:
+            yield f"sample_indices[{position}] ({index}) {own}"
         elif index in first_at:
             yield (
                 f"sample_indices[{position}] ({index}) repeats sample_indices[{first_at[index]}]; "

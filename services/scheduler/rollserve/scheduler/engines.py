@@ -49,6 +49,9 @@ class EngineInfo:
     model: str
 
 
+_INT64 = 1 << 63
+
+
 class EngineHandle:
     """One engine: its channel, what the scheduler has seen of its health, its load."""
 
@@ -104,29 +107,51 @@ class EngineHandle:
         return reply
 
     def generate(
-        self, spec: GroupSpec, request_id: str, indices: Sequence[int]
+        self,
+        spec: GroupSpec,
+        request_id: str,
+        indices: Sequence[int],
+        resumed: Sequence[int] = (),
+        resumption: int = 0,
     ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
-        """Starts generating samples ``indices`` of the group (all n: no sample_indices)."""
+        """Starts generating samples ``indices`` of the group (all n: no sample_indices).
+
+        ``resumed``: the response tokens the one sample of ``indices`` kept from before its
+        preemption; the engine gets prompt + ``resumed`` as the prompt and ``max_tokens``
+        reduced by their count, and generates what comes after them. ``resumption``: how many
+        times that sample was preempted; a seeded group's seed moves by ``n`` per resumption,
+        so sample ``i`` resumes on seed ``seed + n * resumption + i``, a stream of its own
+        (the same seed would replay the random draws its first tokens were sampled with)."""
         s = spec.sampling
         sampling = pb.SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            max_tokens=s.max_tokens,
+            max_tokens=s.max_tokens - len(resumed),
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
         )
         if s.seed is not None:
-            sampling.seed = s.seed
+            # Wrapped into int64, the field's range (a seed near its top would overflow).
+            sampling.seed = (s.seed + spec.n * resumption + _INT64) % (2 * _INT64) - _INT64
         request = pb.GenerateRequest(
             request_id=request_id,
-            prompt_token_ids=spec.prompt_token_ids,
+            prompt_token_ids=[*spec.prompt_token_ids, *resumed],
             n=spec.n,
             sampling=sampling,
             priority=spec.priority,
             sample_indices=[] if len(set(indices)) == spec.n else indices,
         )
         return self._stub.Generate(request)
+
+    async def abort(self, request_id: str, indices: Sequence[int], timeout_s: float) -> bool:
+        """Asks the engine to stop samples ``indices`` of call ``request_id``: each ends with
+        a Complete of reason abort on the call's stream. False when the call was not running
+        there (it ended, or has not reached the engine yet)."""
+        reply: pb.AbortResponse = await self._stub.Abort(
+            pb.AbortRequest(request_id=request_id, sample_indices=indices), timeout=timeout_s
+        )
+        return reply.found
 
     def mark(self, healthy: bool, error: str = "") -> bool:
         """Sets health; returns True when it changed."""

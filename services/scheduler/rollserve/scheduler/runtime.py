@@ -7,13 +7,29 @@ sample delivers the group), and the health loop (probe engines; an engine that f
 the unfinished samples of its calls re-queued).
 
 A plan's ``Assign(group, engine, samples)`` starts one Generate call on that engine for
-those sample indices (all the group's queued samples when empty). A group may run in
-several calls at once, on several engines, started over several dispatch rounds.
+those sample indices (all the group's queued samples when empty) that have not started,
+and one call of its own for each that resumes after a preemption (its prompt differs: the
+group's prompt + its kept tokens). A group may run in several calls at once, on several
+engines, started over several dispatch rounds.
+
+A plan's ``Preempt(group, index, engine, to_engine)`` (for a policy that
+``moves_running``) is carried out after its assignments: a sample holds its slot on its
+engine until the engine confirms the abort, so a preempt frees nothing for assignments
+of the same plan. It sends an Abort for that one sample of its call; the sample runs on
+until the call's stream brings its Complete. Reason abort: the sample leaves the call with
+its tokens and logprobs kept (``RUNNING -> PREEMPTED -> QUEUED``) and starts at once on
+``to_engine`` if that is still healthy with room, else waits in the queue for a later
+Assign; a sample whose kept tokens already reach max_tokens finishes (length) instead.
+Any other reason: it finished before the abort landed, and simply finishes. If the engine
+fails first, the call fails as any call does and the sample is re-queued from scratch.
+Preemption is not persisted: like every running sample, a preempted one is re-run from
+its first token after a scheduler restart (only pending groups are in Redis).
 
 Invariants:
 - a group is in Redis ``pending`` from before Submit returns until it ends;
-- each sample of a group that has not ended is queued, running in exactly one call, or
-  finished; the group is in the queue iff it has a queued sample;
+- each sample of a group that has not ended is queued, running in exactly one call (a
+  preempted sample leaves its call), or finished; the group is in the queue iff it has a
+  queued sample;
 - a group is ended (delivered, failed or cancelled) by exactly one task: ``_retire`` takes
   it out of memory and cancels its other calls before anything is awaited, and delivery
   goes through the idempotent ``Store.deliver``, so an engine failure or a scheduler restart
@@ -33,15 +49,21 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import redis.exceptions
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import LengthPredictor
-from rollserve.scheduler.core.snapshot import Assign, QueuedGroup, Snapshot
+from rollserve.scheduler.core.snapshot import (
+    Assign,
+    Preempt,
+    QueuedGroup,
+    RunningSample,
+    Snapshot,
+)
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, SampleState, group_key
@@ -50,6 +72,10 @@ from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# Deadline of an Abort to an engine. One that times out changes nothing: the sample then
+# runs on, and its call's stream still says how it ends.
+_ABORT_TIMEOUT_S = 5.0
 
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -94,22 +120,35 @@ class Counters:
     groups_failed: int = 0
     groups_cancelled: int = 0
     engine_failures: int = 0
+    samples_preempted: int = 0
 
 
 @dataclass(eq=False, slots=True)
 class _Call:
-    """One Generate call: samples ``indices`` of ``record``'s group on ``engine``."""
+    """One Generate call: samples ``indices`` of ``record``'s group on ``engine``; a call
+    that resumes a preempted sample has that one sample and sends the tokens it kept,
+    ``resumed``, after the prompt."""
 
     request_id: str
     record: GroupRecord
     engine: EngineHandle
     indices: tuple[int, ...]
+    resumed: tuple[int, ...] = ()
     task: asyncio.Task[None] | None = None
+    # Samples an Abort was sent for and whose Complete has not come yet -> the engine to
+    # resume each on ("": the queue).
+    stopping: dict[int, str] = field(default_factory=dict)
+    # Samples that left the call preempted: the engine sends nothing more of them.
+    preempted: set[int] = field(default_factory=set)
 
     def running(self) -> list[int]:
-        """Its samples that have not finished yet."""
+        """Its samples that have not finished yet (nor left it)."""
         samples = self.record.samples
-        return [i for i in self.indices if samples[i].state == SampleState.RUNNING]
+        return [
+            i
+            for i in self.indices
+            if i not in self.preempted and samples[i].state == SampleState.RUNNING
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +315,7 @@ class SchedulerRuntime:
             groups_failed=c.groups_failed,
             groups_cancelled=c.groups_cancelled,
             engine_failures=c.engine_failures,
+            samples_preempted=c.samples_preempted,
             predictor_keys=len(self._predictor),
             predictor_epoch=self._predictor.epoch,
             engines=[
@@ -378,6 +418,7 @@ class SchedulerRuntime:
             record = self._groups[key]
             spec = record.spec
             pending = record.pending
+            progress = record.progress(pending)
             queue.append(
                 QueuedGroup(
                     key=key,
@@ -390,21 +431,58 @@ class SchedulerRuntime:
                     samples=pending if len(pending) < spec.n else (),
                     prompt_token_ids=spec.prompt_token_ids,
                     predicted_len=self._predict_queued(record),
+                    progress=progress if any(progress) else (),
                 )
             )
         loads = self._loads()
         engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
-        return Snapshot(tuple(queue), engines, now=time.monotonic())
+        running = self._running_samples() if self._policy.moves_running else ()
+        return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
+
+    def _running_samples(self) -> tuple[RunningSample, ...]:
+        """Every running sample a policy may preempt (not those being preempted already)."""
+        memo: dict[tuple[str, int], float] = {}
+        out: list[RunningSample] = []
+        for key, calls in self._calls.items():
+            for call in calls.values():
+                record, spec = call.record, call.record.spec
+                for index in call.running():
+                    if index in call.stopping:
+                        continue
+                    sample = record.samples[index]
+                    progress = len(sample.token_ids)
+                    predicted = self._predict_running(record, progress, memo)
+                    out.append(
+                        RunningSample(
+                            group_key=key,
+                            index=index,
+                            engine_id=call.engine.engine_id,
+                            prompt_len=len(spec.prompt_token_ids),
+                            max_tokens=spec.sampling.max_tokens,
+                            progress=progress,
+                            predicted_left=max(0.0, predicted - progress),
+                            preemptions=sample.preemptions,
+                            priority=spec.priority,
+                            prompt_key=spec.prompt_key,
+                        )
+                    )
+        return tuple(out)
 
     async def _dispatch_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._queue:
+            # A policy that moves running work plans whenever something runs: a finished
+            # sample may leave a slot that a running one should move to.
+            if not self._queue and not (self._policy.moves_running and self._calls):
                 continue
             plan = self._policy.plan(self._snapshot())
             for assign in plan.assignments:
                 self._carry_out(assign)
+            if plan.preempts:
+                room = self._room()
+                for preempt in plan.preempts:
+                    self._preempt(preempt, room)
 
     def _carry_out(self, assign: Assign) -> None:
         """Starts the call ``assign`` asks for, or logs why it cannot be."""
@@ -427,20 +505,103 @@ class SchedulerRuntime:
                 list(pending),
             )
             return
-        self._start(record, engine, indices)
+        fresh = tuple(i for i in indices if not record.samples[i].token_ids)
+        if fresh:
+            self._start(record, engine, fresh)
+        for index in indices:
+            if record.samples[index].token_ids:  # resumes: a prompt of its own, a call of its own
+                self._start(record, engine, (index,))
 
     def _start(self, record: GroupRecord, engine: EngineHandle, indices: Sequence[int]) -> None:
+        """Starts one call of queued samples ``indices``: samples with no tokens yet, or one
+        sample that resumes with the tokens it kept."""
         key = record.spec.key
+        resumed = tuple(record.samples[indices[0]].token_ids) if len(indices) == 1 else ()
+        assert len(indices) == 1 or not any(record.progress(indices)), "resumes run alone"
         record.start(indices, engine.engine_id)
         if not record.pending:
             del self._queue[key]
         self._calls_started += 1
-        call = _Call(f"{key}#{self._boot}.{self._calls_started}", record, engine, tuple(indices))
+        call = _Call(
+            f"{key}#{self._boot}.{self._calls_started}", record, engine, tuple(indices), resumed
+        )
         task = asyncio.create_task(self._run_call(call), name=f"call {call.request_id}")
         call.task = task
         self._calls.setdefault(key, {})[call.request_id] = call
         self._tasks.add(task)
         task.add_done_callback(self._call_ended)
+
+    def _room(self) -> dict[str, int]:
+        """Per engine, the samples it can take before it is at capacity."""
+        room = {engine_id: e.capacity_samples for engine_id, e in self._engines.items()}
+        for calls in self._calls.values():
+            for call in calls.values():
+                if call.engine.engine_id in room:
+                    room[call.engine.engine_id] -= len(call.running())
+        return room
+
+    def _preempt(self, preempt: Preempt, room: dict[str, int]) -> None:
+        """Sends the Abort ``preempt`` asks for, or logs why it cannot be. A sample moving to
+        another engine takes its room there (in ``room``) for the rest of the plan."""
+        call = self._running_call(preempt)
+        problem = next(self._preempt_problems(preempt, call, room), "")
+        if call is None or problem:
+            log.error(
+                "policy %s planned an impossible %s: %s",
+                self._policy.name,
+                preempt,
+                problem,
+            )
+            return
+        if preempt.to_engine:
+            room[preempt.to_engine] -= 1
+        call.stopping[preempt.index] = preempt.to_engine
+        task = asyncio.create_task(
+            self._abort(call, preempt.index), name=f"abort {call.request_id}/{preempt.index}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._call_ended)
+
+    def _running_call(self, preempt: Preempt) -> _Call | None:
+        """The call in which the sample ``preempt`` names runs on the engine it names."""
+        for call in self._calls.get(preempt.group_key, {}).values():
+            if call.engine.engine_id == preempt.engine_id and preempt.index in call.running():
+                return call
+        return None
+
+    def _preempt_problems(
+        self, preempt: Preempt, call: _Call | None, room: dict[str, int]
+    ) -> Iterator[str]:
+        """Why ``preempt`` cannot be carried out, most basic first; nothing when it can."""
+        if call is None:
+            yield f"no sample {preempt.index} of that group runs on {preempt.engine_id}"
+        elif preempt.index in call.stopping:
+            yield "that sample is being preempted already"
+        target = preempt.to_engine
+        if target and target not in self._engines:
+            yield f"engine {target} is unknown"
+        elif target and not self._engines[target].healthy:
+            yield f"engine {target} is unhealthy"
+        elif target and room[target] < 1:
+            yield f"engine {target} has no room"
+
+    async def _abort(self, call: _Call, index: int) -> None:
+        """Asks the engine to stop sample ``index`` of ``call``; its Complete comes on the
+        call's stream. Best effort: if the Abort fails, the sample runs on and ends there."""
+        try:
+            found = await call.engine.abort(call.request_id, (index,), _ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "aborting sample %d of call %s on %s: %s: %s; it runs on",
+                index,
+                call.request_id,
+                call.engine.engine_id,
+                exc.code().name,
+                exc.details(),
+            )
+            found = False
+        if not found:  # it runs on (or the call ended): it may be preempted again later
+            call.stopping.pop(index, None)
 
     def _call_ended(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -465,7 +626,10 @@ class SchedulerRuntime:
 
     async def _attempt(self, call: _Call) -> None:
         record, engine = call.record, call.engine
-        stream = engine.generate(record.spec, call.request_id, call.indices)
+        resumption = record.samples[call.indices[0]].preemptions if call.resumed else 0
+        stream = engine.generate(
+            record.spec, call.request_id, call.indices, call.resumed, resumption
+        )
         try:
             await self._consume(call, stream)
         except grpc.aio.AioRpcError as exc:
@@ -496,15 +660,20 @@ class SchedulerRuntime:
                 done = message.complete
                 self._check_running(call, done.index)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs))
-                record.finish_sample(
-                    done.index,
-                    _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT),
-                    done.num_prompt_tokens,
-                    done.num_cached_tokens,
-                )
-                # A finished sample frees its slot on the engine even while its siblings
-                # run: plan again now, or the engine's batch thins out behind long samples.
+                reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
+                # A finished or preempted sample frees its slot on the engine even while its
+                # siblings run: plan again now, or the batch thins out behind long samples.
                 self._wake.set()
+                to_engine = call.stopping.pop(done.index, None)
+                if to_engine is not None and reason is FinishReason.ABORT:
+                    sample = record.samples[done.index]
+                    if len(sample.token_ids) < record.spec.sampling.max_tokens:
+                        self._preempted(call, done.index, to_engine)
+                        continue
+                    reason = FinishReason.LENGTH  # stopped with nothing left to generate
+                record.finish_sample(
+                    done.index, reason, done.num_prompt_tokens, done.num_cached_tokens
+                )
             elif kind == "error":
                 if message.error.retryable:
                     raise _EngineFault(f"engine error: {message.error.message}")
@@ -512,9 +681,34 @@ class SchedulerRuntime:
         if call.running():
             raise _EngineFault("the stream ended before every sample finished")
 
+    def _preempted(self, call: _Call, index: int, to_engine: str) -> None:
+        """Sample ``index`` of ``call`` stopped with its tokens kept: it leaves the call and
+        resumes on ``to_engine`` if that is still healthy with room, else waits queued."""
+        record = call.record
+        call.preempted.add(index)
+        record.preempt(index)
+        self.counters.samples_preempted += 1
+        self._queue[record.spec.key] = None
+        if not to_engine:
+            return
+        target = self._engines.get(to_engine)
+        if target is not None and target.healthy and self._room()[to_engine] > 0:
+            self._start(record, target, (index,))
+            return
+        log.warning(
+            "preempted sample %d of %s waits in the queue: engine %s is gone, unhealthy or full",
+            index,
+            record.spec.key,
+            to_engine,
+        )
+
     @staticmethod
     def _check_running(call: _Call, index: int) -> None:
-        if index not in call.indices or call.record.samples[index].state != SampleState.RUNNING:
+        if (
+            index not in call.indices
+            or index in call.preempted
+            or call.record.samples[index].state != SampleState.RUNNING
+        ):
             raise _EngineFault(
                 f"sample index {index} is not a running sample of call {call.request_id} "
                 f"(its samples: {list(call.indices)})"

@@ -62,7 +62,11 @@ class SchedulerSettings(BaseModel):
         description="samples in flight per engine, as a multiple of its max_num_seqs",
     )
     max_attempts: int = Field(
-        3, ge=1, le=100, description="dispatches of a group before it is reported failed"
+        3,
+        ge=1,
+        le=100,
+        description="dispatches of a group before it is reported failed (resuming a "
+        "preempted sample is not one)",
     )
     health_interval_s: float = Field(1.0, gt=0, le=60, description="engine probe period")
     health_timeout_s: float = Field(2.0, gt=0, le=60, description="engine probe deadline")

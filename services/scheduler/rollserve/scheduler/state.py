@@ -1,10 +1,11 @@
 """Group and sample state machines, kept in memory by the scheduler.
 
 Sample: ``QUEUED -> RUNNING -> (PREEMPTED -> QUEUED)* -> FINISHED | FAILED``, and
-``CANCELLED`` from any non-terminal state. A running sample whose engine failed goes
-back to ``QUEUED`` with nothing kept (``RUNNING -> QUEUED``). The enum is ordered so
-that ``state.is_terminal`` is one comparison, and ``_NEXT`` lists every allowed
-transition: anything else is a bug and raises.
+``CANCELLED`` from any non-terminal state. A preempted sample keeps the tokens and logprobs
+it generated: its next start resumes it (the engine gets prompt + partial response as the
+prompt). A running sample whose engine failed goes back to ``QUEUED`` with nothing kept
+(``RUNNING -> QUEUED``). The enum is ordered so that ``state.is_terminal`` is one
+comparison, and ``_NEXT`` lists every allowed transition: anything else is a bug and raises.
 
 Each sample records the engine it runs on: the samples of a group may be placed on several
 engines and over several dispatch rounds. A group is as far as its least advanced
@@ -97,7 +98,10 @@ class SampleRecord:
     index: int
     state: SampleState = SampleState.QUEUED
     engine_id: str = ""  # where it runs or ran last
-    attempts: int = 0  # dispatches so far
+    attempts: int = 0  # runs from its first token (resuming after a preemption is not one)
+    preemptions: int = 0  # times it was stopped with its tokens kept, in this run
+    resumed_tokens: int = 0  # tokens it had when resumed, summed over its resumptions
+    resuming: bool = False  # queued by a preemption: its next start resumes the run
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -114,8 +118,21 @@ class SampleRecord:
     def start(self, engine_id: str, now: float) -> None:
         self._move(SampleState.RUNNING)
         self.engine_id = engine_id
-        self.attempts += 1
+        if self.resuming:
+            self.resuming = False
+            self.resumed_tokens += len(self.token_ids)
+        else:
+            self.attempts += 1
         self.started_at = self.started_at or now
+
+    def preempt(self) -> None:
+        """Stopped on its engine with its tokens and logprobs kept, and back to the queue to
+        be resumed (``RUNNING -> PREEMPTED -> QUEUED`` in one step, as vLLM's preempt frees,
+        marks and re-queues a request)."""
+        self._move(SampleState.PREEMPTED)
+        self.preemptions += 1
+        self.resuming = True
+        self._move(SampleState.QUEUED)
 
     def finish(
         self, reason: FinishReason, num_prompt_tokens: int, cached_prompt_tokens: int, now: float
@@ -127,10 +144,13 @@ class SampleRecord:
         self.finished_at = now
 
     def requeue(self) -> None:
-        """Back to the queue with nothing kept (the engine that held it is gone)."""
+        """Back to the queue with nothing kept (the engine that held it is gone): the next
+        run starts from its first token, so the counts of preemptions go too."""
         self._move(SampleState.QUEUED)
         self.token_ids.clear()
         self.logprobs.clear()
+        self.preemptions = 0
+        self.resumed_tokens = 0
         self.finish_reason = None
         self.num_prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -163,7 +183,7 @@ class GroupRecord:
 
     @property
     def attempts(self) -> int:
-        """Dispatches of its most dispatched sample (1 when no engine failed it)."""
+        """Runs of its most run sample (1 when no engine failed it)."""
         return max(s.attempts for s in self.samples)
 
     @property
@@ -182,6 +202,10 @@ class GroupRecord:
             if s.state == SampleState.FINISHED and s.finish_reason != FinishReason.ABORT
         )
 
+    def progress(self, indices: Sequence[int]) -> tuple[int, ...]:
+        """Tokens each of samples ``indices`` has generated so far."""
+        return tuple(len(self.samples[i].token_ids) for i in indices)
+
     def running_progress(self) -> tuple[int, ...]:
         """Tokens generated so far by each running sample."""
         return tuple(len(s.token_ids) for s in self.samples if s.state == SampleState.RUNNING)
@@ -191,6 +215,10 @@ class GroupRecord:
         now = time.time() if now is None else now
         for index in indices:
             self.samples[index].start(engine_id, now)
+
+    def preempt(self, index: int) -> None:
+        """Running sample ``index`` was stopped with its tokens kept: it is queued to resume."""
+        self.samples[index].preempt()
 
     def requeue(self, indices: Sequence[int], error: str) -> tuple[int, ...]:
         """Their engine failed: those of ``indices`` still running go back to the queue with
@@ -242,6 +270,8 @@ class GroupRecord:
                     versions=[VersionSegment(0, len(s.token_ids))] if s.token_ids else [],
                     num_prompt_tokens=s.num_prompt_tokens,
                     cached_prompt_tokens=s.cached_prompt_tokens,
+                    preemptions=s.preemptions,
+                    resumed_tokens=s.resumed_tokens,
                     started_at=s.started_at,
                     finished_at=s.finished_at,
                 )

@@ -15,7 +15,8 @@ n=1 requests sent together do in vLLM). Each sample's length comes from the leng
 wakes every flush interval (simulated time, like every duration here) and sends one Chunk with
 the tokens each sample produced since the last one, then a Complete per finished sample; when
 the last sample finishes it sends at once. Cancelling the call aborts its samples in the engine;
-Abort ends them with finish reason ``abort`` and the tokens produced so far.
+Abort ends them (all, or those its ``sample_indices`` name) with finish reason ``abort`` and the
+tokens produced so far, and the handler sends what it has at once.
 
 Validation (``sample_indices`` included), registration and heartbeats are the real engine's code
 (``rollserve.engine.service`` and ``.server``): a request the sim accepts is one vLLM would.
@@ -50,7 +51,12 @@ from rollserve.engine.server import (
     _set_health,
     _stay_registered,
 )
-from rollserve.engine.service import _FINISH_REASONS, ModelInfo, refuse_bad_generate
+from rollserve.engine.service import (
+    _FINISH_REASONS,
+    ModelInfo,
+    refuse_bad_abort,
+    refuse_bad_generate,
+)
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile
 from rollserve.sim.realtime import RealTimeEngine, StepClock
@@ -207,10 +213,15 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         run = self._runs.get(request.request_id)
         if run is None:
             return pb.AbortResponse(found=False)
+        await refuse_bad_abort(request, [s.index for s in run.samples], context)
+        chosen = set(request.sample_indices)
         for sample in list(run.unfinished()):
+            if chosen and sample.index not in chosen:
+                continue
             finished = self.engine.abort(sample.request_id)
             if finished is not None:  # else it finished in the step in flight: that comes
                 self._sample_finished(run, sample, finished)
+        run.wakeup.set()
         return pb.AbortResponse(found=True)
 
     async def Stats(
