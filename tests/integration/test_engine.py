@@ -307,6 +307,8 @@ async def test_stats(engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path) -> N
     assert stats.model == str(tiny_model_dir)
     assert stats.max_model_len == MAX_MODEL_LEN
     assert stats.max_num_seqs == 64
+    # vLLM sized its KV cache at start-up: blocks x block size, enough for a full context.
+    assert stats.kv_capacity_tokens >= MAX_MODEL_LEN
     assert stats.eos_token_id == 1  # "</s>" in the tiny model's tokenizer
     assert stats.prompt_tokens >= 2 * len(PROMPT)
     assert stats.generation_tokens >= 16

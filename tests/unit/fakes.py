@@ -62,6 +62,7 @@ class FakeEngine:
     behaviour: Behaviour = Behaviour.NORMAL
     max_num_seqs: int = 64
     max_model_len: int = 512
+    kv_capacity_tokens: int = 0  # what Stats says (0: unknown)
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     first_token: int = 100  # token t of a sample is first_token + t
@@ -217,4 +218,5 @@ class _Servicer(pb_grpc.EngineServicer):
             max_model_len=self._e.max_model_len,
             max_num_seqs=self._e.max_num_seqs,
             vocab_size=1000,
+            kv_capacity_tokens=self._e.kv_capacity_tokens,
         )

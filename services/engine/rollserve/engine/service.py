@@ -103,6 +103,7 @@ class ModelInfo:
     max_num_seqs: int
     vocab_size: int
     eos_token_id: int | None
+    kv_capacity_tokens: int = 0  # KV cache size in tokens; 0: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +186,15 @@ class VllmBackend:
             eos = llm.get_tokenizer().eos_token_id
         except (AttributeError, ValueError):
             eos = None
+        # The engine core sized its KV cache at start-up and reported the blocks back.
+        cache = llm.vllm_config.cache_config
         info = ModelInfo(
             model=str(settings.model),
             max_model_len=int(llm.model_config.max_model_len),
             max_num_seqs=settings.max_num_seqs,
             vocab_size=int(llm.model_config.get_vocab_size()),
             eos_token_id=None if eos is None else int(eos),
+            kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size),
         )
         return cls(llm, info)
 
@@ -516,6 +520,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             preemptions=counters.preemptions,
             eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
             vocab_size=info.vocab_size,
+            kv_capacity_tokens=info.kv_capacity_tokens,
         )
 
 

@@ -47,6 +47,7 @@ class EngineInfo:
     max_num_seqs: int
     vocab_size: int
     model: str
+    kv_capacity_tokens: int = 0  # 0: the engine did not say
 
 
 _INT64 = 1 << 63
@@ -84,6 +85,7 @@ class EngineHandle:
             outstanding_tokens=load.outstanding_tokens,
             predicted_outstanding=load.predicted_outstanding,
             predicted_longest=load.predicted_longest,
+            kv_capacity_tokens=self.info.kv_capacity_tokens if self.info is not None else 0,
             kv_used_tokens=load.kv_used_tokens,
         )
 
@@ -99,7 +101,11 @@ class EngineHandle:
         if self.info is None:
             stats = await self.stats(timeout_s)
             self.info = EngineInfo(
-                stats.max_model_len, stats.max_num_seqs, stats.vocab_size, stats.model
+                stats.max_model_len,
+                stats.max_num_seqs,
+                stats.vocab_size,
+                stats.model,
+                stats.kv_capacity_tokens,
             )
 
     async def stats(self, timeout_s: float) -> pb.StatsResponse:

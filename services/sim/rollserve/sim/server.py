@@ -160,6 +160,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             max_num_seqs=profile.max_num_seqs,
             vocab_size=tokens.vocab_size,
             eos_token_id=tokens.eos_token_id,
+            kv_capacity_tokens=engine.engine.kv_capacity_tokens,
         )
         self.engine = engine
         self._lengths = lengths
@@ -245,6 +246,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             preemptions=stats.preemptions,
             eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
             vocab_size=info.vocab_size,
+            kv_capacity_tokens=info.kv_capacity_tokens,
         )
 
     def _plan(self, request: pb.GenerateRequest) -> tuple[_Run, list[SimRequest]]:
