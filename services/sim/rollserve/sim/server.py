@@ -47,12 +47,12 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from rollserve.engine.server import (
     ENGINE_SERVICE,
-    _AioHealthServicer,
-    _set_health,
-    _stay_registered,
+    AioHealthServicer,
+    set_health,
+    stay_registered,
 )
 from rollserve.engine.service import (
-    _FINISH_REASONS,
+    FINISH_REASONS,
     ModelInfo,
     refuse_bad_abort,
     refuse_bad_generate,
@@ -312,7 +312,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
                             index=s.index,
                             token_ids=token_ids,
                             logprobs=logprobs,
-                            finish_reason=_FINISH_REASONS[finished.finish_reason],
+                            finish_reason=FINISH_REASONS[finished.finish_reason],
                             num_prompt_tokens=run.prompt_len,
                             num_cached_tokens=finished.cached_prompt_tokens,
                         )
@@ -425,7 +425,7 @@ async def serve(
         if settings.scheduler_address is not None:
             links = [
                 asyncio.create_task(
-                    _stay_registered(settings.scheduler_address, s.engine_id, s.address),
+                    stay_registered(settings.scheduler_address, s.engine_id, s.address),
                     name=f"scheduler-link {s.engine_id}",
                 )
                 for s in served
@@ -455,7 +455,7 @@ async def serve(
 async def _start_engine(parts: EngineParts, index: int) -> _Served:
     settings = parts.settings
     servicer = parts.servicer(index)
-    health_servicer = _AioHealthServicer()
+    health_servicer = AioHealthServicer()
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -467,7 +467,7 @@ async def _start_engine(parts: EngineParts, index: int) -> _Served:
     if port == 0:
         raise OSError(f"engine {servicer.engine_id}: could not bind {address}")
     await server.start()
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return _Served(
         servicer.engine_id,
         settings.advertised_address(port),
