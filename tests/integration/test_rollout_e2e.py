@@ -26,6 +26,7 @@ from rollserve.client.wire import stream_key
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from tests.conftest import RedisDatabases
 from tests.integration.engine_proc import start_engine_process
 from tests.integration.scheduler_proc import start_scheduler
 
@@ -52,19 +53,34 @@ def groups(count: int, n: int = 4, max_tokens: int = 24, prefix: str = "g") -> l
 
 
 @pytest.fixture(scope="module")
+def scheduler_redis_url(redis_databases: RedisDatabases) -> Iterator[str]:
+    """The module scheduler's Redis database: one of its own, since the tests that start a
+    scheduler of their own (on ``redis_url``'s) do so while it runs (one per database)."""
+    url = redis_databases.take()
+    yield url
+    redis_databases.give_back(url)
+
+
+@pytest.fixture(scope="module")
 def scheduler(
-    redis_url: str, engine_address: str, tmp_path_factory: pytest.TempPathFactory
+    scheduler_redis_url: str, engine_address: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
     proc = start_scheduler(
-        redis_url, [f"e0={engine_address}"], tmp_path_factory.mktemp("sched"), "--max-n", "16"
+        scheduler_redis_url,
+        [f"e0={engine_address}"],
+        tmp_path_factory.mktemp("sched"),
+        "--max-n",
+        "16",
     )
     yield proc
     proc.stop()
 
 
-def test_16_groups_of_4_give_exactly_64_samples(scheduler: ManagedProcess, redis_url: str) -> None:
+def test_16_groups_of_4_give_exactly_64_samples(
+    scheduler: ManagedProcess, scheduler_redis_url: str
+) -> None:
     rid = run_id()
-    with RolloutClient(scheduler.address, redis_url, rid) as client:
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
         assert client.submit(groups(16, n=4, max_tokens=24)) == 16
         received = list(client.groups(limit=16, timeout_s=300))
         for item in received:
@@ -86,7 +102,7 @@ def test_16_groups_of_4_give_exactly_64_samples(scheduler: ManagedProcess, redis
             assert s.engine_id == "e0"
             assert s.num_prompt_tokens == len(PROMPT) + 1
     assert status.groups_delivered >= 16
-    assert redis.Redis.from_url(redis_url).xlen(stream_key(rid)) == 16
+    assert redis.Redis.from_url(scheduler_redis_url).xlen(stream_key(rid)) == 16
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "rl"])
@@ -137,23 +153,23 @@ def test_sample_level_policies_deliver_every_group_once(
 
 
 def test_dead_consumer_groups_are_redelivered_to_another(
-    scheduler: ManagedProcess, redis_url: str
+    scheduler: ManagedProcess, scheduler_redis_url: str
 ) -> None:
     rid = run_id()
-    with RolloutClient(scheduler.address, redis_url, rid, consumer_name="a") as first:
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid, consumer_name="a") as first:
         first.submit(groups(4, n=2, max_tokens=8))
         taken = list(first.groups(limit=4, timeout_s=300))
         assert len(taken) == 4
         # "a" dies here: it never acknowledges what it took.
     with RolloutClient(
-        scheduler.address, redis_url, rid, consumer_name="b", claim_idle_ms=300
+        scheduler.address, scheduler_redis_url, rid, consumer_name="b", claim_idle_ms=300
     ) as second:
         again = list(second.groups(limit=4, timeout_s=60))
         for item in again:
             item.done()
     assert sorted(i.group_id for i in again) == sorted(i.group_id for i in taken)
     assert all(i.redelivered for i in again)
-    pending = redis.Redis.from_url(redis_url).xpending(stream_key(rid), "trainer")
+    pending = redis.Redis.from_url(scheduler_redis_url).xpending(stream_key(rid), "trainer")
     assert pending["pending"] == 0
 
 
@@ -162,7 +178,10 @@ def test_scheduler_restart_does_not_duplicate_delivered_groups(
 ) -> None:
     rid = run_id()
     r = redis.Redis.from_url(redis_url)
-    first = start_scheduler(redis_url, [f"e0={engine_address}"], tmp_path, name="first")
+    # A short lease: the killed scheduler's ends soon, and the second one waits it out.
+    first = start_scheduler(
+        redis_url, [f"e0={engine_address}"], tmp_path, "--lease-ttl-s", "3", name="first"
+    )
     try:
         with RolloutClient(first.address, redis_url, rid) as client:
             client.submit(groups(12, n=4, max_tokens=96))
@@ -262,10 +281,10 @@ def test_bad_groups_get_invalid_argument_naming_the_field(
 
 
 def test_duplicate_group_id_in_a_run_and_unknown_engine(
-    scheduler: ManagedProcess, redis_url: str
+    scheduler: ManagedProcess, scheduler_redis_url: str
 ) -> None:
     rid = run_id()
-    with RolloutClient(scheduler.address, redis_url, rid) as client:
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
         client.submit(groups(1, n=1, max_tokens=4))
         with pytest.raises(InvalidArgument, match="already submitted"):
             client.submit(groups(1, n=1, max_tokens=4))

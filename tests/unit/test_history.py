@@ -70,12 +70,14 @@ async def test_a_restarted_runtime_predicts_as_before(redis_url: str) -> None:
         await engine.stop()
         await store.close()
     second = await make_runtime(redis_url, [], predictor_namespace=ns)
-    other = await make_runtime(redis_url, [])  # another namespace: nothing learnt
     try:
         after = second.predictor
-        assert len(other.predictor) == 0
     finally:
         await second.stop()
+    other = await make_runtime(redis_url, [])  # another namespace: nothing learnt
+    try:
+        assert len(other.predictor) == 0
+    finally:
         await other.stop()
     assert list(after) == list(before) and sorted(after) == ["k0", "k1", "k2"]
     assert after.dump_globals() == before.dump_globals() and after.epoch == 3

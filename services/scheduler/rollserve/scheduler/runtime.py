@@ -37,6 +37,17 @@ Invariants:
 - when an engine or a call fails, only the unfinished samples of its calls go back to the
   queue; finished samples are kept.
 
+One scheduler per Redis database: ``start`` takes the scheduler lease (see lease.py) before
+it reads any state, and a background task renews it. If the lease is lost, the renewing task
+at once, before anything else runs, cancels every other task of the runtime (the dispatch
+and health loops and every call), and Submit and Cancel are refused from then on; then
+``failed`` is set and the process exits. So no group is dispatched, and no delivery, failure
+or history save is sent to Redis, after the loss is known. Not guaranteed: a Redis command
+already sent when the loss is noticed (a delivery, a Submit's write) may still land; that is
+harmless to delivery, which is idempotent per group, and the lease is given up a third of
+its ttl before it can end in Redis, so another scheduler cannot hold it yet unless this
+process was stalled that long.
+
 The length predictor learns every delivered group's sample lengths (under its prompt_key
 and epoch) and predicts, for the policy, the length of queued samples and the work left on
 each engine. Its history is saved to Redis after each delivery and loaded at start.
@@ -49,7 +60,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -65,6 +76,7 @@ from rollserve.scheduler.core.snapshot import (
     Snapshot,
 )
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
+from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, SampleState, group_key
 from rollserve.scheduler.store import Store
@@ -180,6 +192,8 @@ class SchedulerRuntime:
         self._boot = uuid.uuid4().hex[:8]  # keeps request ids unique across restarts
         self._background: list[asyncio.Task[None]] = []
         self._failed = asyncio.Event()
+        self._lease: SchedulerLease | None = None  # held from start until stop
+        self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
         self.counters = Counters()
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
@@ -193,27 +207,67 @@ class SchedulerRuntime:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        await self._load_history()
-        recovered = await self._store.load_pending()
-        for spec in recovered:
-            self._enqueue(spec)
-        if recovered:
-            log.info("recovered %d pending groups from Redis", len(recovered))
-        for endpoint in self.settings.engines:
-            self._add_engine(endpoint.engine_id, endpoint.address)
-        await self._probe_all()
-        self._background = [
-            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
-            asyncio.create_task(self._health_loop(), name="health"),
-        ]
-        for task in self._background:
-            task.add_done_callback(self._loop_ended)
+        """Takes the scheduler lease (LeaseHeld if another scheduler keeps it for
+        ``lease_wait_s``), then recovers the state and starts work. If it raises, it has
+        stopped the runtime (and touched no state when the lease was not taken)."""
+        try:
+            lease = self._store.lease(self.settings.lease_ttl_s, self.settings.lease_wait_s)
+            await lease.take()
+            self._lease = lease
+            self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
+            await self._load_history()
+            recovered = await self._store.load_pending()
+            for spec in recovered:
+                self._enqueue(spec)
+            if recovered:
+                log.info("recovered %d pending groups from Redis", len(recovered))
+            for endpoint in self.settings.engines:
+                self._add_engine(endpoint.engine_id, endpoint.address)
+            await self._probe_all()
+            if self._lost is not None:
+                raise self._lost
+        except BaseException:
+            await self.stop()
+            raise
+        self._own(self._dispatch_loop(), "dispatch")
+        self._own(self._health_loop(), "health")
         self._wake.set()
+
+    def _own(self, coro: Coroutine[None, None, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._loop_ended)
+        self._background.append(task)
 
     @property
     def failed(self) -> asyncio.Event:
-        """Set when a background loop died: the process must stop (state is in Redis)."""
+        """Set when a background loop died or the lease was lost: the process must stop
+        (state is in Redis)."""
         return self._failed
+
+    @property
+    def lost(self) -> LeaseLost | None:
+        """Why the scheduler lease was lost, if it was."""
+        return self._lost
+
+    async def _keep_lease(self, lease: SchedulerLease) -> None:
+        try:
+            await lease.keep()
+        except LeaseLost as exc:
+            self._halt(exc)
+            raise
+
+    def _halt(self, lost: LeaseLost) -> None:
+        """Stops acting, in this step: every other task of the runtime is cancelled, so it
+        runs again only to unwind."""
+        self._lost = lost
+        current = asyncio.current_task()
+        for task in (*self._background, *self._tasks):
+            if task is not current:
+                task.cancel()
+
+    def _check_lease(self) -> None:
+        if self._lost is not None:
+            raise LeaseLost(f"this scheduler lost its lease and is stopping: {self._lost}")
 
     @property
     def predictor(self) -> LengthPredictor:
@@ -223,12 +277,21 @@ class SchedulerRuntime:
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
-        log.critical("the %s loop died: %r", task.get_name(), task.exception())
+        exc = task.exception()
+        if isinstance(exc, LeaseLost):
+            log.critical(
+                "lost the scheduler lease, stopped all work (another scheduler may run the "
+                "pending groups now): %s",
+                exc,
+            )
+        else:
+            log.critical("the %s loop died: %r", task.get_name(), exc)
         self._failed.set()
 
     async def stop(self) -> None:
         """Stops all work. Running groups stay pending in Redis for the next start; length
-        history not saved yet is saved now (if Redis answers)."""
+        history not saved yet is saved now (if Redis answers and the lease was not lost);
+        then the lease is released."""
         tasks = [*self._background, *self._tasks]
         for task in tasks:
             task.cancel()
@@ -236,8 +299,12 @@ class SchedulerRuntime:
         self._background.clear()
         self._tasks.clear()
         self._calls.clear()
-        await self._save_history()
+        if self._lost is None:
+            await self._save_history()
         await asyncio.gather(*(e.close() for e in self._engines.values()))
+        if self._lease is not None:
+            await self._lease.release()  # only while still its own
+            self._lease = None
         await self._store.close()
 
     # ------------------------------------------------------------ API
@@ -256,7 +323,9 @@ class SchedulerRuntime:
         )
 
     async def submit(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
-        """Persists then queues the groups. Raises QueueFull or store.DuplicateGroup."""
+        """Persists then queues the groups. Raises QueueFull, store.DuplicateGroup or
+        LeaseLost (this scheduler is stopping)."""
+        self._check_lease()
         room = self.settings.max_queued_groups - len(self._queue)
         if len(specs) > room:
             raise QueueFull(
@@ -271,6 +340,8 @@ class SchedulerRuntime:
         self._wake.set()
 
     async def cancel(self, run_id: str, group_ids: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Ends the groups that have not ended; LeaseLost if this scheduler is stopping."""
+        self._check_lease()
         ended_now = set(await self._store.cancel(run_id, group_ids))
         for gid in ended_now:
             self.counters.groups_cancelled += 1

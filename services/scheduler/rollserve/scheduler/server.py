@@ -21,6 +21,7 @@ from rollserve.client.wire import stream_key
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
+from rollserve.scheduler.lease import LeaseHeld, LeaseLost
 from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import DuplicateGroup, Store
@@ -48,6 +49,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except LeaseLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except redis.exceptions.ConnectionError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
         return pb.SubmitResponse(accepted=len(specs), stream=stream_key(request.run_id))
@@ -61,7 +64,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
         if any(not g for g in request.group_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
-        cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
+        try:
+            cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
+        except LeaseLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
@@ -130,7 +136,10 @@ async def serve(
         raise SystemExit(f"redis_url {settings.redis_url!r} is unreachable: {exc}") from exc
     tokenize = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     runtime = SchedulerRuntime(settings, store, build_policy(settings), tokenize)
-    await runtime.start()
+    try:
+        await runtime.start()  # it closed the store if it raised
+    except (LeaseHeld, LeaseLost) as exc:
+        raise SystemExit(f"rollserve scheduler: {exc}") from exc
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(runtime), server)
@@ -166,6 +175,8 @@ async def serve(
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(settings.shutdown_grace_s)
         await runtime.stop()
+    if runtime.lost is not None:
+        raise SystemExit(f"rollserve scheduler: stopped: {runtime.lost}")
     if runtime.failed.is_set():
         raise SystemExit("the scheduler stopped after an internal error (see the log)")
 
@@ -193,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--health-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        default=10.0,
+        help="life of the scheduler's lease on its Redis database (one scheduler per database)",
+    )
+    p.add_argument(
+        "--lease-wait-s",
+        type=float,
+        default=15.0,
+        help="how long to wait at start for another scheduler's lease to end (0: fail at once)",
+    )
     p.add_argument(
         "--nice", type=int, default=0, help="niceness of the scheduler (0-19; CPU engines first)"
     )
@@ -248,6 +271,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
+        lease_ttl_s=args.lease_ttl_s,
+        lease_wait_s=args.lease_wait_s,
         nice=args.nice,
         predictor_namespace=args.predictor_namespace,
         predictor=PredictorSettings(

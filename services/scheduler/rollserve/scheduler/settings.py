@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 
@@ -86,6 +86,18 @@ class SchedulerSettings(BaseModel):
         0, ge=0, description="approximate cap of a run's stream length; 0 keeps every entry"
     )
     shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="grace period on SIGTERM")
+    lease_ttl_s: float = Field(
+        10.0,
+        ge=0.5,
+        le=600,
+        description="life of the scheduler's lease on its Redis database, renewed every third",
+    )
+    lease_wait_s: float = Field(
+        15.0,
+        ge=0,
+        le=3600,
+        description="how long a starting scheduler waits for another's lease to end; 0: not at all",
+    )
     predictor: PredictorSettings = Field(
         default_factory=PredictorSettings,
         description="response-length predictor (see rollserve.scheduler.core.predictor)",
@@ -113,3 +125,15 @@ class SchedulerSettings(BaseModel):
         if value not in policy_names():
             raise ValueError(f"policy {value!r} is unknown; known: {', '.join(policy_names())}")
         return value
+
+    @model_validator(mode="after")
+    def _lease_outwaits_a_crash(self) -> SchedulerSettings:
+        # A scheduler restarted at once after a crash finds the dead one's lease for up to a
+        # ttl: a wait shorter than that (but not none) would fail such a restart by chance.
+        if 0 < self.lease_wait_s < self.lease_ttl_s:
+            raise ValueError(
+                f"lease_wait_s ({self.lease_wait_s:g}) is shorter than lease_ttl_s "
+                f"({self.lease_ttl_s:g}): a scheduler restarted after a crash could fail to "
+                "start; raise lease_wait_s to at least lease_ttl_s, or set it to 0 to fail at once"
+            )
+        return self

@@ -36,6 +36,7 @@ from rollserve.client.wire import (
     pending_key,
     stream_key,
 )
+from rollserve.scheduler.lease import SchedulerLease
 from rollserve.scheduler.state import GroupSpec
 
 DEFAULT_MAX_CONNECTIONS = 64
@@ -181,6 +182,11 @@ class Store:
 
     async def ping(self) -> None:
         await self._redis.ping()
+
+    def lease(self, ttl_s: float, wait_s: float) -> SchedulerLease:
+        """The scheduler lease on this store's database (see rollserve.scheduler.lease). It
+        shares the store's connections: a renewal that waits too long for one loses it."""
+        return SchedulerLease(self._redis, ttl_s=ttl_s, wait_s=wait_s)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -1,0 +1,96 @@
+"""The runtime and the scheduler lease: one scheduler per Redis database.
+
+Faked: the engines (see fakes.py). Real: the session's Redis, the runtime, its store and lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from rollserve.client.wire import pending_key, stream_key
+from rollserve.scheduler.lease import LEASE_KEY, LeaseHeld, LeaseLost
+
+from tests.unit.fakes import Behaviour, FakeEngine
+from tests.unit.test_runtime import (
+    WAIT_S,
+    eventually,
+    make_runtime,
+    new_run,
+    read_stream,
+    running,
+    specs,
+)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(redis_url)
+    yield c
+    await c.aclose()
+
+
+async def test_a_second_runtime_is_refused_naming_the_holder_and_starts_after_it(
+    redis_url: str, client: aioredis.Redis
+) -> None:
+    first = await make_runtime(redis_url, [])  # no engine: its group stays pending
+    engine = await FakeEngine("e").start()
+    run = new_run()
+    try:
+        await first.submit(run, specs(run, 1))
+        holder = await client.get(LEASE_KEY)
+        assert isinstance(holder, bytes)
+        with pytest.raises(LeaseHeld, match=re.escape(f"another scheduler ({holder.decode()})")):
+            await make_runtime(redis_url, [engine], lease_wait_s=0)
+        assert engine.requests == []  # it touched nothing: the pending group did not run
+        # One that waits starts as soon as the first one stops (and releases the lease).
+        waiting = asyncio.create_task(make_runtime(redis_url, [engine]))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+    finally:
+        await first.stop()
+    second = await asyncio.wait_for(waiting, WAIT_S)
+    try:
+        [result] = await read_stream(redis_url, run, 1)  # it recovered the first's group
+        assert result.group_id == "g0"
+    finally:
+        await second.stop()
+        await engine.stop()
+    assert await client.get(LEASE_KEY) is None  # released at stop
+
+
+async def test_a_runtime_whose_lease_is_taken_stops_acting_and_fails(
+    other_redis_url: str,
+) -> None:
+    # A database of its own: the groups it leaves pending are no other test's to run.
+    client = aioredis.Redis.from_url(other_redis_url)
+    hanging = await FakeEngine("slow", behaviour=Behaviour.HANG).start()
+    runtime = await make_runtime(other_redis_url, [hanging], lease_ttl_s=2.0)
+    run = new_run()
+    try:
+        try:
+            await runtime.submit(run, specs(run, 2))
+            await eventually(running(runtime, 2), "2 running groups")
+            await client.set(LEASE_KEY, "intruder")
+            await asyncio.wait_for(runtime.failed.wait(), WAIT_S)
+            assert runtime.lost is not None and "no longer held" in str(runtime.lost)
+
+            async def aborted() -> bool:
+                return hanging.cancelled >= 2
+
+            await eventually(aborted, "the engine to see both calls cancelled")
+            with pytest.raises(LeaseLost, match="lost its lease"):
+                await runtime.submit(run, specs(run, 1, max_tokens=4))
+            with pytest.raises(LeaseLost, match="lost its lease"):
+                await runtime.cancel(run, ["g0"])
+        finally:
+            await runtime.stop()
+            await hanging.stop()
+        assert await client.get(LEASE_KEY) == b"intruder"  # not its own: left alone
+        assert await client.xlen(stream_key(run)) == 0
+        assert await client.hlen(pending_key(run)) == 2  # for the new holder to run
+    finally:
+        await client.aclose()
