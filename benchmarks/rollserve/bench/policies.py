@@ -9,6 +9,12 @@ predictor, which has seen ``warm_steps`` earlier steps of the scenario (a run in
 starts it cold); the baselines use no prediction, as the systems they stand for. ``rl`` and the
 oracles use the simulated profile's step costs as their cost model.
 
+A policy's name with ``+spec`` (``rl+spec``, ``round_robin+spec``) runs it on engines that
+speculate (``PoliciesConfig.spec``: a model-free drafter, in the tail of a step; see
+:mod:`rollserve.sim.profile`); the plain names run without, as the systems they stand for do, so
+one table shows what the placement gives and what speculation adds, and ``vs_round_robin`` is
+always over plain ``round_robin``.
+
 Synchronous by default (every group of a step delivered); with ``oversample`` the trainer's
 batch is over-sampled and the tail carried over within ``max_staleness`` policy versions
 (:func:`rollserve.sim.des.run_des_async`), and a synchronous ``round_robin`` run of the same
@@ -38,13 +44,14 @@ from rich.table import Table
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policy import Policy
     from rollserve.sim.des import Oracle, RunResult, Tail
-    from rollserve.sim.profile import CostProfile
+    from rollserve.sim.profile import CostProfile, SpecDecoding
     from rollserve.sim.scenarios import SimGroup
 
 BASELINE = "round_robin"
 ORACLE = "oracle"  # rl with every sample's true length instead of predictions
 GROUP_ORACLE = "oracle_group"  # rl with each group's true mean length: a perfect predictor
 RL_MOVES = "rl_moves"  # rl that also moves running samples apart (Plan.preempts); off in rl
+SPEC = "+spec"  # suffix of a policy's name: its row runs on engines that speculate
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", GROUP_ORACLE, ORACLE)
 _ORACLES: dict[str, Oracle] = {ORACLE: "sample", GROUP_ORACLE: "group"}
 # Policies that are given predictions (the others ignore them, as the systems they stand for).
@@ -61,6 +68,7 @@ class PoliciesConfig:
     oversample: float | None = None  # None: synchronous steps
     max_staleness: int = 1
     tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
+    spec: SpecDecoding | None = None  # the speculative decoding of the "+spec" rows
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
 
@@ -83,6 +91,13 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
 
     # Wide enough for the table's columns even when stdout is not a terminal.
     console = console or Console(width=190)
+    speculating = [name for name in cfg.policies if name.endswith(SPEC)]
+    if speculating and cfg.spec is None:
+        raise ValueError(
+            f"{', '.join(speculating)} run on engines that speculate: give the speculative "
+            "decoding (--spec-accept, the mean tokens a verification pass advances a sequence; "
+            "--spec-tokens, --spec-max-batch)"
+        )
     scenario = load_scenario(cfg.scenario)
     if cfg.engines is not None:
         scenario = replace(scenario, engines=cfg.engines)
@@ -113,6 +128,12 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         f"  response length median {median:.0f}, max {max(lengths)} "
         f"(max/median {max(lengths) / median:.1f})"
     )
+    spec_profile = profile.with_spec(cfg.spec)
+    if speculating and cfg.spec is not None:
+        console.print(
+            f"  {', '.join(speculating)}: engines speculate ({cfg.spec.describe()}; "
+            f"drafting {cfg.spec.draft_s * 1e6:g} µs a sequence a pass)"
+        )
 
     def predictor() -> LengthPredictor:
         p = LengthPredictor()
@@ -125,22 +146,24 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     stream = [g for groups in steps for g in groups]
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
+        plain = name.removesuffix(SPEC)
+        engine = spec_profile if name.endswith(SPEC) else profile
         policy = (
-            rl_policy_for(profile, moves=name == RL_MOVES)
-            if name in _PREDICTED or name in _ORACLES
-            else create_policy(name)
+            rl_policy_for(profile, moves=plain == RL_MOVES)
+            if plain in _PREDICTED or plain in _ORACLES
+            else create_policy(plain)
         )
         kwargs: dict[str, Any] = {
-            "predictor": predictor() if name in _PREDICTED else None,
-            "oracle": _ORACLES.get(name),
+            "predictor": predictor() if plain in _PREDICTED else None,
+            "oracle": _ORACLES.get(plain),
         }
         if over is None:
-            results[name] = run_des(sync_steps, policy, profile, scenario.engines, **kwargs)
+            results[name] = run_des(sync_steps, policy, engine, scenario.engines, **kwargs)
         else:
             results[name] = run_des_async(
                 stream,
                 policy,
-                profile,
+                engine,
                 scenario.engines,
                 batch=scenario.groups_per_step,
                 steps=measured,
@@ -182,6 +205,25 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         + (f", over {spans} steps {floor:.1f} s a step" if spans > 1 else "")
         + f"; no policy beats {out['max_vs_sync_round_robin']:.2f}x synchronous {BASELINE}"
     )
+    if speculating and cfg.spec is not None:
+        spec_floor = (
+            statistics.fmean(_solo_s(groups, spec_profile) for groups in sync_steps) / spans
+        )
+        out["spec"] = {
+            "draft_tokens": cfg.spec.draft_tokens,
+            "accept_len": cfg.spec.accept_len,
+            "max_batch": cfg.spec.max_batch,
+            "draft_s": cfg.spec.draft_s,
+            "rows": speculating,
+        }
+        out["step_floor_spec_s"] = spec_floor
+        out["max_spec_vs_sync_round_robin"] = (
+            reference.makespan_s / spec_floor if reference is not None else float("nan")
+        )
+        console.print(
+            f"floor with speculation: {spec_floor * spans:.1f} s; no speculating policy beats "
+            f"{out['max_spec_vs_sync_round_robin']:.2f}x synchronous {BASELINE}"
+        )
     figures = _figures(results, lengths, cfg.out_dir, scenario.name)
     out["figures"] = [str(p) for p in figures]
     for path in figures:
@@ -251,6 +293,8 @@ def _report(
             "decision_us": r.decision_us,
             "predictor_mae": r.predictor_mae,
             "predictor_tail_auc": r.predictor_tail_auc,
+            "speculating": name.endswith(SPEC),
+            "spec_steps": r.spec_steps,
             "vs_round_robin": _ratio(r, base),
         }
         if sync_base is not None:

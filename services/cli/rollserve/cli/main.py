@@ -25,6 +25,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         engines=args.engines,
         redis_url=args.redis_url,
         scheduler_port=args.scheduler_port,
+        engine_args=tuple(args.engine_arg),
         run_dir=args.run_dir,
     )
     console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
@@ -114,8 +115,20 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
 
 def _cmd_bench_policies(args: argparse.Namespace) -> int:
     from rollserve.bench.policies import DEFAULT_POLICIES, PoliciesConfig, run_policies
+    from rollserve.sim.profile import SpecDecoding
 
     policies = tuple(p for p in args.policies.split(",") if p) if args.policies else None
+    spec = None
+    if args.spec_accept is not None:
+        try:
+            spec = SpecDecoding(
+                draft_tokens=args.spec_tokens,
+                accept_len=args.spec_accept,
+                max_batch=args.spec_max_batch,
+                draft_s=args.spec_draft_s,
+            )
+        except ValueError as e:
+            raise SystemExit(f"rollserve bench policies: {e}") from None
     run_policies(
         PoliciesConfig(
             scenario=args.scenario,
@@ -126,6 +139,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
             oversample=args.oversample,
             max_staleness=args.max_staleness,
             tail=args.tail,
+            spec=spec,
             json_path=args.json,
             out_dir=args.out_dir,
         )
@@ -166,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
     up.add_argument("--run-dir", type=Path, help="where the logs go (default: a temp dir)")
+    up.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every engine, repeatable, written with '=': "
+        "--engine-arg=--spec-method=ngram (see `rollserve engine --help`)",
+    )
     up.set_defaults(func=_cmd_up)
 
     demo = sub.add_parser("demo", help="dev stack plus a small trainer loop, with a summary")
@@ -246,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument(
         "--policies",
         help="comma-separated (default: the baselines, rl and the oracles; also rl_moves: rl "
-        "that moves running samples apart)",
+        "that moves running samples apart; NAME+spec: NAME on engines that speculate, see "
+        "--spec-accept)",
     )
     policies.add_argument(
         "--warm-steps",
@@ -269,6 +292,27 @@ def build_parser() -> argparse.ArgumentParser:
         default="carry",
         help="over-sampled runs: carry unfinished groups over (partial rollouts), or stop them "
         "and run their prompts together in long rounds (tail batching)",
+    )
+    policies.add_argument(
+        "--spec-accept",
+        type=float,
+        help="speculative decoding of the NAME+spec rows: mean tokens one verification pass "
+        "advances a sequence (1 to --spec-tokens + 1; measured on the model and task)",
+    )
+    policies.add_argument(
+        "--spec-tokens", type=_positive, default=4, help="draft tokens a sequence a pass"
+    )
+    policies.add_argument(
+        "--spec-max-batch",
+        type=int,
+        default=32,
+        help="speculate only in steps of at most this many decoding sequences (0: always)",
+    )
+    policies.add_argument(
+        "--spec-draft-s",
+        type=float,
+        default=0.0,
+        help="drafting time a sequence a pass, seconds (a model-free drafter's CPU lookups)",
     )
     policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
     policies.add_argument("--json", type=Path)

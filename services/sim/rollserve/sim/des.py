@@ -122,6 +122,7 @@ class RunResult:
     discarded_tokens: int = 0  # generated, then thrown away (tail batching's early stops)
     moves: int = 0  # running samples the policy preempted (Plan.preempts)
     moved_tokens: int = 0  # prompt + partial response prefilled again by those resumptions
+    spec_steps: int = 0  # engine steps that speculated (speculative decoding in the profile)
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)
     simulated: bool = True
 
@@ -598,6 +599,7 @@ class _Fleet:
             discarded_tokens=self.discarded_tokens,
             moves=self.moves,
             moved_tokens=self.moved_tokens,
+            spec_steps=sum(s.spec_steps for s in stats),
             timeline=self.timeline,
         )
 

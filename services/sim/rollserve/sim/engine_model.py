@@ -29,6 +29,8 @@ One step:
 
 The step takes ``step_time(decode sequences, prefilled tokens, attended KV tokens)``, the last
 being the sum of the decoding requests' context lengths (prompt plus tokens generated so far).
+With speculative decoding in the profile, a step where it applies is that share of a
+verification pass (see :mod:`rollserve.sim.profile`); it is counted in ``spec_steps``.
 
 **Prefix cache**, block-granular as vLLM's: requests with the same non-empty ``prefix_id``
 share their first ``prefix_len`` prompt tokens. The whole blocks of that prefix (at most up to
@@ -42,7 +44,8 @@ prefix ``(prefix_id, i)``. Blocks past the shared prefix are private. A released
 cached; with no reference left it is evictable, the tail of a prefix before its head.
 
 What the model leaves out: chunked prefill (a long prompt is one step's work), swap-mode
-preemption (recompute only), speculative decoding, caching of blocks outside the declared
+preemption (recompute only), the spread of speculative decoding's accepted tokens (each
+sequence advances its mean), caching of blocks outside the declared
 shared prefix (vLLM also caches a request's own full blocks, so a preempted request may find
 some of them again; here it recomputes them), CPU-GPU overlap and async scheduling, sampling
 costs that depend on the sampling parameters, and any randomness: the same calls give the same
@@ -119,6 +122,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     preemptions: int = 0
     recomputed_tokens: int = 0  # tokens prefilled again after a preemption
+    spec_steps: int = 0  # steps that speculated (each a share of a verification pass)
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -371,6 +375,8 @@ class SimEngine:
             finished.append(seq.outcome(reason))
 
         self.stats.steps += 1
+        if profile.spec is not None and profile.spec.applies(decode_seqs):
+            self.stats.spec_steps += 1
         self.stats.busy_s += duration
         self.stats.generated_tokens += decode_seqs + admitted
         return StepResult(

@@ -12,12 +12,32 @@ A profile (TOML, shipped ones in ``profiles/``) holds these coefficients, the en
 (KV capacity in tokens, block size, sequences and tokens per step), where the numbers come from
 (``source``) and which hardware they stand for (``simulated_hardware``): every figure computed
 with a profile is simulated and says so.
+
+**Speculative decoding** (optional, a ``[spec]`` table or :meth:`CostProfile.with_spec`): the
+engine runs a model-free drafter (vLLM's ``ngram`` or ``suffix`` methods: lookups on the CPU,
+no draft model on the accelerator) that proposes ``draft_tokens`` tokens per sequence, and one
+forward pass verifies them all. In a step where it applies (at most ``max_batch`` decoding
+sequences: vLLM's ``num_speculative_tokens_per_batch_size`` schedule, which speculates in the
+tail of a step, when few sequences are left) the pass costs
+
+    step_base_s + per_decode_seq_s * (draft_tokens + 1) * decode sequences
+    + per_kv_token_s * attended KV tokens + draft_s * decode sequences
+
+(the weights and each sequence's context are read once, the per-token compute is paid for every
+verified position) and advances every sequence by ``accept_len`` tokens on average. The
+simulated engine advances one token per step, so a speculative step is charged as ``accept_len``
+steps of a ``1 / accept_len`` share each (plus the step's own prefill). What this leaves out:
+the spread of accepted tokens around the mean (a sample of ``L`` tokens takes ``L / accept_len``
+passes in the model, about as many as the mean over its passes gives), the KV slots the drafts
+take for one step, and any dependence of acceptance on the text (suffix drafts from a group's
+finished siblings accept more than from unrelated prompts). ``accept_len`` is the workload's,
+not the hardware's: it is measured on the model and task, never derived.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,13 +46,44 @@ import tomllib
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policies.rl import RLSettings
 
-__all__ = ["CostProfile", "load_profile", "profile_names"]
+__all__ = ["CostProfile", "SpecDecoding", "load_profile", "profile_names"]
 
 _DIR = Path(__file__).resolve().parent / "profiles"
 
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class SpecDecoding:
+    """Speculative decoding with a model-free drafter (see the module docstring)."""
+
+    draft_tokens: int  # tokens proposed per sequence per step
+    accept_len: float  # mean tokens a sequence advances per verification pass, 1..draft_tokens+1
+    max_batch: int = 0  # speculate only in steps of at most this many decoding sequences; 0: all
+    draft_s: float = 0.0  # drafting time per sequence per step
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens < 1:
+            raise ValueError(f"spec draft_tokens ({self.draft_tokens}) must be at least 1")
+        if not (math.isfinite(self.accept_len) and 1 <= self.accept_len <= self.draft_tokens + 1):
+            raise ValueError(
+                f"spec accept_len ({self.accept_len}) must be between 1 and draft_tokens + 1 "
+                f"({self.draft_tokens + 1}): a pass accepts at most every draft and one more"
+            )
+        if self.max_batch < 0:
+            raise ValueError(f"spec max_batch ({self.max_batch}) must be at least 0 (0: always)")
+        if not (math.isfinite(self.draft_s) and self.draft_s >= 0):
+            raise ValueError(f"spec draft_s ({self.draft_s}) must be at least 0 seconds")
+
+    def applies(self, decode_seqs: int) -> bool:
+        """Whether a step decoding ``decode_seqs`` sequences speculates."""
+        return decode_seqs > 0 and (self.max_batch == 0 or decode_seqs <= self.max_batch)
+
+    def describe(self) -> str:
+        batch = f" at <= {self.max_batch} sequences" if self.max_batch else ""
+        return f"{self.draft_tokens} drafts, {self.accept_len:g} tokens a pass{batch}"
 
 
 @dataclass(frozen=True)
@@ -50,6 +101,7 @@ class CostProfile:
     block_size: int  # tokens per KV block
     max_num_seqs: int  # running sequences at most
     max_num_batched_tokens: int  # decode tokens + prefill tokens per step
+    spec: SpecDecoding | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
         for name in _TEXT_FIELDS:
@@ -73,14 +125,20 @@ class CostProfile:
                 f"at least one block (block_size {self.block_size})"
             )
 
+    def with_spec(self, spec: SpecDecoding | None) -> CostProfile:
+        """This profile with ``spec`` as its speculative decoding (None: off)."""
+        return replace(self, spec=spec)
+
     @property
     def num_blocks(self) -> int:
         """KV blocks of the engine: the whole blocks that fit in ``kv_capacity_tokens``."""
         return self.kv_capacity_tokens // self.block_size
 
     def step_time(self, decode_seqs: int, prefill_tokens: int, attended_kv_tokens: int) -> float:
-        """Seconds of one step that decodes ``decode_seqs`` sequences attending
-        ``attended_kv_tokens`` context tokens in all and prefills ``prefill_tokens`` tokens."""
+        """Seconds of one step that decodes ``decode_seqs`` sequences (one token each)
+        attending ``attended_kv_tokens`` context tokens in all and prefills ``prefill_tokens``
+        tokens; with speculative decoding that applies, a ``1 / accept_len`` share of a
+        verification pass plus the prefill."""
         for name, value in (
             ("decode_seqs", decode_seqs),
             ("prefill_tokens", prefill_tokens),
@@ -88,6 +146,14 @@ class CostProfile:
         ):
             if value < 0:
                 raise ValueError(f"step_time: {name} ({value}) must be at least 0")
+        spec = self.spec
+        if spec is not None and spec.applies(decode_seqs):
+            verify = (
+                self.step_base_s
+                + (self.per_decode_seq_s * (spec.draft_tokens + 1) + spec.draft_s) * decode_seqs
+                + self.per_kv_token_s * attended_kv_tokens
+            )
+            return verify / spec.accept_len + self.per_prefill_token_s * prefill_tokens
         return (
             self.step_base_s
             + self.per_decode_seq_s * decode_seqs
@@ -104,8 +170,9 @@ def profile_names() -> tuple[str, ...]:
 def load_profile(path_or_name: str | Path) -> CostProfile:
     """A shipped profile by name (``gpu-h100-llama8b``) or a TOML file by path.
 
-    The file holds exactly the fields of :class:`CostProfile` as top-level keys; unknown or
-    missing keys and values of the wrong type are errors that name the file.
+    The file holds exactly the fields of :class:`CostProfile` as top-level keys, and may hold a
+    ``[spec]`` table with the fields of :class:`SpecDecoding`; unknown or missing keys and values
+    of the wrong type are errors that name the file.
     """
     path = Path(path_or_name)
     if isinstance(path_or_name, str) and path.suffix != ".toml" and len(path.parts) == 1:
@@ -119,7 +186,8 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         raise ValueError(f"profile {str(path_or_name)!r}: no such file")
     with path.open("rb") as f:
         data = tomllib.load(f)
-    known = [f.name for f in fields(CostProfile)]
+    known = [f.name for f in fields(CostProfile) if f.name != "spec"]
+    spec = data.pop("spec", None)
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}; known: {known}")
@@ -139,9 +207,27 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
     try:
-        return CostProfile(**data)
+        return CostProfile(**data, spec=None if spec is None else _spec_from(spec, path))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _spec_from(table: object, path: Path) -> SpecDecoding:
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: spec must be a table ([spec]), got {table!r}")
+    known = [f.name for f in fields(SpecDecoding)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown keys in [spec] {unknown}; known: {known}")
+    for name in ("draft_tokens", "accept_len"):
+        if name not in table:
+            raise ValueError(f"{path}: [spec] misses {name}")
+    for name, value in table.items():
+        whole = name in ("draft_tokens", "max_batch")
+        if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+            kind = "an integer" if whole else "a number"
+            raise ValueError(f"{path}: [spec] {name} must be {kind}, got {value!r}")
+    return SpecDecoding(**table)
 
 
 def rl_settings(profile: CostProfile) -> RLSettings:

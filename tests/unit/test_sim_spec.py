@@ -1,0 +1,196 @@
+"""Speculative decoding in the simulator: its cost model, the profile's [spec] table, the
+simulated engine and the bench's "+spec" rows (no files but tmp ones, no time)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rollserve.bench.policies import PoliciesConfig, run_policies
+from rollserve.sim.engine_model import SimEngine, SimRequest
+from rollserve.sim.profile import CostProfile, SpecDecoding, load_profile
+
+BASE, PER_SEQ, PER_PREFILL, PER_KV = 1.0, 0.1, 0.01, 0.001
+
+
+def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
+    return CostProfile(
+        name="test",
+        source="hand-made for tests",
+        simulated_hardware="none",
+        step_base_s=BASE,
+        per_decode_seq_s=PER_SEQ,
+        per_prefill_token_s=PER_PREFILL,
+        per_kv_token_s=PER_KV,
+        kv_capacity_tokens=4096,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        spec=spec,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"draft_tokens": 0, "accept_len": 1.0}, r"draft_tokens \(0\) must be at least 1"),
+        ({"draft_tokens": 3, "accept_len": 4.5}, r"accept_len \(4.5\) must be between 1 and"),
+        ({"draft_tokens": 3, "accept_len": 0.9}, r"accept_len \(0.9\) must be between 1 and"),
+        ({"draft_tokens": 3, "accept_len": 2.0, "max_batch": -1}, r"max_batch \(-1\)"),
+        ({"draft_tokens": 3, "accept_len": 2.0, "draft_s": -1e-6}, r"draft_s \(-1e-06\)"),
+    ],
+)
+def test_spec_validation_names_the_field(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpecDecoding(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_speculating_step_is_a_share_of_a_verification_pass() -> None:
+    spec = SpecDecoding(draft_tokens=3, accept_len=2.5, max_batch=4, draft_s=0.02)
+    profile = make_profile(spec)
+    plain = make_profile()
+    # 4 sequences (within max_batch): the pass verifies 3 drafts + 1 per sequence and reads
+    # the weights and each context once; it advances each sequence 2.5 tokens on average.
+    verify = BASE + (PER_SEQ * 4 + 0.02) * 4 + PER_KV * 100
+    assert profile.step_time(4, 20, 100) == pytest.approx(verify / 2.5 + PER_PREFILL * 20)
+    # Above max_batch, and with nothing decoding, no speculation: the plain model.
+    assert profile.step_time(5, 20, 100) == pytest.approx(plain.step_time(5, 20, 100))
+    assert profile.step_time(0, 20, 0) == pytest.approx(plain.step_time(0, 20, 0))
+    # max_batch 0: every step speculates.
+    always = make_profile(replace(spec, max_batch=0))
+    assert always.step_time(8, 0, 0) < plain.step_time(8, 0, 0) * 2
+    assert always.step_time(8, 0, 0) != plain.step_time(8, 0, 0)
+
+
+def test_with_spec_turns_it_on_and_off() -> None:
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0)
+    on = make_profile().with_spec(spec)
+    assert on.spec == spec and on.with_spec(None).spec is None
+    assert on.step_time(1, 0, 10) < make_profile().step_time(1, 0, 10)
+
+
+def test_the_engine_decodes_a_lone_sample_faster_and_counts_its_speculating_steps() -> None:
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, max_batch=1)
+
+    def run(profile: CostProfile) -> tuple[float, SimEngine]:
+        engine = SimEngine("e", profile)
+        engine.add(SimRequest("a", prompt_len=8, output_len=40, max_tokens=64))
+        engine.add(SimRequest("b", prompt_len=8, output_len=10, max_tokens=64))
+        busy = 0.0
+        while engine.has_work():
+            busy += engine.step().duration_s
+        return busy, engine
+
+    plain_s, plain = run(make_profile())
+    spec_s, fast = run(make_profile(spec))
+    assert plain.stats.spec_steps == 0
+    # Both samples run together for 9 decode steps (no speculation at 2 sequences); "a" then
+    # decodes 30 tokens alone, speculating.
+    assert fast.stats.spec_steps == 30
+    assert fast.stats.generated_tokens == plain.stats.generated_tokens == 50
+    assert spec_s < plain_s
+    alone = [(BASE + PER_SEQ + PER_KV * (8 + t)) for t in range(10, 40)]
+    spec_alone = [(BASE + PER_SEQ * 5 + PER_KV * (8 + t)) / 2.0 for t in range(10, 40)]
+    assert plain_s - spec_s == pytest.approx(sum(alone) - sum(spec_alone))
+
+
+PROFILE_LINES = [
+    'name = "mine"',
+    'source = "made up"',
+    'simulated_hardware = "none"',
+    "step_base_s = 0.01",
+    "per_decode_seq_s = 0.0",
+    "per_prefill_token_s = 0.0",
+    "per_kv_token_s = 0.0",
+    "kv_capacity_tokens = 1024",
+    "block_size = 16",
+    "max_num_seqs = 8",
+    "max_num_batched_tokens = 512",
+]
+
+
+def test_a_profile_file_may_hold_a_spec_table(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("\n".join([*PROFILE_LINES, "[spec]", "draft_tokens = 4", "accept_len = 2"]))
+    profile = load_profile(path)
+    assert profile.spec == SpecDecoding(draft_tokens=4, accept_len=2.0)
+    path.write_text("\n".join(PROFILE_LINES))
+    assert load_profile(path).spec is None
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (["draft_tokens = 4", "accept_len = 2", "lookahead = 3"], r"unknown keys in \[spec\]"),
+        (["draft_tokens = 4"], r"\[spec\] misses accept_len"),
+        (["draft_tokens = 4.5", "accept_len = 2"], r"draft_tokens must be an integer"),
+        (["draft_tokens = 4", 'accept_len = "2"'], r"accept_len must be a number"),
+        (["draft_tokens = 4", "accept_len = 9"], r"accept_len \(9\) must be between"),
+    ],
+)
+def test_a_bad_spec_table_is_an_error_that_names_the_file(
+    tmp_path: Path, table: list[str], message: str
+) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("\n".join([*PROFILE_LINES, "[spec]", *table]))
+    with pytest.raises(ValueError, match=message) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+
+
+SCENARIO = """
+name = "tiny"
+description = "a few groups with a long tail, for tests"
+profile = "gpu-h100-llama8b"
+engines = 2
+groups_per_step = 8
+n = 4
+steps = 1
+prompts = 8
+prompt_len_median = 100
+prompt_len_sigma = 0.3
+shared_prefix_len = 0
+prefix_pool = 1
+response_median = 200
+prompt_sigma = 0.9
+within_sigma = 0.6
+drift_sigma = 0.0
+max_tokens = 4096
+seed = 3
+"""
+
+
+def test_bench_rows_with_spec_run_on_speculating_engines(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO)
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, max_batch=8)
+    out = run_policies(
+        PoliciesConfig(
+            scenario=str(scenario),
+            policies=("round_robin", "round_robin+spec", "rl+spec"),
+            spec=spec,
+            out_dir=tmp_path / "out",
+            json_path=tmp_path / "out.json",
+        ),
+        Console(file=open(tmp_path / "log.txt", "w"), width=190),  # noqa: SIM115
+    )
+    rows = out["policies"]
+    assert not rows["round_robin"]["speculating"] and rows["round_robin"]["spec_steps"] == 0
+    assert rows["round_robin+spec"]["speculating"] and rows["round_robin+spec"]["spec_steps"] > 0
+    # The same placement on speculating engines: the tail decodes faster.
+    assert rows["round_robin+spec"]["makespan_s"] < rows["round_robin"]["makespan_s"]
+    assert rows["round_robin+spec"]["vs_round_robin"] > 1
+    assert out["step_floor_spec_s"] < out["step_floor_s"]
+    assert out["spec"]["accept_len"] == 2.0
+    assert json.loads((tmp_path / "out.json").read_text())["spec"]["rows"] == [
+        "round_robin+spec",
+        "rl+spec",
+    ]
+
+
+def test_bench_rows_with_spec_need_the_spec(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"rl\+spec run on engines that speculate.*--spec-accept"):
+        run_policies(PoliciesConfig(policies=("rl", "rl+spec"), out_dir=tmp_path))
