@@ -331,7 +331,10 @@ def _table(
     if sync_base is not None:
         columns.append("vs sync rr")
     for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
+        if column == "policy":  # whole names: "round_robin+spec" must not be cut
+            table.add_column(column, justify="left", no_wrap=True, min_width=16)
+        else:
+            table.add_column(column, justify="right")
     for name, r in results.items():
         mae, auc = r.predictor_mae, r.predictor_tail_auc
         row = [

@@ -764,6 +764,9 @@ class StatsResponse(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFTS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -784,6 +787,14 @@ class StatsResponse(_message.Message):
     """prompt token ids must be below it"""
     kv_capacity_tokens: _builtins.int
     """KV cache size, tokens (blocks x block size); 0: unknown"""
+    spec_drafts: _builtins.int
+    """Speculative decoding, totals since start; all 0 when it is off.
+    (sample, step) pairs that verified draft tokens
+    """
+    spec_draft_tokens: _builtins.int
+    """draft tokens proposed"""
+    spec_accepted_tokens: _builtins.int
+    """of those, accepted (never more than proposed)"""
     def __init__(
         self,
         *,
@@ -801,10 +812,13 @@ class StatsResponse(_message.Message):
         eos_token_id: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         kv_capacity_tokens: _builtins.int = ...,
+        spec_drafts: _builtins.int = ...,
+        spec_draft_tokens: _builtins.int = ...,
+        spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

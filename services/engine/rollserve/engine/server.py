@@ -236,9 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
                 flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text
             )
             continue
-        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
+        choices = _literal_choices(field.annotation)
         parser.add_argument(flag, dest=name, metavar=name.upper(), choices=choices, help=help_text)
     return parser
+
+
+def _literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a `Literal[...]` or `Literal[...] | None` field; None for other types."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    literals = [arg for arg in get_args(annotation) if get_origin(arg) is Literal]
+    return get_args(literals[0]) if len(literals) == 1 else None
 
 
 def parse_settings(argv: list[str] | None = None) -> EngineSettings:
@@ -254,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print("rollserve-engine: invalid settings:", file=sys.stderr)
         for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"]) or "settings"
+            field = ".".join(str(part) for part in error["loc"])
+            if not field:  # a check across settings: its message names them
+                print(f"  {error['msg']}", file=sys.stderr)
+                continue
             flag = _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
             given = f" (got {error['input']!r})" if error.get("input") else ""
             print(f"  {flag}: {error['msg']}{given}", file=sys.stderr)

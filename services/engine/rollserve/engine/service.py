@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import logging
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "SampleRequest",
     "VllmBackend",
     "build_engine_args",
+    "build_speculative_config",
     "refuse_bad_abort",
     "refuse_bad_generate",
 ]
@@ -116,6 +118,9 @@ class EngineCounters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    spec_drafts: int = 0  # speculative steps of a sample that proposed draft tokens
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class BackendError(Exception):
@@ -274,6 +279,9 @@ class VllmBackend:
             prefix_cache_queries=totals.get("vllm:prefix_cache_queries", self._prompt_tokens),
             prefix_cache_hits=totals.get("vllm:prefix_cache_hits", self._cached_tokens),
             preemptions=totals.get("vllm:num_preemptions", 0),
+            spec_drafts=totals.get("vllm:spec_decode_num_drafts", 0),
+            spec_draft_tokens=totals.get("vllm:spec_decode_num_draft_tokens", 0),
+            spec_accepted_tokens=totals.get("vllm:spec_decode_num_accepted_tokens", 0),
         )
 
     @property
@@ -317,8 +325,50 @@ def build_engine_args(settings: EngineSettings, device: Device) -> Any:
         enable_chunked_prefill=False,
         distributed_executor_backend="uni",
         disable_log_stats=False,
+        speculative_config=build_speculative_config(settings),
         **device_args,
     )
+
+
+def build_speculative_config(settings: EngineSettings) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` for these settings; None when speculation is off.
+
+    `spec_max_batch` M becomes vLLM's batch-size schedule
+    `num_speculative_tokens_per_batch_size`: k draft tokens in steps that schedule 1..M
+    sequences, none from M+1 to max_num_seqs (vLLM carries the last range's count up to
+    max_num_seqs, so the second range is what turns speculation off in big batches).
+
+    Raises ValueError for suffix decoding when `arctic_inference` cannot be imported.
+    """
+    method = settings.spec_method
+    if method is None:
+        return None
+    config: dict[str, Any] = {
+        "method": method,
+        "num_speculative_tokens": settings.num_speculative_tokens,
+    }
+    if method == "ngram":
+        config["prompt_lookup_min"] = settings.prompt_lookup_min
+        config["prompt_lookup_max"] = settings.prompt_lookup_max
+    elif method == "suffix":
+        _require_arctic_inference()
+    if settings.spec_max_batch > 0:
+        config["num_speculative_tokens_per_batch_size"] = [
+            (1, settings.spec_max_batch, settings.num_speculative_tokens),
+            (settings.spec_max_batch + 1, settings.max_num_seqs, 0),
+        ]
+    return config
+
+
+def _require_arctic_inference() -> None:
+    try:
+        importlib.import_module("arctic_inference")
+    except ImportError as exc:
+        raise ValueError(
+            f"spec_method suffix needs the arctic-inference package, which cannot be "
+            f"imported here ({exc}); install it (pip install arctic-inference; on CPUs it "
+            "has no wheel and must be built from source) or use spec_method ngram"
+        ) from exc
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
@@ -522,6 +572,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
             vocab_size=info.vocab_size,
             kv_capacity_tokens=info.kv_capacity_tokens,
+            spec_drafts=counters.spec_drafts,
+            spec_draft_tokens=counters.spec_draft_tokens,
+            spec_accepted_tokens=counters.spec_accepted_tokens,
         )
 
 

@@ -11,11 +11,34 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Device", "EngineSettings", "apply_environment", "resolve_device"]
+__all__ = [
+    "MAX_PROMPT_LOOKUP",
+    "MAX_SPECULATIVE_TOKENS",
+    "SPECULATIVE_FIELDS",
+    "Device",
+    "EngineSettings",
+    "SpecMethod",
+    "apply_environment",
+    "resolve_device",
+]
 
 Device = Literal["cpu", "cuda"]
+SpecMethod = Literal["ngram", "suffix"]
+
+MAX_SPECULATIVE_TOKENS = 32
+"""Most draft tokens per step: verifying more costs more than the rare long match repays."""
+MAX_PROMPT_LOOKUP = 64
+"""Longest n-gram the ngram drafter may match."""
+SPECULATIVE_FIELDS = (
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "spec_max_batch",
+)
+"""Settings that mean something only with a `spec_method`."""
+_NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
 
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
@@ -117,6 +140,40 @@ class EngineSettings(BaseModel):
     shutdown_grace_s: float = Field(
         5.0, ge=0, le=600, description="On SIGTERM, how long running Generate calls may finish."
     )
+    spec_method: SpecMethod | None = Field(
+        None,
+        description=(
+            "Speculative decoding: ngram (drafts from the sample's own prompt and output) or "
+            "suffix (needs arctic-inference); unset: off."
+        ),
+    )
+    num_speculative_tokens: int = Field(
+        4,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Draft tokens proposed per sample and step (suffix: at most this many).",
+    )
+    prompt_lookup_min: int = Field(
+        2,
+        ge=1,
+        le=MAX_PROMPT_LOOKUP,
+        description="ngram: shortest n-gram of the sample's recent tokens matched earlier on.",
+    )
+    prompt_lookup_max: int = Field(
+        5,
+        ge=1,
+        le=MAX_PROMPT_LOOKUP,
+        description="ngram: longest n-gram matched (the longest match found drafts).",
+    )
+    spec_max_batch: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description=(
+            "Speculate only in steps that run at most this many sequences (the long tail of a "
+            "rollout); 0 speculates in every step."
+        ),
+    )
 
     @field_validator("model")
     @classmethod
@@ -127,6 +184,36 @@ class EngineSettings(BaseModel):
                 "a Hugging Face checkpoint (the engine runs offline and downloads nothing)"
             )
         return value.resolve()
+
+    @model_validator(mode="after")
+    def _speculative_settings_agree(self) -> EngineSettings:
+        if self.spec_method is None:
+            given = [name for name in SPECULATIVE_FIELDS if name in self.model_fields_set]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set but spec_method is not; pass spec_method "
+                    "(ngram or suffix) to turn speculative decoding on, or drop them"
+                )
+            return self
+        if self.spec_method != "ngram":
+            given = [name for name in _NGRAM_FIELDS if name in self.model_fields_set]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to spec_method ngram only, not "
+                    f"{self.spec_method}; drop them"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max}); use at most {self.prompt_lookup_max}"
+            )
+        if self.spec_max_batch >= self.max_num_seqs:
+            raise ValueError(
+                f"spec_max_batch ({self.spec_max_batch}) must be below max_num_seqs "
+                f"({self.max_num_seqs}) to leave any step unspeculated; use at most "
+                f"{self.max_num_seqs - 1}, or 0 to speculate in every step"
+            )
+        return self
 
     @property
     def address(self) -> str:

@@ -1,0 +1,137 @@
+"""Speculative decoding (ngram) on a real vLLM engine on CPU, with the tiny random model.
+
+One engine of this module speculates (`--spec-method ngram`, drafts only in steps of at most
+SPEC_MAX_BATCH sequences); the session's shared engine does not, and is the reference: greedy
+decoding must give the same tokens on both (vLLM's rejection sampling keeps the target model's
+distribution, so greedy output is unchanged by speculation). The tiny model's greedy output
+repeats itself, so ngram drafts find matches and get accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.integration.engine_proc import EngineProcess, start_engine_process
+
+pytestmark = pytest.mark.integration
+
+SPEC_TOKENS = 4
+SPEC_MAX_BATCH = 4
+GROUP_N = 8  # above SPEC_MAX_BATCH: a group this size runs without drafts
+MAX_TOKENS = 200
+PROMPTS = [list(range(start, start + 64)) for start in (100, 300, 500)]
+LOGPROB_TOLERANCE = 0.05
+"""Largest difference allowed between a token's logprob with and without speculation: the
+verification pass scores several positions at once, which moves bf16 results a little."""
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """host:port of an engine that speculates with ngram drafts; stopped and reaped after."""
+    engine: EngineProcess = start_engine_process(
+        tiny_model_dir,
+        "engine-spec",
+        [
+            "--spec-method=ngram",
+            f"--num-speculative-tokens={SPEC_TOKENS}",
+            "--prompt-lookup-min=2",
+            "--prompt-lookup-max=5",
+            f"--spec-max-batch={SPEC_MAX_BATCH}",
+        ],
+        log_dir=tmp_path_factory.mktemp("engine-spec-logs"),
+    )
+    try:
+        yield engine.address
+    finally:
+        engine.stop()
+    assert engine.leftover_pids == [], "processes of the engine outlived it"
+
+
+@pytest.fixture
+async def spec_stub(spec_engine: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    async with grpc.aio.insecure_channel(spec_engine) as channel:
+        yield pb_grpc.EngineStub(channel)
+
+
+@pytest.fixture
+async def plain_stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    async with grpc.aio.insecure_channel(engine_address) as channel:
+        yield pb_grpc.EngineStub(channel)
+
+
+async def greedy(
+    engine: pb_grpc.EngineAsyncStub, request_id: str, prompt: list[int], n: int = 1
+) -> dict[int, pb.Complete]:
+    """Each sample's Complete, with all its tokens and logprobs gathered into it."""
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        n=n,
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+    )
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    done: dict[int, pb.Complete] = {}
+    async for message in engine.Generate(request, timeout=120):
+        kind = message.WhichOneof("kind")
+        assert kind != "error", message.error.message
+        deltas = message.chunk.deltas if kind == "chunk" else [message.complete]
+        for delta in deltas:
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+            logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+        if kind == "complete":
+            done[message.complete.index] = message.complete
+    for index, complete in done.items():
+        del complete.token_ids[:], complete.logprobs[:]
+        complete.token_ids.extend(tokens[index])
+        complete.logprobs.extend(logprobs[index])
+    assert sorted(done) == list(range(n))
+    return done
+
+
+async def test_ngram_keeps_greedy_output_and_reports_accepted_drafts(
+    spec_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
+) -> None:
+    before = await spec_stub.Stats(pb.StatsRequest())
+    for i, prompt in enumerate(PROMPTS):
+        spec = (await greedy(spec_stub, f"spec-{i}", prompt))[0]
+        plain = (await greedy(plain_stub, f"plain-{i}", prompt))[0]
+        assert list(spec.token_ids) == list(plain.token_ids), f"prompt {i}"
+        assert spec.finish_reason == plain.finish_reason
+        assert len(spec.logprobs) == len(spec.token_ids)
+        worst = max(abs(a - b) for a, b in zip(spec.logprobs, plain.logprobs, strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {worst}"
+    after = await spec_stub.Stats(pb.StatsRequest())
+    drafts = after.spec_drafts - before.spec_drafts
+    draft_tokens = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert drafts > 0
+    assert draft_tokens >= drafts
+    assert draft_tokens <= drafts * SPEC_TOKENS
+    assert 0 < accepted <= draft_tokens
+    plain_stats = await plain_stub.Stats(pb.StatsRequest())
+    assert (plain_stats.spec_drafts, plain_stats.spec_draft_tokens) == (0, 0)
+
+
+async def test_no_drafts_in_batches_above_spec_max_batch(
+    spec_stub: pb_grpc.EngineAsyncStub,
+) -> None:
+    prompt = PROMPTS[0]
+    start = await spec_stub.Stats(pb.StatsRequest())
+    await greedy(spec_stub, "alone", prompt)
+    alone = await spec_stub.Stats(pb.StatsRequest())
+    alone_drafts = alone.spec_draft_tokens - start.spec_draft_tokens
+    assert alone_drafts > 0
+    # GROUP_N identical greedy samples run side by side from start to end, more than
+    # SPEC_MAX_BATCH at a time: with drafts they would propose about GROUP_N x alone_drafts.
+    group = await greedy(spec_stub, "group", prompt, n=GROUP_N)
+    assert all(len(c.token_ids) == MAX_TOKENS for c in group.values())
+    together = await spec_stub.Stats(pb.StatsRequest())
+    group_drafts = together.spec_draft_tokens - alone.spec_draft_tokens
+    assert group_drafts < alone_drafts, (group_drafts, alone_drafts)
