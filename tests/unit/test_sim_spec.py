@@ -13,24 +13,13 @@ from rollserve.bench.policies import PoliciesConfig, run_policies
 from rollserve.sim.engine_model import SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile, SpecDecoding, load_profile
 
-BASE, PER_SEQ, PER_PREFILL, PER_KV = 1.0, 0.1, 0.01, 0.001
+from tests.unit.test_sim_engine import BASE, PER_KV, PER_PREFILL, PER_SEQ
+from tests.unit.test_sim_engine import make_profile as make_engine_profile
 
 
 def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
-    return CostProfile(
-        name="test",
-        source="hand-made for tests",
-        simulated_hardware="none",
-        step_base_s=BASE,
-        per_decode_seq_s=PER_SEQ,
-        per_prefill_token_s=PER_PREFILL,
-        per_kv_token_s=PER_KV,
-        kv_capacity_tokens=4096,
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        spec=spec,
-    )
+    """test_sim_engine's hand-made profile, with room for the tests' contexts."""
+    return make_engine_profile(kv_capacity_tokens=4096, spec=spec)
 
 
 @pytest.mark.parametrize(
