@@ -12,9 +12,11 @@ from rich.console import Console
 from rollserve.bench.policies import PoliciesConfig, run_policies
 from rollserve.sim.engine_model import SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile, SpecDecoding, load_profile
+from rollserve.v1 import rollserve_pb2 as pb
 
 from tests.unit.test_sim_engine import BASE, PER_KV, PER_PREFILL, PER_SEQ
 from tests.unit.test_sim_engine import make_profile as make_engine_profile
+from tests.unit.test_sim_server import collect, generate_request, sim_engine
 
 
 def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
@@ -183,3 +185,54 @@ def test_bench_rows_with_spec_run_on_speculating_engines(tmp_path: Path) -> None
 def test_bench_rows_with_spec_need_the_spec(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"rl\+spec run on engines that speculate.*--spec-accept"):
         run_policies(PoliciesConfig(policies=("rl", "rl+spec"), out_dir=tmp_path))
+
+
+def test_engine_counters_of_speculation_follow_the_mean_accepted_length() -> None:
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.5, max_batch=2)
+    engine = SimEngine("e", make_profile(spec))
+    engine.add(SimRequest("a", prompt_len=8, output_len=40, max_tokens=64))
+    while engine.has_work():
+        engine.step()
+    # The prompt's step samples the first token; 39 decode steps of one sequence follow.
+    assert engine.stats.spec_seq_steps == 39
+    drafts, draft_tokens, accepted = engine.stats.spec_counters(spec)
+    assert (drafts, draft_tokens, accepted) == (16, 64, 23)  # 39 / 2.5 passes, 1.5 accepted each
+    assert engine.stats.spec_counters(None) == (0, 0, 0)
+
+
+async def test_a_sim_engine_on_a_speculating_profile_reports_its_drafts(tmp_path: Path) -> None:
+    path = tmp_path / "spec.toml"
+    text = load_profile("gpu-h100-llama8b")
+    lines = [
+        f'name = "{text.name}-spec"',
+        'source = "the shipped H100 profile with speculation, for a test"',
+        f'simulated_hardware = "{text.simulated_hardware}"',
+        *(
+            f"{name} = {getattr(text, name)!r}"
+            for name in (
+                "step_base_s",
+                "per_decode_seq_s",
+                "per_prefill_token_s",
+                "per_kv_token_s",
+                "kv_capacity_tokens",
+                "block_size",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+            )
+        ),
+        "[spec]",
+        "draft_tokens = 4",
+        "accept_len = 2.0",
+        "max_batch = 8",
+    ]
+    path.write_text("\n".join(lines))
+    async with sim_engine(profile=str(path)) as (_, stub):
+        await collect(stub.Generate(generate_request(n=4)))
+        stats = await stub.Stats(pb.StatsRequest())
+    assert stats.spec_drafts > 0
+    assert stats.spec_draft_tokens == 4 * stats.spec_drafts
+    assert stats.spec_accepted_tokens == stats.spec_drafts  # accept_len 2: one draft token a pass
+    async with sim_engine() as (_, stub):
+        await collect(stub.Generate(generate_request(n=4)))
+        plain = await stub.Stats(pb.StatsRequest())
+    assert (plain.spec_drafts, plain.spec_draft_tokens, plain.spec_accepted_tokens) == (0, 0, 0)

@@ -71,7 +71,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
-from rollserve.sim.profile import CostProfile
+from rollserve.sim.profile import CostProfile, SpecDecoding
 
 __all__ = ["EngineStats", "Finished", "SimEngine", "SimRequest", "StepResult"]
 
@@ -123,6 +123,18 @@ class EngineStats:
     preemptions: int = 0
     recomputed_tokens: int = 0  # tokens prefilled again after a preemption
     spec_steps: int = 0  # steps that speculated (each a share of a verification pass)
+    spec_seq_steps: int = 0  # decoding sequences summed over those steps
+
+    def spec_counters(self, spec: SpecDecoding | None) -> tuple[int, int, int]:
+        """vLLM's speculative counters as this engine's speculation would have made them:
+        drafts (one per sequence per verification pass), draft tokens and accepted tokens.
+        A speculating step is ``1 / accept_len`` of a pass, so a sequence's steps make that
+        many passes, each proposing ``draft_tokens`` and accepting ``accept_len - 1``."""
+        if spec is None:
+            return 0, 0, 0
+        passes = self.spec_seq_steps / spec.accept_len
+        drafts = round(passes)
+        return drafts, drafts * spec.draft_tokens, round(passes * (spec.accept_len - 1))
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -377,6 +389,7 @@ class SimEngine:
         self.stats.steps += 1
         if profile.spec is not None and profile.spec.applies(decode_seqs):
             self.stats.spec_steps += 1
+            self.stats.spec_seq_steps += decode_seqs
         self.stats.busy_s += duration
         self.stats.generated_tokens += decode_seqs + admitted
         return StepResult(

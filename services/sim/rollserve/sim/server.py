@@ -232,6 +232,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
     ) -> pb.StatsResponse:
         info = self.info
         stats = self.engine.engine.stats
+        drafts, draft_tokens, accepted = stats.spec_counters(self.engine.engine.profile.spec)
         return pb.StatsResponse(
             engine_id=self.engine_id,
             model=info.model,
@@ -247,6 +248,9 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             eos_token_id=-1 if info.eos_token_id is None else info.eos_token_id,
             vocab_size=info.vocab_size,
             kv_capacity_tokens=info.kv_capacity_tokens,
+            spec_drafts=drafts,
+            spec_draft_tokens=draft_tokens,
+            spec_accepted_tokens=accepted,
         )
 
     def _plan(self, request: pb.GenerateRequest) -> tuple[_Run, list[SimRequest]]:
