@@ -236,3 +236,8 @@ async def test_a_sim_engine_on_a_speculating_profile_reports_its_drafts(tmp_path
         await collect(stub.Generate(generate_request(n=4)))
         plain = await stub.Stats(pb.StatsRequest())
     assert (plain.spec_drafts, plain.spec_draft_tokens, plain.spec_accepted_tokens) == (0, 0, 0)
+
+
+def test_bench_names_unknown_policies_and_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"policies \['rl\+speck'\] unknown; known: .*oracle"):
+        run_policies(PoliciesConfig(policies=("rl", "rl+speck"), out_dir=tmp_path))

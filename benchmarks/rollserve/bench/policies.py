@@ -91,6 +91,15 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
 
     # Wide enough for the table's columns even when stdout is not a terminal.
     console = console or Console(width=190)
+    from rollserve.scheduler.core.policy import policy_names
+
+    known = (*policy_names(), RL_MOVES, *_ORACLES)
+    unknown = [name for name in cfg.policies if name.removesuffix(SPEC) not in known]
+    if unknown:
+        raise ValueError(
+            f"policies {unknown} unknown; known: {', '.join(known)}, each also as NAME{SPEC} "
+            "(on speculating engines)"
+        )
     speculating = [name for name in cfg.policies if name.endswith(SPEC)]
     if speculating and cfg.spec is None:
         raise ValueError(

@@ -129,21 +129,24 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
             )
         except ValueError as e:
             raise SystemExit(f"rollserve bench policies: {e}") from None
-    run_policies(
-        PoliciesConfig(
-            scenario=args.scenario,
-            steps=args.steps,
-            engines=args.engines,
-            policies=policies or DEFAULT_POLICIES,
-            warm_steps=args.warm_steps,
-            oversample=args.oversample,
-            max_staleness=args.max_staleness,
-            tail=args.tail,
-            spec=spec,
-            json_path=args.json,
-            out_dir=args.out_dir,
+    try:
+        run_policies(
+            PoliciesConfig(
+                scenario=args.scenario,
+                steps=args.steps,
+                engines=args.engines,
+                policies=policies or DEFAULT_POLICIES,
+                warm_steps=args.warm_steps,
+                oversample=args.oversample,
+                max_staleness=args.max_staleness,
+                tail=args.tail,
+                spec=spec,
+                json_path=args.json,
+                out_dir=args.out_dir,
+            )
         )
-    )
+    except ValueError as e:
+        raise SystemExit(f"rollserve bench policies: {e}") from None
     return 0
 
 
