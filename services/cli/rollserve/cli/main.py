@@ -118,18 +118,17 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
     from rollserve.sim.profile import SpecDecoding
 
     policies = tuple(p for p in args.policies.split(",") if p) if args.policies else None
-    spec = None
-    if args.spec_accept is not None:
-        try:
-            spec = SpecDecoding(
+    try:
+        spec = (
+            None
+            if args.spec_accept is None
+            else SpecDecoding(
                 draft_tokens=args.spec_tokens,
                 accept_len=args.spec_accept,
                 max_batch=args.spec_max_batch,
                 draft_s=args.spec_draft_s,
             )
-        except ValueError as e:
-            raise SystemExit(f"rollserve bench policies: {e}") from None
-    try:
+        )
         run_policies(
             PoliciesConfig(
                 scenario=args.scenario,
