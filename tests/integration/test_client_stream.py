@@ -439,11 +439,12 @@ async def test_async_unreachable_scheduler(redis_url: str) -> None:
 def test_group_held_past_claim_idle_goes_to_another_consumer(
     r: redis.Redis, redis_url: str
 ) -> None:
-    """claim_idle_ms must exceed the time a trainer holds a group before done()."""
+    """Without the heartbeat, claim_idle_ms must exceed the time a trainer holds a group
+    before done() (test_stream_heartbeat.py covers the default, with it)."""
     run = new_run_id()
     publish(r, run, "a")
     with (
-        client(redis_url, run, consumer_name="slow") as slow,
+        client(redis_url, run, consumer_name="slow", heartbeat=False) as slow,
         client(redis_url, run, consumer_name="fast") as fast,
     ):
         (held,) = slow.groups(limit=1, timeout_s=WAIT_S)

@@ -8,12 +8,18 @@ async with AsyncRolloutClient("scheduler:50051", "redis://redis:6379/0", "grpo-7
         await received.done()
 ```
 
-The consumer bookkeeping (read order, duplicates, decoding) is the same object
-as the sync client's, :class:`rollserve.client.consumer.ConsumerState`.
+The consumer bookkeeping (read order, duplicates, decoding, which entries the heartbeat
+keeps claimed) is the same object as the sync client's,
+:class:`rollserve.client.consumer.ConsumerState`. The heartbeat is an asyncio task of the
+client's, running while groups are held and cancelled by ``close()``: a group held
+unacknowledged, however long, stays this consumer's while the process (and its event loop)
+lives.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -30,6 +36,7 @@ from rollserve.client.consumer import (
     CLAIM_START_CURSOR,
     DEFAULT_DEDUPE_CAPACITY,
     DEFAULT_READ_COUNT,
+    HEARTBEAT_SCRIPT,
     Batch,
     Budget,
     Claim,
@@ -40,9 +47,11 @@ from rollserve.client.consumer import (
     ReadNew,
     ReceivedBase,
     default_consumer_name,
+    heartbeat_chunks,
     is_busygroup,
     is_nogroup,
     parse_delivery_count,
+    parse_heartbeat,
     parse_xautoclaim,
     parse_xreadgroup,
 )
@@ -57,6 +66,8 @@ from rollserve.client.types import (
 from rollserve.client.wire import GroupResult
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 class AsyncReceivedGroup(ReceivedBase):
@@ -83,7 +94,11 @@ class AsyncReceivedGroup(ReceivedBase):
 class AsyncRolloutClient:
     """Same arguments and behaviour as :class:`rollserve.client.RolloutClient`.
 
-    Use it from one event loop; create it inside the loop that uses it.
+    Use it from one event loop; create it inside the loop that uses it. The heartbeat
+    (``heartbeat=True``) is a task on that loop: a loop blocked longer than
+    ``claim_idle_ms`` (a long synchronous training step in a coroutine) stalls it, and
+    other consumers take the held groups over; run such work in a thread
+    (``asyncio.to_thread``).
     """
 
     def __init__(
@@ -99,6 +114,7 @@ class AsyncRolloutClient:
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         read_count: int = DEFAULT_READ_COUNT,
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
+        heartbeat: bool = True,
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -108,12 +124,16 @@ class AsyncRolloutClient:
             block_ms=block_ms,
             read_count=read_count,
             dedupe_capacity=dedupe_capacity,
+            heartbeat=heartbeat,
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
         self._channel = grpc.aio.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._redis = redis.asyncio.Redis.from_url(redis_url)
+        self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
+        self._beater: asyncio.Task[None] | None = None  # runs while entries are held
+        self._closed = False
 
     @property
     def run_id(self) -> str:
@@ -161,18 +181,23 @@ class AsyncRolloutClient:
     ) -> AsyncIterator[AsyncReceivedGroup]:
         """Finished groups of the run, each once; see ``RolloutClient.groups``."""
         budget = Budget(limit, timeout_s, time.monotonic())
-        self._state.restart()
-        while not budget.exhausted(now := time.monotonic()):
-            batch = await self._read(self._state.next_read(now, budget))
-            counts = await self._delivery_counts(batch)
-            for item in batch.items:
-                if not isinstance(item, Deliver):
-                    raise item
-                self._state.handed_out(item.entry_id, item.result.group_id)
-                budget.took_one()
-                yield AsyncReceivedGroup(
-                    item.result, item.entry_id, counts.get(item.entry_id, 1), self
-                )
+        iteration = self._state.restart()
+        try:
+            while not budget.exhausted(now := time.monotonic()):
+                batch = await self._read(self._state.next_read(now, budget))
+                self._ensure_heartbeat()
+                counts = await self._delivery_counts(batch)
+                for item in batch.items:
+                    if not isinstance(item, Deliver):
+                        raise item
+                    if not self._state.handed_out(item.entry_id, item.result.group_id):
+                        continue
+                    budget.took_one()
+                    yield AsyncReceivedGroup(
+                        item.result, item.entry_id, counts.get(item.entry_id, 1), self
+                    )
+        finally:
+            self._state.stop_reading(iteration)
 
     async def ack(self, *received: AsyncReceivedGroup) -> int:
         """Acknowledges groups (one XACK); returns how many were still pending."""
@@ -186,6 +211,11 @@ class AsyncRolloutClient:
         for entry_id in ids:
             self._state.acked(entry_id)
         return acked
+
+    def release(self, *received: AsyncReceivedGroup) -> None:
+        """Stops keeping these groups claimed; see ``RolloutClient.release``. No I/O."""
+        for r in received:
+            self._state.release(r.entry_id)
 
     async def discard(self, entry_id: str) -> bool:
         """Acknowledges an entry without reading it (an :class:`UndecodableEntry`)."""
@@ -263,9 +293,56 @@ class AsyncRolloutClient:
             raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
         return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
 
+    # ------------------------------------------------------------ heartbeat
+
+    def _ensure_heartbeat(self) -> None:
+        """Starts the heartbeat task if entries are held and none runs."""
+        if self._beater is None and not self._closed and self._state.needs_heartbeat:
+            self._beater = asyncio.create_task(
+                self._beat_while_held(), name=f"rollserve-heartbeat-{self.consumer_name}"
+            )
+
+    async def _beat_while_held(self) -> None:
+        """The heartbeat task: a beat every ``claim_idle_ms / 3`` until nothing is held;
+        ``close()`` cancels it. Redis errors are logged and the next beat tries again."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            ids = self._state.beat_ids()
+            if not ids:
+                self._beater = None  # no await since the check: _ensure_heartbeat starts anew
+                return
+            await self._beat(ids)
+
+    async def _beat(self, ids: list[str]) -> None:
+        config = self.config
+        for chunk in heartbeat_chunks(ids):
+            try:
+                raw = await self._heartbeat_script(
+                    keys=[config.stream],
+                    args=[config.consumer_group, config.consumer_name, *chunk],
+                )
+                reply = parse_heartbeat(raw)
+            except redis.RedisError as exc:
+                log.warning(
+                    "stream %s: heartbeat of %d held entries failed (%s); retrying in %.1f s",
+                    config.stream,
+                    len(ids),
+                    exc,
+                    config.heartbeat_interval_s,
+                )
+                return
+            self._state.on_heartbeat(chunk, reply)
+
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
+        """Cancels the heartbeat (groups still held become claimable by other consumers
+        after ``claim_idle_ms``) and closes the connections."""
+        self._closed = True
+        beater, self._beater = self._beater, None
+        if beater is not None:
+            beater.cancel()
+            await asyncio.wait([beater])
         await self._redis.aclose()
         await self._channel.close(grace=None)
 

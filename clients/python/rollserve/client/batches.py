@@ -35,9 +35,13 @@ A group whose generation failed is handed out like the others (its ``status`` sa
 
 Delivery keeps the SDK's guarantee: a group is acknowledged only by :meth:`StepBatcher.ack`,
 after the trainer has used its batch. Finished groups carried over stay pending in the
-consumer group meanwhile; ``claim_idle_ms`` of the client must exceed the time a group may
-wait (``max_staleness`` steps) if other consumers share the consumer group, or they take it
-over. Stream entries of groups this batcher did not launch are left pending and logged.
+consumer group meanwhile, for as many steps as ``max_staleness`` allows; the client's
+heartbeat keeps them (and the batch in training) claimed while the process lives, so other
+consumers of the group take them over only if it dies. With the client's ``heartbeat=False``,
+``claim_idle_ms`` must exceed the time a group may wait if other consumers share the group.
+Stream entries of groups this batcher did not launch (another trainer's, in a shared group)
+are logged, left pending and released from the heartbeat (the client's ``release``, where
+it has one), so that their own trainer takes them over after ``claim_idle_ms``.
 
 Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
 ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,
@@ -353,7 +357,8 @@ class _Launcher(Generic[R]):
 def _note(arrival: Arrival, received: ReceivedBase) -> None:
     if arrival is Arrival.UNKNOWN:
         log.warning(
-            "stream entry %s of group %r: not launched by this batcher; left pending",
+            "stream entry %s of group %r: not launched by this batcher; left pending "
+            "for another consumer",
             received.entry_id,
             received.group_id,
         )
@@ -361,6 +366,14 @@ def _note(arrival: Arrival, received: ReceivedBase) -> None:
         log.info(
             "stream entry %s: duplicate of group %r; acked", received.entry_id, received.group_id
         )
+
+
+def _release(client: object, received: ReceivedBase) -> None:
+    """Stops the client's heartbeat for an entry left pending for another consumer. The
+    clients of this SDK have ``release``; a client without one holds no claims to drop."""
+    release = getattr(client, "release", None)
+    if release is not None:
+        release(received)
 
 
 def _close(stream: Iterator[R]) -> None:
@@ -469,6 +482,8 @@ class StepBatcher(Generic[R]):
                 _note(arrival, received)
                 if arrival is Arrival.DUPLICATE:
                     self._client.ack(received)
+                elif arrival is Arrival.UNKNOWN:
+                    _release(self._client, received)
                 if state.ready():
                     return
         finally:
@@ -550,6 +565,8 @@ class AsyncStepBatcher(Generic[R]):
                 _note(arrival, received)
                 if arrival is Arrival.DUPLICATE:
                     await self._client.ack(received)
+                elif arrival is Arrival.UNKNOWN:
+                    _release(self._client, received)
                 if state.ready():
                     return
         finally:

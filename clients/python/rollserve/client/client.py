@@ -10,8 +10,10 @@ with RolloutClient("scheduler:50051", "redis://redis:6379/0", run_id="grpo-7") a
 
 Delivery is at least once with duplicates suppressed: an entry stays pending in the
 consumer group until ``done()``; if this process dies first, another consumer (or
-this one, restarted with the same ``consumer_name``) gets it again. See
-:mod:`rollserve.client.consumer` for the read order and the duplicate rules.
+this one, restarted with the same ``consumer_name``) gets it again. While the process
+lives, a heartbeat thread keeps the groups it holds claimed, however long it holds them,
+so other consumers take over only a dead (or hung) process's entries. See
+:mod:`rollserve.client.consumer` for the read order, the heartbeat and the duplicate rules.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rollserve.client.consumer import (
     CLAIM_START_CURSOR,
     DEFAULT_DEDUPE_CAPACITY,
     DEFAULT_READ_COUNT,
+    HEARTBEAT_SCRIPT,
     Batch,
     Budget,
     Claim,
@@ -38,9 +41,11 @@ from rollserve.client.consumer import (
     ReadNew,
     ReceivedBase,
     default_consumer_name,
+    heartbeat_chunks,
     is_busygroup,
     is_nogroup,
     parse_delivery_count,
+    parse_heartbeat,
     parse_xautoclaim,
     parse_xreadgroup,
 )
@@ -61,6 +66,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RPC_TIMEOUT_S = 30.0
 DEFAULT_CLAIM_IDLE_MS = 30_000
 DEFAULT_BLOCK_MS = 1_000
+HEARTBEAT_JOIN_TIMEOUT_S = 5.0  # close() waits this long for a heartbeat in flight
 
 
 class ReceivedGroup(ReceivedBase):
@@ -92,11 +98,17 @@ class RolloutClient:
         Pass a stable name to resume this consumer's unacknowledged entries after
         a restart right away, rather than after ``claim_idle_ms``.
     claim_idle_ms: entries another consumer has held unacknowledged this long are
-        taken over (it is presumed dead). Acknowledge faster than this.
+        taken over (it is presumed dead). With ``heartbeat`` on, the entries this client
+        holds are re-claimed every ``claim_idle_ms / 3``, so only a process that died or
+        hung that long loses them; with it off, acknowledge faster than this.
     block_ms: longest single wait for new entries inside ``groups()``.
     rpc_timeout_s: deadline of each gRPC call.
     read_count: entries per Redis read.
     dedupe_capacity: acknowledged group ids remembered to drop duplicates.
+    heartbeat: keep the groups handed out and not yet acknowledged claimed (XCLAIM ...
+        JUSTID from a daemon thread, while any are held) as long as this process lives.
+        False restores the old behaviour: a group held past ``claim_idle_ms`` is taken
+        over by another consumer of the group, which trains on it too.
 
     Not for concurrent iteration from several threads; ``ack``/``done`` may be
     called from another thread than the one iterating.
@@ -115,6 +127,7 @@ class RolloutClient:
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         read_count: int = DEFAULT_READ_COUNT,
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
+        heartbeat: bool = True,
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -124,13 +137,17 @@ class RolloutClient:
             block_ms=block_ms,
             read_count=read_count,
             dedupe_capacity=dedupe_capacity,
+            heartbeat=heartbeat,
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _state and _beater
         self._channel = grpc.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._redis = redis.Redis.from_url(redis_url)
+        self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
+        self._beater: threading.Thread | None = None  # runs while entries are held
+        self._closing = threading.Event()
 
     @property
     def run_id(self) -> str:
@@ -186,19 +203,27 @@ class RolloutClient:
         """
         budget = Budget(limit, timeout_s, time.monotonic())
         with self._lock:
-            self._state.restart()
-        while not budget.exhausted(now := time.monotonic()):
-            with self._lock:
-                op = self._state.next_read(now, budget)
-            batch = self._read(op)
-            counts = self._delivery_counts(batch)
-            for item in batch.items:
-                if not isinstance(item, Deliver):
-                    raise item
+            iteration = self._state.restart()
+        try:
+            while not budget.exhausted(now := time.monotonic()):
                 with self._lock:
-                    self._state.handed_out(item.entry_id, item.result.group_id)
-                budget.took_one()
-                yield ReceivedGroup(item.result, item.entry_id, counts.get(item.entry_id, 1), self)
+                    op = self._state.next_read(now, budget)
+                batch = self._read(op)
+                self._ensure_heartbeat()
+                counts = self._delivery_counts(batch)
+                for item in batch.items:
+                    if not isinstance(item, Deliver):
+                        raise item
+                    with self._lock:
+                        if not self._state.handed_out(item.entry_id, item.result.group_id):
+                            continue
+                    budget.took_one()
+                    yield ReceivedGroup(
+                        item.result, item.entry_id, counts.get(item.entry_id, 1), self
+                    )
+        finally:
+            with self._lock:
+                self._state.stop_reading(iteration)
 
     def ack(self, *received: ReceivedGroup) -> int:
         """Acknowledges groups (one XACK); returns how many were still pending."""
@@ -213,6 +238,15 @@ class RolloutClient:
             for entry_id in ids:
                 self._state.acked(entry_id)
         return acked
+
+    def release(self, *received: ReceivedGroup) -> None:
+        """Stops keeping these groups claimed, without acknowledging them: another
+        consumer of the group takes them over after ``claim_idle_ms`` (this one does not
+        hand them out again). For groups this trainer will not use, such as another
+        trainer's in a shared consumer group. No I/O."""
+        with self._lock:
+            for r in received:
+                self._state.release(r.entry_id)
 
     def discard(self, entry_id: str) -> bool:
         """Acknowledges an entry without reading it (an :class:`UndecodableEntry`).
@@ -293,9 +327,64 @@ class RolloutClient:
             raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
         return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
 
+    # ------------------------------------------------------------ heartbeat
+
+    def _ensure_heartbeat(self) -> None:
+        """Starts the heartbeat thread if entries are held and none runs."""
+        with self._lock:
+            if self._beater is not None or self._closing.is_set():
+                return
+            if not self._state.needs_heartbeat:
+                return
+            self._beater = threading.Thread(
+                target=self._beat_while_held,
+                name=f"rollserve-heartbeat-{self.consumer_name}",
+                daemon=True,
+            )
+            self._beater.start()
+
+    def _beat_while_held(self) -> None:
+        """The heartbeat thread: a beat every ``claim_idle_ms / 3`` until nothing is held
+        or the client closes. Redis errors are logged and the next beat tries again."""
+        while not self._closing.wait(self.config.heartbeat_interval_s):
+            with self._lock:
+                ids = self._state.beat_ids()
+                if not ids:
+                    self._beater = None  # under the lock: _ensure_heartbeat starts another
+                    return
+            self._beat(ids)
+
+    def _beat(self, ids: list[str]) -> None:
+        config = self.config
+        for chunk in heartbeat_chunks(ids):
+            try:
+                raw = self._heartbeat_script(
+                    keys=[config.stream],
+                    args=[config.consumer_group, config.consumer_name, *chunk],
+                )
+                reply = parse_heartbeat(raw)
+            except redis.RedisError as exc:
+                log.warning(
+                    "stream %s: heartbeat of %d held entries failed (%s); retrying in %.1f s",
+                    config.stream,
+                    len(ids),
+                    exc,
+                    config.heartbeat_interval_s,
+                )
+                return
+            with self._lock:
+                self._state.on_heartbeat(chunk, reply)
+
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        """Stops the heartbeat (groups still held become claimable by other consumers
+        after ``claim_idle_ms``) and closes the connections."""
+        self._closing.set()
+        with self._lock:
+            beater, self._beater = self._beater, None
+        if beater is not None:
+            beater.join(HEARTBEAT_JOIN_TIMEOUT_S)
         self._redis.close()
         self._channel.close()
 

@@ -27,6 +27,22 @@ is told what it returned (:meth:`~ConsumerState.on_read`) and answers with a
 The clients (``client.py`` over redis-py, ``aio.py`` over redis.asyncio) only run
 the reads it asks for and give out what it decides.
 
+**Heartbeat.** An entry a read returned stays pending for this consumer until it is
+acknowledged, and step 2 of every other consumer takes it over once it has been idle
+``claim_idle_ms``. So that only a dead (or hung) process loses its entries, the clients
+re-claim the entries this consumer holds every ``claim_idle_ms / 3``
+(:attr:`ConsumerConfig.heartbeat_interval_s`), which resets their idle time without
+raising their delivery count. Held are the entries handed to the caller and not yet
+acknowledged, and those a read returned for delivery that the iterator has not handed out
+yet (:meth:`~ConsumerState.beat_ids`). A beat runs :data:`HEARTBEAT_SCRIPT`:
+``XCLAIM key group me 0 ids... JUSTID`` on the ids still pending *for this consumer*
+(a plain XCLAIM would take an id back from a consumer that took it over while this
+process stalled). :meth:`~ConsumerState.on_heartbeat` reads its reply: an id held by
+another consumer now is lost to us (a warning names its group; one read ahead is not
+handed out), an id no longer pending was acknowledged (or trimmed); neither is beaten
+again. :meth:`~ConsumerState.release` stops beating an entry the caller keeps pending
+on purpose, for another consumer to take over.
+
 Duplicates are recognised by group id in a bounded set (``dedupe_capacity``, the
 most recent acknowledged group ids) plus the groups in the caller's hands. The
 scheduler writes one entry per group id, so a second entry is rare; the common
@@ -64,6 +80,36 @@ NEW_ENTRIES_ID = ">"
 CLAIM_START_CURSOR = "0-0"
 DEFAULT_READ_COUNT = 64  # entries per XREADGROUP / XAUTOCLAIM call
 DEFAULT_DEDUPE_CAPACITY = 100_000  # acknowledged group ids remembered
+HEARTBEATS_PER_CLAIM_IDLE = 3  # beats within claim_idle_ms: idle time stays far below it
+HEARTBEAT_CHUNK = 512  # ids per heartbeat script call (Lua's unpack() has a stack limit)
+
+# KEYS[1]: the stream; ARGV[1]: the consumer group; ARGV[2]: this consumer; ARGV[3..]: ids.
+# Re-claims, with min-idle 0 and JUSTID (idle time reset, delivery count unchanged), the ids
+# still pending for ARGV[2]; XCLAIM alone would take an id from whoever holds it. Returns
+# {claimed ids, {id, holder, id, holder, ...}} for the ids another consumer holds now; ids
+# no longer pending (acknowledged, or trimmed) are in neither list. Atomic, as scripts are.
+HEARTBEAT_SCRIPT = """
+local claim = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], '0'}
+local others = {}
+for i = 3, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  local entry = pending[1]
+  if entry then
+    if entry[2] == ARGV[2] then
+      claim[#claim + 1] = ARGV[i]
+    else
+      others[#others + 1] = ARGV[i]
+      others[#others + 1] = entry[2]
+    end
+  end
+end
+local claimed = {}
+if #claim > 5 then
+  claim[#claim + 1] = 'JUSTID'
+  claimed = redis.call(unpack(claim))
+end
+return {claimed, others}
+"""
 
 
 def default_consumer_name() -> str:
@@ -145,6 +191,24 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """What a run of :data:`HEARTBEAT_SCRIPT` did with the ids it was given."""
+
+    claimed: list[str]  # re-claimed: still ours, idle time reset
+    taken: dict[str, str]  # entry id -> the consumer that holds it now
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """An entry this consumer held that a heartbeat found it no longer holds."""
+
+    entry_id: str
+    group_id: str
+    holder: str | None  # the consumer that took it over; None: no longer pending at all
+    in_hand: bool  # the caller has it; else it was read ahead and is not handed out
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerConfig:
     """Who reads which stream, and how. Checked once, shared by both clients."""
 
@@ -155,6 +219,7 @@ class ConsumerConfig:
     block_ms: int
     read_count: int = DEFAULT_READ_COUNT
     dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY
+    heartbeat: bool = True  # keep held entries claimed while the process lives
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -176,6 +241,12 @@ class ConsumerConfig:
     @property
     def stream(self) -> str:
         return stream_key(self.run_id)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between two heartbeats: a held entry's idle time stays below
+        ``claim_idle_ms`` by a wide margin while this process lives."""
+        return self.claim_idle_ms / HEARTBEATS_PER_CLAIM_IDLE / 1000
 
 
 def check_run_id(run_id: str) -> None:
@@ -242,19 +313,37 @@ class ConsumerState:
         self._acked = _BoundedSet(config.dedupe_capacity)
         self._in_hand: dict[str, str] = {}  # entry id -> group id, handed out, not acked
         self._in_hand_groups: dict[str, str] = {}  # group id -> entry id
+        self._unbeaten: set[str] = set()  # in hand, no longer kept claimed (lost, released)
+        # Read for delivery, not handed out yet (the iterator is suspended): entry -> group.
+        self._read_ahead: dict[str, str] = {}
+        self._lost_ahead: set[str] = set()  # read ahead, then lost: never to be handed out
+        self._iteration = 0  # restart() count: which iteration the read-ahead belongs to
         self._pending_cursor: str | None = PENDING_START_ID  # None: pending list done
         self._claim_cursor = CLAIM_START_CURSOR
         self._next_claim_at = 0.0  # claim as soon as our own pending list is read
 
     # ------------------------------------------------------------ read order
 
-    def restart(self) -> None:
+    def restart(self) -> int:
         """A new iteration: read our own pending entries again before anything new.
 
         Entries left behind by an iterator that stopped early are pending for us; the
         ones still in the caller's hands are recognised and not handed out twice.
+        Returns the iteration's number, for :meth:`stop_reading`.
         """
         self._pending_cursor = PENDING_START_ID
+        self._iteration += 1
+        self._read_ahead.clear()
+        self._lost_ahead.clear()
+        return self._iteration
+
+    def stop_reading(self, iteration: int) -> None:
+        """Iteration ``iteration`` ended: entries it read and did not hand out stay pending
+        for this consumer (the next iteration reads them again) and are no longer kept
+        claimed. A no-op if a later iteration has begun (the old one was collected late)."""
+        if iteration == self._iteration:
+            self._read_ahead.clear()
+            self._lost_ahead.clear()
 
     def next_read(self, now: float, budget: Budget) -> NextRead:
         """The next read, within what the caller still wants (``budget``)."""
@@ -291,6 +380,9 @@ class ConsumerState:
         else:
             source = Source.NEW
         batch = self.classify(entries, source)
+        for item in batch.items:
+            if isinstance(item, Deliver):
+                self._read_ahead[item.entry_id] = item.result.group_id
         for drop in batch.drop:
             log.info(
                 "stream %s: acking entry %s unread: %s",
@@ -357,16 +449,100 @@ class ConsumerState:
             items.append(Deliver(entry_id, result, redelivered=source is not Source.NEW))
         return Batch(items, drop)
 
-    def handed_out(self, entry_id: str, group_id: str) -> None:
-        """The caller now holds the entry; call it just before giving it out."""
+    def handed_out(self, entry_id: str, group_id: str) -> bool:
+        """The caller now holds the entry; call it just before giving it out. False: do
+        not give it out, a heartbeat found it lost while it waited (see :meth:`on_heartbeat`)."""
+        self._read_ahead.pop(entry_id, None)
+        if entry_id in self._lost_ahead:
+            self._lost_ahead.discard(entry_id)
+            return False
         self._in_hand[entry_id] = group_id
         self._in_hand_groups[group_id] = entry_id
+        return True
 
     def acked(self, entry_id: str) -> None:
         group_id = self._in_hand.pop(entry_id, None)
+        self._unbeaten.discard(entry_id)
         if group_id is not None:
             self._in_hand_groups.pop(group_id, None)
             self._acked.add(group_id)
+
+    def release(self, entry_id: str) -> None:
+        """Stops keeping an entry in the caller's hands claimed: left unacknowledged, it is
+        taken over by another consumer after ``claim_idle_ms``. It is not handed out here
+        again (unless the caller acknowledges it, which acknowledges it for the group)."""
+        if entry_id in self._in_hand:
+            self._unbeaten.add(entry_id)
+
+    # ------------------------------------------------------------- heartbeat
+
+    @property
+    def needs_heartbeat(self) -> bool:
+        """Entries are held that a heartbeat must keep claimed (and it is enabled)."""
+        return bool(self.beat_ids())
+
+    def beat_ids(self) -> list[str]:
+        """The ids the next heartbeat re-claims: the entries in the caller's hands, except
+        those lost or released, and those read ahead; none if the heartbeat is off."""
+        if not self.config.heartbeat:
+            return []
+        held = [i for i in self._in_hand if i not in self._unbeaten]
+        return held + list(self._read_ahead)
+
+    def on_heartbeat(self, asked: Sequence[str], reply: HeartbeatReply) -> list[Lost]:
+        """What a heartbeat for ``asked`` re-claimed. The ids it did not re-claim are
+        no longer beaten and, read ahead, not handed out; logged here, returned."""
+        claimed = set(reply.claimed)
+        lost: list[Lost] = []
+        for entry_id in asked:
+            if entry_id in claimed:
+                continue
+            holder = reply.taken.get(entry_id)
+            if entry_id in self._in_hand and entry_id not in self._unbeaten:
+                self._unbeaten.add(entry_id)
+                lost.append(Lost(entry_id, self._in_hand[entry_id], holder, in_hand=True))
+            elif entry_id in self._read_ahead:
+                group_id = self._read_ahead.pop(entry_id)
+                self._lost_ahead.add(entry_id)
+                lost.append(Lost(entry_id, group_id, holder, in_hand=False))
+            # else: acknowledged (or released) since the heartbeat began
+        for item in lost:
+            self._log_lost(item)
+        return lost
+
+    def _log_lost(self, lost: Lost) -> None:
+        stream = self.config.stream
+        if lost.holder is None:
+            log.info(
+                "stream %s: entry %s of group %r is no longer pending (acknowledged or "
+                "trimmed); no longer kept claimed%s",
+                stream,
+                lost.entry_id,
+                lost.group_id,
+                "" if lost.in_hand else ", not handed out",
+            )
+        elif lost.in_hand:
+            log.warning(
+                "stream %s: group %r (entry %s), in this consumer's hands, was taken over by "
+                "consumer %r (this process stalled past claim_idle_ms = %d ms?); it may be "
+                "trained on twice",
+                stream,
+                lost.group_id,
+                lost.entry_id,
+                lost.holder,
+                self.config.claim_idle_ms,
+            )
+        else:
+            log.warning(
+                "stream %s: group %r (entry %s), read and not yet handed out, was taken over "
+                "by consumer %r (this process stalled past claim_idle_ms = %d ms?); "
+                "not handed out here",
+                stream,
+                lost.group_id,
+                lost.entry_id,
+                lost.holder,
+                self.config.claim_idle_ms,
+            )
 
     @property
     def in_hand(self) -> int:
@@ -442,6 +618,21 @@ def parse_xautoclaim(raw: Any) -> tuple[str, list[RawEntry]]:
     """XAUTOCLAIM's reply: ``[next_cursor, entries]`` (+ deleted ids on Redis >= 7,
     which Redis already removed from the pending list)."""
     return _as_str(raw[0]), parse_entries(raw[1])
+
+
+def heartbeat_chunks(ids: Sequence[str]) -> list[list[str]]:
+    """The ids of one heartbeat, in script calls of at most :data:`HEARTBEAT_CHUNK`."""
+    return [list(ids[i : i + HEARTBEAT_CHUNK]) for i in range(0, len(ids), HEARTBEAT_CHUNK)]
+
+
+def parse_heartbeat(raw: Any) -> HeartbeatReply:
+    """:data:`HEARTBEAT_SCRIPT`'s reply: ``[claimed ids, [id, holder, id, holder, ...]]``."""
+    claimed, taken = raw
+    flat = [_as_str(x) for x in taken or ()]
+    return HeartbeatReply(
+        claimed=[_as_str(x) for x in claimed or ()],
+        taken=dict(zip(flat[::2], flat[1::2], strict=True)),
+    )
 
 
 def parse_delivery_count(raw: Any) -> int:
