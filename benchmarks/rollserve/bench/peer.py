@@ -61,6 +61,7 @@ from rollserve.bench.peer_stats import (
     StepRecord,
     StreamGroup,
     same_draws,
+    stream_trace,
     summarize,
 )
 from rollserve.cli.stack import CONTROL_PLANE_NICE, DevStack, StackConfig, engine_threads
@@ -74,6 +75,7 @@ from rollserve.client import (
     StepBatcher,
 )
 from rollserve.client.client import ReceivedGroup
+from rollserve.sim.scenarios import write_trace
 
 GOAL = 1.5
 PEER, ROLLSERVE, ROLLSERVE_SYNC = "vllm-router", "rollserve", "rollserve sync"
@@ -105,6 +107,7 @@ class PeerConfig:
     omp_threads: int = 0  # per engine, both sides; 0: the dev stack's default
     step_timeout_s: float = 1800.0
     json_path: Path | None = None
+    trace_path: Path | None = None  # the measured workload as a trace the simulator replays
     run_dir: Path | None = None  # logs of every process; a temp dir (deleted) when None
 
     def __post_init__(self) -> None:
@@ -606,4 +609,20 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {cfg.json_path}")
+    if cfg.trace_path is not None:
+        write_measured_trace(cfg, stream, [r for name in ROWS for r in runs[name]], console)
     return report
+
+
+def write_measured_trace(
+    cfg: PeerConfig, stream: PromptStream, runs: list[SideRun], console: Console
+) -> None:
+    """The measured steps' groups (and the carried-over ones after them that a row delivered)
+    with their recorded lengths, as a trace ``rollserve bench policies`` replays."""
+    assert cfg.trace_path is not None
+    groups = stream_trace(runs, stream, start=cfg.warmup_steps * cfg.batch)
+    write_trace(groups, cfg.trace_path)
+    console.print(
+        f"wrote {cfg.trace_path}: {len(groups)} groups x {cfg.n} ({len(groups) // cfg.batch} "
+        f"complete steps of {cfg.batch}), lengths as the engines drew them"
+    )

@@ -50,6 +50,12 @@ def add_bench_peer(bench_sub: Any) -> None:
     )
     p.add_argument("--run-dir", type=Path, help="keep every process's log here")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="write the measured workload (each group's response lengths) as a trace CSV "
+        "that a scenario file replays in the simulator",
+    )
     p.set_defaults(func=_cmd_bench_peer)
 
 
@@ -81,6 +87,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             omp_threads=args.omp_threads,
             run_dir=args.run_dir,
             json_path=args.json,
+            trace_path=args.trace,
         )
     )
     return 0

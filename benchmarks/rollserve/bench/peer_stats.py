@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollserve.sim.scenarios import SimGroup
 from rollserve.workload import PromptRow, read_prompt_set, score
 
 SEED_STRIDE = 1000  # stream group j's samples use seed + SEED_STRIDE * j + i
@@ -198,3 +199,34 @@ def same_draws(a: SideRun, b: SideRun) -> tuple[int, int]:
             both += 1
             same += mine.token_ids == their.token_ids
     return both, same
+
+
+def stream_trace(runs: Sequence[SideRun], stream: PromptStream, start: int) -> list[SimGroup]:
+    """The stream's groups from ``start`` on, for as long as every one of them was delivered
+    by some run, with the lengths that run recorded (the first run's where several did): the
+    workload as the simulator replays it (``rollserve.sim.scenarios``, a trace). The groups
+    before ``start`` (the warm-up) and after the first gap are left out, so the trace is the
+    stream in its order."""
+    lengths: dict[int, tuple[int, ...]] = {}
+    for run in runs:
+        for group in run.groups:
+            if not group.failed:
+                lengths.setdefault(group.index, tuple(len(s.token_ids) for s in group.samples))
+    out: list[SimGroup] = []
+    index = start
+    while index in lengths:
+        g = stream.group(index)
+        out.append(
+            SimGroup(
+                key=g.group_id,
+                prompt_key=g.prompt_key,
+                epoch=index // len(stream.rows),
+                prompt_len=len(g.prompt_token_ids),
+                prefix_id="",
+                prefix_len=0,
+                max_tokens=0,  # not in a trace: the scenario's
+                output_lens=lengths[index],
+            )
+        )
+        index += 1
+    return out

@@ -264,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     policies = bench_sub.add_parser(
         "policies", help="scheduling policies side by side on simulated engines (virtual time)"
     )
-    policies.add_argument("--scenario", default="S1", help="S1..S4 or a scenario TOML file")
+    policies.add_argument(
+        "--scenario",
+        default="S1",
+        help="S1..S4 (drawn lengths), P1 (a recorded trace) or a scenario TOML file",
+    )
     policies.add_argument("--steps", type=_positive, help="override the scenario's steps")
     policies.add_argument("--engines", type=_positive, help="override the scenario's engines")
     policies.add_argument(

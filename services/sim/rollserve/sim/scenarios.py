@@ -16,7 +16,12 @@ how lengths are drawn:
 
 A trace (CSV with the header ``prompt_key,epoch,prompt_len,prefix_id,prefix_len,response_len``,
 one row a sample, the rows of a group adjacent; ``prefix_id`` empty when the prompt shares no
-prefix with others) replays recorded lengths instead.
+prefix with others) replays recorded lengths instead: a scenario file with ``trace = "FILE"``
+(relative to the scenario file) takes its groups from it, ``groups_per_step`` at a time in the
+trace's order, and has none of the keys that describe drawn lengths. Its ``steps`` defaults to
+every complete step the trace holds; a run that needs more steps than that is refused (a trace
+is never replayed twice: the predictor would then know every prompt). ``rollserve bench peer
+--trace FILE`` records one from real engines.
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ class SimGroup:
         return len(self.output_lens)
 
 
+_DRAWN = (
+    "prompts",
+    "prompt_len_median",
+    "prompt_len_sigma",
+    "shared_prefix_len",
+    "prefix_pool",
+    "response_median",
+    "prompt_sigma",
+    "within_sigma",
+    "drift_sigma",
+    "seed",
+)  # the keys of a scenario whose lengths are drawn; a trace scenario has none of them
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -69,17 +88,19 @@ class Scenario:
     groups_per_step: int
     n: int
     steps: int
-    prompts: int
-    prompt_len_median: float
-    prompt_len_sigma: float
-    shared_prefix_len: int
-    prefix_pool: int
-    response_median: float
-    prompt_sigma: float
-    within_sigma: float
-    drift_sigma: float
     max_tokens: int
+    # Drawn lengths (unused when ``trace`` is set).
+    prompts: int = 1
+    prompt_len_median: float = 1.0
+    prompt_len_sigma: float = 0.0
+    shared_prefix_len: int = 0
+    prefix_pool: int = 1
+    response_median: float = 1.0
+    prompt_sigma: float = 0.0
+    within_sigma: float = 0.0
+    drift_sigma: float = 0.0
     seed: int = 0
+    trace: Path | None = None  # replay this trace's recorded lengths instead
 
     def __post_init__(self) -> None:
         for name in ("engines", "groups_per_step", "n", "steps", "prompts", "max_tokens"):
@@ -92,7 +113,10 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: prefix_pool must be >= 1 with a prefix")
 
     def steps_of_groups(self) -> list[list[SimGroup]]:
-        """The groups of every step, drawn with ``seed``; the same scenario gives the same."""
+        """The groups of every step, drawn with ``seed`` (the same scenario gives the same) or
+        the first ``steps`` steps of the trace."""
+        if self.trace is not None:
+            return self._replayed()
         rng = random.Random(self.seed)
         prompt_lens = [
             max(
@@ -143,6 +167,31 @@ class Scenario:
             out.append(groups)
         return out
 
+    def _replayed(self) -> list[list[SimGroup]]:
+        assert self.trace is not None
+        steps = complete_steps(self.trace, self.max_tokens, self.groups_per_step)
+        if len(steps) < self.steps:
+            raise ValueError(
+                f"scenario {self.name}: the trace {self.trace} holds {len(steps)} complete "
+                f"step(s) of {self.groups_per_step} groups and the run needs {self.steps} "
+                "(over-sampled runs draw more groups than they deliver): give fewer --steps "
+                "or --warm-steps, or record a longer trace"
+            )
+        for groups in steps:
+            for g in groups:
+                if g.n != self.n:
+                    raise ValueError(
+                        f"scenario {self.name}: the trace's group of {g.prompt_key} (epoch "
+                        f"{g.epoch}) has {g.n} samples; the scenario's n is {self.n}"
+                    )
+        return steps[: self.steps]
+
+
+def complete_steps(path: Path, max_tokens: int, groups_per_step: int) -> list[list[SimGroup]]:
+    """A trace's steps of ``groups_per_step`` groups; a last step with fewer is left out."""
+    steps = read_trace(path, max_tokens, groups_per_step)
+    return [groups for groups in steps if len(groups) == groups_per_step]
+
 
 def scenario_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in _DIR.glob("*.toml")))
@@ -162,7 +211,23 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
-    missing = sorted(f.name for f in fields(Scenario) if f.name not in data and f.name != "seed")
+    optional = {"seed", "trace"}
+    if "trace" in data:
+        drawn = sorted(set(data) & set(_DRAWN))
+        if drawn:
+            raise ValueError(
+                f"{path}: {drawn} describe drawn lengths; a scenario with a trace replays "
+                "recorded ones: leave them out"
+            )
+        trace = data["trace"] = (path.parent / str(data["trace"])).resolve()
+        if not trace.is_file():
+            raise ValueError(f"{path}: trace {trace}: no such file")
+        optional |= {*_DRAWN, "steps"}
+        if "steps" not in data and "groups_per_step" in data and "max_tokens" in data:
+            data["steps"] = len(
+                complete_steps(trace, int(data["max_tokens"]), int(data["groups_per_step"]))
+            )
+    missing = sorted(f.name for f in fields(Scenario) if f.name not in {*data, *optional})
     if missing:
         raise ValueError(f"{path}: missing keys {missing}")
     return Scenario(**data)
