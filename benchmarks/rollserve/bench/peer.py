@@ -105,6 +105,7 @@ class PeerConfig:
     trial_steps: int = 3  # steps per router policy in the trial
     repeats: int = 1
     omp_threads: int = 0  # per engine, both sides; 0: the dev stack's default
+    control_plane_nice: int = CONTROL_PLANE_NICE  # both sides' control plane (0: not reniced)
     step_timeout_s: float = 1800.0
     json_path: Path | None = None
     trace_path: Path | None = None  # the measured workload as a trace the simulator replays
@@ -116,6 +117,8 @@ class PeerConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
+        if not 0 <= self.control_plane_nice <= 19:
+            raise ValueError(f"control_plane_nice ({self.control_plane_nice}) must be in 0..19")
         unknown = set(self.router_policies) - set(ROUTER_POLICIES)
         if self.router_policy is not None:
             unknown |= {self.router_policy} - {*ROUTER_POLICIES, "kv_aware"}
@@ -160,7 +163,7 @@ def run_router_side(env: Environment, rep: int) -> SideRun:
         f"({env.omp_threads} OpenMP thread(s) each) …"
     )
     with PeerServers(
-        settings, cfg.engines, env.omp_threads, CONTROL_PLANE_NICE, log_dir
+        settings, cfg.engines, env.omp_threads, cfg.control_plane_nice, log_dir
     ) as servers:
         if not env.router_policy:
             env.router_policy = cfg.router_policy or choose_router_policy(env, servers)
@@ -291,6 +294,7 @@ def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float)
         omp_threads=env.omp_threads,
         scheduler_args=("--policy", cfg.policy, *cfg.scheduler_args),
         run_dir=run_dir,
+        control_plane_nice=cfg.control_plane_nice,
     )
     env.console.print(
         f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
@@ -531,7 +535,6 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "model": str(model),
         "prompts": str(cfg.prompts or "default"),
         "omp_threads": threads,
-        "control_plane_nice": CONTROL_PLANE_NICE,
         "engine": engine,
     }
     console.print("settings: " + json.dumps(settings_out, default=str))

@@ -48,6 +48,13 @@ def add_bench_peer(bench_sub: Any) -> None:
     p.add_argument(
         "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
     )
+    p.add_argument(
+        "--control-plane-nice",
+        type=int,
+        help="niceness of both sides' control plane (rollserve's engine frontends, scheduler "
+        "and Redis; the peer's API servers and router; default: the dev stack's, 10); the "
+        "engine cores keep theirs",
+    )
     p.add_argument("--run-dir", type=Path, help="keep every process's log here")
     p.add_argument("--json", type=Path)
     p.add_argument(
@@ -64,6 +71,9 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
     from rollserve.bench.peer_router import ROUTER_POLICIES
 
     policies = tuple(p for p in (args.router_policies or "").split(",") if p)
+    nice = (
+        {} if args.control_plane_nice is None else {"control_plane_nice": args.control_plane_nice}
+    )
     run_peer(
         PeerConfig(
             model=args.model,
@@ -88,6 +98,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             json_path=args.json,
             trace_path=args.trace,
+            **nice,
         )
     )
     return 0
