@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import itertools
 from pathlib import Path
+from typing import Any
 
+import pytest
 from rich.console import Console
 from rollserve.assets import default_prompts, reasoner_dir
 from rollserve.bench.peer import (
@@ -168,3 +170,18 @@ def test_the_tables_print(tmp_path: Path) -> None:
     assert "cache_aware (used)" in text
     assert "1.00x" in text
     assert "least_outstanding (over 0.5, stale <= 1)" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"steps": 0}, r"steps \(0\) must be >= 1"),
+        ({"warmup_steps": -1}, r"warmup_steps \(-1\) must be >= 0"),
+        ({"control_plane_nice": 20}, r"control_plane_nice \(20\) must be in 0\.\.19"),
+        ({"control_plane_nice": -1}, r"control_plane_nice \(-1\) must be in 0\.\.19"),
+        ({"router_policy": "fastest"}, r"router policies \['fastest'\] unknown"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_field(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PeerConfig(**kwargs)
