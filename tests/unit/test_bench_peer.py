@@ -17,7 +17,9 @@ from rollserve.bench.peer import (
     ROLLSERVE_SYNC,
     Environment,
     PeerConfig,
+    pooled_ratios,
     print_tables,
+    round_ratios,
     to_prompt_group,
 )
 from rollserve.bench.peer_router import (
@@ -32,6 +34,7 @@ from rollserve.bench.peer_stats import (
     DeliveredGroup,
     DeliveredSample,
     PromptStream,
+    RowSummary,
     SideRun,
     StepRecord,
     same_draws,
@@ -185,3 +188,27 @@ def test_the_tables_print(tmp_path: Path) -> None:
 def test_bad_settings_are_refused_with_the_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PeerConfig(**kwargs)
+
+
+def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    answers = {i: "answer 1" for i in range(4)}
+
+    def rounds(name: str, *walls: float) -> list[RowSummary]:
+        out = []
+        for wall in walls:
+            run = run_of(name, stream, answers)  # 4 groups a round
+            run.wall_s = wall
+            out.append(summarize(run, stream))
+        return out
+
+    summaries = {
+        PEER: rounds(PEER, 4.0, 4.0),  # 1 group/s a round
+        ROLLSERVE: rounds(ROLLSERVE, 1.0, 4.0),  # 4 and 1 group/s
+        ROLLSERVE_SYNC: rounds(ROLLSERVE_SYNC, 2.0, 2.0),
+    }
+    per_round = round_ratios({n: [r.groups_per_s for r in rs] for n, rs in summaries.items()})
+    assert per_round[ROLLSERVE] == [4.0, 1.0]
+    pooled = pooled_ratios(summaries)
+    assert pooled[ROLLSERVE] == 8 / 5  # 8 groups in 5 s against 8 in 8 s
+    assert pooled[ROLLSERVE_SYNC] == 2.0

@@ -381,6 +381,22 @@ def round_ratios(all_gps: dict[str, list[float]]) -> dict[str, list[float]]:
     }
 
 
+def pooled_ratios(summaries: dict[str, list[RowSummary]]) -> dict[str, float]:
+    """Each rollserve row's groups over its time in all rounds together, over vllm-router's:
+    a round that ran slow weighs by its length, where the median of per-round ratios does not
+    see how far apart the rounds were."""
+
+    def rate(rows: list[RowSummary]) -> float:
+        wall = sum(r.wall_s for r in rows)
+        return sum(r.groups for r in rows) / wall if wall > 0 else 0.0
+
+    peer = rate(summaries[PEER])
+    return {
+        name: rate(summaries[name]) / peer if peer > 0 else float("nan")
+        for name in (ROLLSERVE, ROLLSERVE_SYNC)
+    }
+
+
 def print_tables(
     rows: dict[str, RowSummary], env: Environment, all_gps: dict[str, list[float]]
 ) -> None:
@@ -571,6 +587,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     ratios = round_ratios(all_gps)
     ratio = statistics.median(ratios[ROLLSERVE])
     ratio_sync = statistics.median(ratios[ROLLSERVE_SYNC])
+    pooled = pooled_ratios(summaries)
     both, same = same_draws(median[ROLLSERVE_SYNC][0], median[PEER][0])
     console.print(f"benchmark took {time.perf_counter() - began:.0f} s in all")
     verdict = "meets" if ratio >= GOAL else "misses"
@@ -578,6 +595,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         f"rollserve / vllm-router = {ratio:.2f}x groups/s ({verdict} the goal of {GOAL}x); "
         f"rollserve sync / vllm-router = {ratio_sync:.2f}x"
     )
+    if cfg.repeats > 1:
+        console.print(
+            f"pooled over the {cfg.repeats} rounds (all groups over all time): rollserve "
+            f"{pooled[ROLLSERVE]:.2f}x, rollserve sync {pooled[ROLLSERVE_SYNC]:.2f}x"
+        )
     console.print(
         f"same draws: {same} of {both} samples of rollserve sync and vllm-router have identical "
         f"tokens; mean reward {rows[ROLLSERVE_SYNC].mean_reward:.3f} vs "
@@ -587,6 +609,8 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "goal": GOAL,
         "ratio": ratio,
         "ratio_sync": ratio_sync,
+        "ratio_pooled": pooled[ROLLSERVE],
+        "ratio_sync_pooled": pooled[ROLLSERVE_SYNC],
         "settings": settings_out,
         "router_policy": env.router_policy,
         "router_trial": env.trial,
