@@ -365,14 +365,16 @@ class _Fleet:
         result = []
         for eid, sim in self.sims.items():
             outstanding = 0
-            predicted = 0.0
-            longest = 0.0
+            lefts = []
             for rid in self.per_engine[eid]:
                 r = self.running[rid]
                 outstanding += max(0, r.group.group.max_tokens - self._progress(rid, r))
-                left = self._remaining(rid, r)
-                predicted += left
-                longest = max(longest, left)
+                lefts.append(self._remaining(rid, r))
+            # fsum: the same sum in any order (a set's order changes with the hash seed, and
+            # a float sum with its order, which would make runs differ from one process to
+            # the next).
+            predicted = math.fsum(lefts)
+            longest = max(lefts, default=0.0)
             result.append(
                 EngineView(
                     engine_id=eid,
