@@ -1,10 +1,15 @@
 """The pure parts of ``rollserve bench peer``: the peer's command lines and request bodies, the
-metrics it reads from vLLM's servers, and the figures of its table. No process is started."""
+metrics it reads from vLLM's servers, the figures of its table, and the interleaved rounds'
+bookkeeping. No engine, server or router is started."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +20,16 @@ from rollserve.bench.peer import (
     PEER,
     ROLLSERVE,
     ROLLSERVE_SYNC,
+    ROWS,
     Environment,
     PeerConfig,
     pooled_ratios,
     print_tables,
+    round_order,
     round_ratios,
+    round_stride,
     to_prompt_group,
+    tree_cpu_s,
 )
 from rollserve.bench.peer_router import (
     Sampling,
@@ -40,8 +49,11 @@ from rollserve.bench.peer_stats import (
     same_draws,
     summarize,
 )
+from rollserve.client import PromptGroup, StepBatcher
 from rollserve.engine.settings import EngineSettings
 from rollserve.workload import read_prompt_set
+
+from tests.unit.test_batches import FakeRun
 
 METRICS = """\
 # HELP vllm:request_success_total Count of successfully processed requests.
@@ -212,3 +224,69 @@ def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
     pooled = pooled_ratios(summaries)
     assert pooled[ROLLSERVE] == 8 / 5  # 8 groups in 5 s against 8 in 8 s
     assert pooled[ROLLSERVE_SYNC] == 2.0
+
+
+def test_interleaved_rounds_rotate_the_rows_evenly() -> None:
+    orders = [round_order(rep) for rep in range(6)]
+    assert all(sorted(order) == sorted(ROWS) for order in orders)
+    for name in ROWS:  # over six rounds every row runs in every position twice
+        positions = sorted(order.index(name) for order in orders)
+        assert positions == [0, 0, 1, 1, 2, 2]
+    assert orders[1] == tuple(reversed(orders[0]))
+    assert round_order(6) == orders[0]
+
+
+@pytest.mark.parametrize(("oversample", "max_staleness"), [(0.0, 1), (0.5, 1), (1.0, 2)])
+def test_an_interleaved_round_stays_inside_its_slice_of_the_stream(
+    oversample: float, max_staleness: int
+) -> None:
+    """The step batcher, driven as a round drives it (warm-up, measured steps, then the tail
+    cancelled) over a long-tailed fake run, never takes a group beyond the round's stride:
+    the next round starts on prompts no side has seen. Faked: the client's edges
+    (``FakeRun``, a virtual clock); real: the batcher."""
+    cfg = PeerConfig(steps=5, warmup_steps=2, batch=16, oversample=oversample)
+    rng = random.Random(7)
+    durations: dict[str, float | None] = {
+        f"g{i}": rng.lognormvariate(0.0, 1.2) for i in range(10_000)
+    }
+    fake = FakeRun(durations)
+    taken: list[int] = []
+
+    def groups() -> Iterator[PromptGroup]:
+        for index in itertools.count():
+            taken.append(index)
+            yield PromptGroup(group_id=f"g{index}", prompt_token_ids=(1, 2), n=4)
+
+    batcher = StepBatcher(
+        fake,
+        groups(),
+        batch_size=cfg.batch,
+        oversample=oversample,
+        max_staleness=max_staleness,
+        batch_timeout_s=1e6,
+    )
+    for _ in range(cfg.warmup_steps + cfg.steps):
+        batcher.ack(next(batcher))
+    batcher.cancel_outstanding(drain_timeout_s=0)
+    assert len(fake.submitted) == len(taken)
+    assert max(taken) < round_stride(cfg)
+
+
+def test_process_tree_cpu_counts_the_descendants() -> None:
+    """A shell whose grandchild burns 0.3 s of its own CPU time: the shell's tree counts it."""
+    burn = (
+        "import time\nwhile time.process_time() < 0.3: pass\n"
+        "print('done', flush=True)\ntime.sleep(30)\n"
+    )
+    shell = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "$0"', burn],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert shell.stdout is not None
+        assert shell.stdout.readline().strip() == b"done"
+        assert tree_cpu_s([shell.pid]) >= 0.28
+        assert tree_cpu_s([2**22 + 12345]) == 0.0  # no such process
+    finally:
+        shell.kill()
+        shell.wait()

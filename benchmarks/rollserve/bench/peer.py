@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
@@ -110,6 +111,9 @@ class PeerConfig:
     json_path: Path | None = None
     trace_path: Path | None = None  # the measured workload as a trace the simulator replays
     run_dir: Path | None = None  # logs of every process; a temp dir (deleted) when None
+    # Both sides' processes kept up for the whole run, the rounds short and interleaved (each
+    # on fresh prompts), so that the machine's own drift hits every row alike
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("engines", "steps", "batch", "n", "max_tokens", "trial_steps", "repeats"):
@@ -141,6 +145,7 @@ class Environment:
     console: Console
     trial: list[dict[str, Any]] = field(default_factory=list)
     router_policy: str = ""
+    idle_cpu: list[dict[str, Any]] = field(default_factory=list)  # interleaved rounds only
 
 
 # ----------------------------------------------------------------- vllm-router
@@ -152,49 +157,62 @@ def trial_offset(stream: PromptStream) -> int:
 
 
 def run_router_side(env: Environment, rep: int) -> SideRun:
+    """One round on freshly started servers and router (the default, sequential mode)."""
+    with PeerServers(*_server_args(env, f"{rep}-vllm-router")) as servers:
+        if not env.router_policy:
+            env.router_policy = env.cfg.router_policy or choose_router_policy(env, servers)
+        with servers.router(env.router_policy) as url:
+            if not servers.reset_prefix_caches():
+                env.console.print("[yellow]could not reset the servers' prefix caches[/yellow]")
+            return router_round(env, servers, url, start=0)
+
+
+def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
     from rollserve.engine.settings import EngineSettings
 
     cfg = env.cfg
-    settings = EngineSettings(model=env.model)
-    log_dir = env.log_dir / f"{rep}-vllm-router"
+    log_dir = env.log_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
     env.console.print(
         f"[bold]{PEER}[/bold]: starting {cfg.engines} vLLM OpenAI servers "
         f"({env.omp_threads} OpenMP thread(s) each) …"
     )
-    with PeerServers(
-        settings, cfg.engines, env.omp_threads, cfg.control_plane_nice, log_dir
-    ) as servers:
-        if not env.router_policy:
-            env.router_policy = cfg.router_policy or choose_router_policy(env, servers)
-        policy = env.router_policy
-        with servers.router(policy) as url:
-            if not servers.reset_prefix_caches():
-                env.console.print("[yellow]could not reset the servers' prefix caches[/yellow]")
-            env.console.print(
-                f"  router policy {policy}: {cfg.warmup_steps} warm-up + {cfg.steps} "
-                f"measured steps of {cfg.batch} groups x n={cfg.n}"
-            )
-            stream = env.stream.groups()
-            if cfg.warmup_steps:
-                run_sync_steps(
-                    url,
-                    stream,
-                    env.sampling,
-                    batch=cfg.batch,
-                    steps=cfg.warmup_steps,
-                    timeout_s=cfg.step_timeout_s,
-                )
-            before = servers.counters()
-            records, delivered, wall = run_sync_steps(
-                url,
-                stream,
-                env.sampling,
-                batch=cfg.batch,
-                steps=cfg.steps,
-                timeout_s=cfg.step_timeout_s,
-            )
-            delta = counters_delta(before, servers.counters())
+    return (
+        EngineSettings(model=env.model),
+        cfg.engines,
+        env.omp_threads,
+        cfg.control_plane_nice,
+        log_dir,
+    )
+
+
+def router_round(env: Environment, servers: PeerServers, url: str, start: int) -> SideRun:
+    """Warm-up and measured steps through the router, from stream group ``start``."""
+    cfg = env.cfg
+    env.console.print(
+        f"  router policy {env.router_policy}: {cfg.warmup_steps} warm-up + {cfg.steps} "
+        f"measured steps of {cfg.batch} groups x n={cfg.n}"
+    )
+    stream = env.stream.groups(start)
+    if cfg.warmup_steps:
+        run_sync_steps(
+            url,
+            stream,
+            env.sampling,
+            batch=cfg.batch,
+            steps=cfg.warmup_steps,
+            timeout_s=cfg.step_timeout_s,
+        )
+    before = servers.counters()
+    records, delivered, wall = run_sync_steps(
+        url,
+        stream,
+        env.sampling,
+        batch=cfg.batch,
+        steps=cfg.steps,
+        timeout_s=cfg.step_timeout_s,
+    )
+    delta = counters_delta(before, servers.counters())
     for record in records:
         env.console.print(
             f"  {PEER} step {record.step + 1}/{cfg.steps}: {record.wall_s:.2f} s, "
@@ -208,7 +226,7 @@ def run_router_side(env: Environment, rep: int) -> SideRun:
         cache_queries=int(delta["cache_queries"]),
         cache_hits=int(delta["cache_hits"]),
         samples_per_engine={f"server-{i}": int(delta[f"requests:{i}"]) for i in range(cfg.engines)},
-        settings={"router_policy": policy},
+        settings={"router_policy": env.router_policy},
     )
 
 
@@ -285,21 +303,39 @@ def delivered_group(result: GroupResult, launch_step: int, delivery_step: int) -
     )
 
 
-def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float) -> SideRun:
+def _stack_config(env: Environment, name: str) -> StackConfig:
     cfg = env.cfg
-    run_dir = env.log_dir / f"{rep}-{name.replace(' ', '-')}"
-    stack_cfg = StackConfig(
-        model=env.model,
-        engines=cfg.engines,
-        omp_threads=env.omp_threads,
-        scheduler_args=("--policy", cfg.policy, *cfg.scheduler_args),
-        run_dir=run_dir,
-        control_plane_nice=cfg.control_plane_nice,
-    )
     env.console.print(
         f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
         f"--policy {cfg.policy}) …"
     )
+    return StackConfig(
+        model=env.model,
+        engines=cfg.engines,
+        omp_threads=env.omp_threads,
+        scheduler_args=("--policy", cfg.policy, *cfg.scheduler_args),
+        run_dir=env.log_dir / name.replace(" ", "-"),
+        control_plane_nice=cfg.control_plane_nice,
+    )
+
+
+def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float) -> SideRun:
+    """One round on a freshly started dev stack (the default, sequential mode)."""
+    with ExitStack() as ctx:
+        stack = ctx.enter_context(DevStack(_stack_config(env, f"{rep}-{name}")))
+        client = ctx.enter_context(
+            RolloutClient(stack.scheduler_address, stack.redis_url, f"peer-{uuid.uuid4().hex[:8]}")
+        )
+        return rollserve_round(env, client, name, oversample, start=0)
+
+
+def rollserve_round(
+    env: Environment, client: RolloutClient, name: str, oversample: float, start: int
+) -> SideRun:
+    """Warm-up and measured steps through rollserve, from stream group ``start``; the groups
+    still in flight at the end are cancelled, and the call returns once the scheduler runs
+    nothing (so the next side to run has the machine to itself)."""
+    cfg = env.cfg
     run = SideRun(
         name=name,
         settings={
@@ -308,38 +344,33 @@ def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float)
             "max_staleness": cfg.max_staleness,
         },
     )
-    with ExitStack() as stack_ctx:
-        stack = stack_ctx.enter_context(DevStack(stack_cfg))
-        run_id = f"peer-{uuid.uuid4().hex[:8]}"
-        client = stack_ctx.enter_context(
-            RolloutClient(stack.scheduler_address, stack.redis_url, run_id)
+    batcher = StepBatcher(
+        client,
+        (to_prompt_group(g, env.sampling) for g in env.stream.groups(start)),
+        batch_size=cfg.batch,
+        oversample=oversample,
+        max_staleness=cfg.max_staleness,
+        batch_timeout_s=cfg.step_timeout_s,
+    )
+    for _ in range(cfg.warmup_steps):
+        batcher.ack(next(batcher))
+    start_s = previous = time.perf_counter()
+    batches: list[tuple[StepBatch[ReceivedGroup], float]] = []
+    for number in range(cfg.steps):
+        batch = next(batcher)
+        batcher.ack(batch)  # the trainer has used it
+        now = time.perf_counter()
+        batches.append((batch, now - previous))
+        due = sum(g.due for g in batch.groups)
+        env.console.print(
+            f"  {name} step {number + 1}/{cfg.steps}: {now - previous:.2f} s, "
+            f"{len(batch)} groups ({due} waited for, launched {batch.launched})"
         )
-        batcher = StepBatcher(
-            client,
-            (to_prompt_group(g, env.sampling) for g in env.stream.groups()),
-            batch_size=cfg.batch,
-            oversample=oversample,
-            max_staleness=cfg.max_staleness,
-            batch_timeout_s=cfg.step_timeout_s,
-        )
-        for _ in range(cfg.warmup_steps):
-            batcher.ack(next(batcher))
-        start = previous = time.perf_counter()
-        batches: list[tuple[StepBatch[ReceivedGroup], float]] = []
-        for number in range(cfg.steps):
-            batch = next(batcher)
-            batcher.ack(batch)  # the trainer has used it
-            now = time.perf_counter()
-            batches.append((batch, now - previous))
-            due = sum(g.due for g in batch.groups)
-            env.console.print(
-                f"  {name} step {number + 1}/{cfg.steps}: {now - previous:.2f} s, "
-                f"{len(batch)} groups ({due} waited for, launched {batch.launched})"
-            )
-            previous = now
-        run.wall_s = previous - start
-        dropped = batcher.cancel_outstanding(drain_timeout_s=_DRAIN_TIMEOUT_S)
-        run.dropped_at_end = len(dropped.group_ids)
+        previous = now
+    run.wall_s = previous - start_s
+    dropped = batcher.cancel_outstanding(drain_timeout_s=_DRAIN_TIMEOUT_S)
+    run.dropped_at_end = len(dropped.group_ids)
+    _wait_idle(client)
     for number, (batch, wall) in enumerate(batches):
         groups = [
             delivered_group(g.result, g.launch_step - cfg.warmup_steps, number)
@@ -361,6 +392,110 @@ def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float)
     for sample in samples:
         run.samples_per_engine[sample.engine] = run.samples_per_engine.get(sample.engine, 0) + 1
     return run
+
+
+def _wait_idle(client: RolloutClient, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+    """Until the scheduler has nothing queued or running (cancelled samples are aborted on
+    their engines before it forgets them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.status()
+        if status.queue_depth == 0 and status.inflight_samples == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the scheduler still runs {status.inflight_samples} samples "
+                f"({status.queue_depth} groups queued) {timeout_s:.0f} s after the cancel"
+            )
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ interleaved
+
+
+def round_stride(cfg: PeerConfig) -> int:
+    """Stream groups between two interleaved rounds' starts: more than any side launches in a
+    round (its steps' groups and the over-sampled row's tail), so every round has fresh prompts
+    and seeds on every side, and one round's prompts are the same on every side."""
+    return (cfg.warmup_steps + cfg.steps + 1) * math.ceil(cfg.batch * (1 + cfg.oversample))
+
+
+def round_order(rep: int) -> tuple[str, ...]:
+    """The rows' order in round ``rep``: a rotation of ``ROWS``, reversed in odd rounds; over six
+    rounds every row runs first, second and last twice, after each other row alike."""
+    shift = (rep // 2) % len(ROWS)
+    order = ROWS[shift:] + ROWS[:shift]
+    return tuple(reversed(order)) if rep % 2 else order
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` and every process below them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu s)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo, seen = 0.0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += stats[pid][1]
+        todo += children.get(pid, [])
+    return total
+
+
+def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
+    """Both sides up at once, idle but for the row being measured; ``repeats`` short rounds,
+    each row in each round on the round's own slice of the prompt stream. The JSON records
+    the CPU the idle side used while each row ran."""
+    cfg = env.cfg
+    runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
+    stride = round_stride(cfg)
+    with ExitStack() as ctx:
+        servers = ctx.enter_context(PeerServers(*_server_args(env, "vllm-router")))
+        stack = ctx.enter_context(DevStack(_stack_config(env, ROLLSERVE)))
+        if not env.router_policy:
+            env.router_policy = cfg.router_policy or choose_router_policy(env, servers)
+        url = ctx.enter_context(servers.router(env.router_policy))
+        if not servers.reset_prefix_caches():  # the trial's prompts are in the rounds' range
+            env.console.print("[yellow]could not reset the servers' prefix caches[/yellow]")
+        for rep in range(cfg.repeats):
+            start = rep * stride
+            env.console.print(
+                f"[bold]round {rep + 1}/{cfg.repeats}[/bold] (stream groups {start}…)"
+            )
+            for name in round_order(rep):
+                idle = stack.pids() if name == PEER else servers.pids()
+                cpu_before, began = tree_cpu_s(idle), time.perf_counter()
+                if name == PEER:
+                    run = router_round(env, servers, url, start)
+                else:
+                    over = cfg.oversample if name == ROLLSERVE else 0.0
+                    run_id = f"peer-{uuid.uuid4().hex[:8]}"  # group ids repeat across rows
+                    with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
+                        run = rollserve_round(env, client, name, over, start)
+                wall = time.perf_counter() - began
+                env.idle_cpu.append(
+                    {
+                        "round": rep,
+                        "row": name,
+                        "wall_s": wall,
+                        "idle_side_cpu_s": tree_cpu_s(idle) - cpu_before,
+                    }
+                )
+                runs[name].append(run)
+    return runs
 
 
 # ---------------------------------------------------------------------- report
@@ -421,7 +556,8 @@ def print_tables(
     main = Table(
         title=(
             f"rollserve vs vllm-router: {cfg.steps} steps x {cfg.batch} groups x n={cfg.n}, "
-            f"{cfg.engines} engines, {cfg.repeats} round(s): groups/s and ratio are medians"
+            f"{cfg.engines} engines, {cfg.repeats} round(s)"
+            f"{' interleaved' if cfg.interleave else ''}: groups/s and ratio are medians"
         )
     )
     detail = Table(title="details (measured steps of the run with the median groups/s)")
@@ -530,7 +666,8 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     stream = PromptStream(model, cfg.prompts, cfg.seed)
     offset = trial_offset(stream)
     in_flight = cfg.batch * (1 + cfg.oversample)
-    if (cfg.warmup_steps + cfg.steps + 1) * in_flight > offset and cfg.router_policy is None:
+    overlap = (cfg.warmup_steps + cfg.steps + 1) * in_flight > offset and not cfg.interleave
+    if overlap and cfg.router_policy is None:
         console.print("[yellow]the router trial's prompts overlap the measured ones[/yellow]")
     engine = {
         k: getattr(settings, k)
@@ -572,7 +709,9 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         )
         start_machine = machine()
         runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
-        for rep in range(cfg.repeats):
+        if cfg.interleave:
+            runs = run_interleaved(env)
+        for rep in range(0 if cfg.interleave else cfg.repeats):
             for name in ROWS if rep % 2 == 0 else tuple(reversed(ROWS)):
                 if name == PEER:
                     runs[name].append(run_router_side(env, rep))
@@ -599,6 +738,13 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(
             f"pooled over the {cfg.repeats} rounds (all groups over all time): rollserve "
             f"{pooled[ROLLSERVE]:.2f}x, rollserve sync {pooled[ROLLSERVE_SYNC]:.2f}x"
+        )
+    if env.idle_cpu:
+        shares = [e["idle_side_cpu_s"] / e["wall_s"] for e in env.idle_cpu if e["wall_s"] > 0]
+        console.print(
+            f"interleaved: while a row ran, the other side's idle processes used "
+            f"{statistics.median(shares):.1%} of a CPU (median over {len(shares)} rows run), "
+            f"{max(shares):.1%} at most"
         )
     console.print(
         f"same draws: {same} of {both} samples of rollserve sync and vllm-router have identical "
@@ -630,6 +776,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         },
         "groups_per_s": all_gps,
         "ratios_per_round": {name: ratios[name] for name in (ROLLSERVE, ROLLSERVE_SYNC)},
+        "idle_side_cpu": env.idle_cpu,
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,
     }

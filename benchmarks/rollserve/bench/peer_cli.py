@@ -55,6 +55,13 @@ def add_bench_peer(bench_sub: Any) -> None:
         "and Redis; the peer's API servers and router; default: the dev stack's, 10); the "
         "engine cores keep theirs",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep both sides up for the whole run and interleave short rounds (each on fresh "
+        "prompts, the rows' order rotating), so the machine's drift hits every row alike; "
+        "--repeats sets the rounds",
+    )
     p.add_argument("--run-dir", type=Path, help="keep every process's log here")
     p.add_argument("--json", type=Path)
     p.add_argument(
@@ -95,6 +102,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             trial_steps=args.trial_steps,
             repeats=args.repeats,
             omp_threads=args.omp_threads,
+            interleave=args.interleave,
             run_dir=args.run_dir,
             json_path=args.json,
             trace_path=args.trace,

@@ -175,6 +175,7 @@ class PeerServers:
         self.nice = control_plane_nice
         self.log_dir = log_dir
         self.servers: list[ManagedProcess] = []
+        self._routers: list[ManagedProcess] = []
 
     def __enter__(self) -> PeerServers:
         try:
@@ -221,6 +222,10 @@ class PeerServers:
             proc.stop()
         self.servers.clear()
 
+    def pids(self) -> list[int]:
+        """The servers' and any running router's process ids (the engine cores are children)."""
+        return [p.popen.pid for p in (*self.servers, *self._routers)]
+
     def reset_prefix_caches(self) -> bool:
         """Empties every server's prefix cache (a dev route); False if one refused."""
         return all(_post(f"{url}/reset_prefix_cache") for url in self.urls)
@@ -258,6 +263,7 @@ class PeerServers:
             "warning",
         ]
         proc = ManagedProcess.start(f"vllm-router-{policy}", argv, self.log_dir)
+        self._routers.append(proc)
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_http(proc, f"{url}/health", _ROUTER_START_TIMEOUT_S)
@@ -266,6 +272,7 @@ class PeerServers:
             yield url
         finally:
             proc.stop()
+            self._routers.remove(proc)
 
 
 def parse_counters(text: str) -> dict[str, float]:

@@ -275,6 +275,12 @@ class DevStack:
             self._tmp.cleanup()
             self._tmp = None
 
+    def pids(self) -> list[int]:
+        """Process ids of the stack's processes (the engines' cores are their children)."""
+        procs = [*self.engines, *([self.scheduler] if self.scheduler else [])]
+        redis = [self.redis.pid] if self.redis is not None and self.redis.pid else []
+        return [p.popen.pid for p in procs] + redis
+
     def describe(self) -> list[tuple[str, str]]:
         rows = [("redis", self.redis_url)]
         rows += [(p.name, p.address) for p in self.engines]
