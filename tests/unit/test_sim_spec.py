@@ -241,3 +241,27 @@ async def test_a_sim_engine_on_a_speculating_profile_reports_its_drafts(tmp_path
 def test_bench_names_unknown_policies_and_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"policies \['rl\+speck'\] unknown; known: .*oracle"):
         run_policies(PoliciesConfig(policies=("rl", "rl+speck"), out_dir=tmp_path))
+
+
+def test_without_round_robin_its_ratios_are_null_not_nan(tmp_path: Path) -> None:
+    """A run that leaves round_robin out has no reference: the JSON says null (NaN is not
+    JSON) and the table a dash."""
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO)
+    log = tmp_path / "log.txt"
+    with log.open("w") as file:
+        run_policies(
+            PoliciesConfig(
+                scenario=str(scenario),
+                policies=("rl",),
+                out_dir=tmp_path / "out",
+                json_path=tmp_path / "out.json",
+            ),
+            Console(file=file, width=190),
+        )
+    text = (tmp_path / "out.json").read_text()
+    assert "NaN" not in text
+    report = json.loads(text)
+    assert report["policies"]["rl"]["vs_round_robin"] is None
+    assert report["max_vs_sync_round_robin"] is None
+    assert "nan" not in log.read_text()

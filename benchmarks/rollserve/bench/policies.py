@@ -205,14 +205,12 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     floor = statistics.fmean(_solo_s(groups, profile) for groups in sync_steps) / spans
     reference = sync_base or base
     out["step_floor_s"] = floor
-    out["max_vs_sync_round_robin"] = (
-        reference.makespan_s / floor if reference is not None else float("nan")
-    )
+    out["max_vs_sync_round_robin"] = reference.makespan_s / floor if reference else None
     console.print(_table(scenario.name, results, base, sync_base))
     console.print(
         f"floor: the longest sample of a step alone on an engine takes {floor * spans:.1f} s"
         + (f", over {spans} steps {floor:.1f} s a step" if spans > 1 else "")
-        + f"; no policy beats {out['max_vs_sync_round_robin']:.2f}x synchronous {BASELINE}"
+        + f"; no policy beats {_times(out['max_vs_sync_round_robin'])} synchronous {BASELINE}"
     )
     if speculating and cfg.spec is not None:
         spec_floor = (
@@ -227,11 +225,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         }
         out["step_floor_spec_s"] = spec_floor
         out["max_spec_vs_sync_round_robin"] = (
-            reference.makespan_s / spec_floor if reference is not None else float("nan")
+            reference.makespan_s / spec_floor if reference else None
         )
         console.print(
             f"floor with speculation: {spec_floor * spans:.1f} s; no speculating policy beats "
-            f"{out['max_spec_vs_sync_round_robin']:.2f}x synchronous {BASELINE}"
+            f"{_times(out['max_spec_vs_sync_round_robin'])} synchronous {BASELINE}"
         )
     figures = _figures(results, lengths, cfg.out_dir, scenario.name)
     out["figures"] = [str(p) for p in figures]
@@ -257,8 +255,14 @@ def _solo_s(groups: list[SimGroup], profile: CostProfile) -> float:
     return total
 
 
-def _ratio(r: RunResult, ref: RunResult | None) -> float:
-    return r.groups_per_s / ref.groups_per_s if ref is not None else float("nan")
+def _ratio(r: RunResult, ref: RunResult | None) -> float | None:
+    """groups/s over the reference's; None (null in the JSON, "-" in the table) when the
+    reference did not run."""
+    return r.groups_per_s / ref.groups_per_s if ref is not None else None
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _report(
@@ -362,10 +366,10 @@ def _table(
             "-" if mae is None else f"{mae:,.0f}",
             "-" if auc is None else f"{auc:.3f}",
             f"{r.decision_us:,.0f}",
-            f"{_ratio(r, base):.2f}x",
+            _times(_ratio(r, base)),
         ]
         if sync_base is not None:
-            row.append(f"{_ratio(r, sync_base):.2f}x")
+            row.append(_times(_ratio(r, sync_base)))
         table.add_row(*row)
     return table
 
