@@ -23,8 +23,10 @@ from rollserve.bench.peer import (
     ROWS,
     Environment,
     PeerConfig,
+    pooled_interval,
     pooled_ratios,
     print_tables,
+    reward_over_rounds,
     round_order,
     round_ratios,
     round_stride,
@@ -224,6 +226,32 @@ def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
     pooled = pooled_ratios(summaries)
     assert pooled[ROLLSERVE] == 8 / 5  # 8 groups in 5 s against 8 in 8 s
     assert pooled[ROLLSERVE_SYNC] == 2.0
+    assert pooled_interval(summaries) == {}  # too few rounds to resample
+
+
+def test_the_pooled_ratios_interval_holds_the_rounds_spread() -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    answers = {i: "answer 1" for i in range(4)}
+
+    def rounds(name: str, *walls: float) -> list[RowSummary]:
+        out = []
+        for wall in walls:
+            run = run_of(name, stream, answers)  # 4 groups a round
+            run.wall_s = wall
+            out.append(summarize(run, stream))
+        return out
+
+    summaries = {
+        PEER: rounds(PEER, 4.0, 4.0, 4.0, 4.0, 4.0),
+        ROLLSERVE: rounds(ROLLSERVE, 1.0, 2.0, 2.0, 2.0, 4.0),  # pooled: 20 in 11 s vs 20 in 20
+        ROLLSERVE_SYNC: rounds(ROLLSERVE_SYNC, 4.0, 4.0, 4.0, 4.0, 4.0),
+    }
+    interval = pooled_interval(summaries)
+    low, high = interval[ROLLSERVE]
+    assert 1.0 < low < pooled_ratios(summaries)[ROLLSERVE] < high < 4.0
+    assert interval[ROLLSERVE_SYNC] == (1.0, 1.0)  # every round alike: no spread
+    assert pooled_interval(summaries) == interval  # seeded: the same every run
+    assert reward_over_rounds(summaries[PEER]) == summaries[PEER][0].mean_reward
 
 
 def test_interleaved_rounds_rotate_the_rows_evenly() -> None:

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -532,6 +533,36 @@ def pooled_ratios(summaries: dict[str, list[RowSummary]]) -> dict[str, float]:
     }
 
 
+def pooled_interval(
+    summaries: dict[str, list[RowSummary]], level: float = 0.9, draws: int = 4000, seed: int = 0
+) -> dict[str, tuple[float, float]]:
+    """A bootstrap interval of each pooled ratio: the rounds resampled with replacement (a
+    round's rows staying together, as they ran side by side), the pooled ratio of each
+    resample, the central ``level`` of those. Empty with fewer than 3 rounds."""
+    rounds = len(summaries[PEER])
+    if rounds < 3:
+        return {}
+    rng = random.Random(seed)
+    values: dict[str, list[float]] = {ROLLSERVE: [], ROLLSERVE_SYNC: []}
+    for _ in range(draws):
+        picks = [rng.randrange(rounds) for _ in range(rounds)]
+        ratios = pooled_ratios({name: [rows[i] for i in picks] for name, rows in summaries.items()})
+        for name, series in values.items():
+            series.append(ratios[name])
+    low, high = (1 - level) / 2, (1 + level) / 2
+    out = {}
+    for name, series in values.items():
+        series.sort()
+        out[name] = (series[int(low * (draws - 1))], series[int(high * (draws - 1))])
+    return out
+
+
+def reward_over_rounds(rows: list[RowSummary]) -> float:
+    """The mean reward of every sample a row delivered in all rounds."""
+    groups = sum(r.groups for r in rows)
+    return sum(r.mean_reward * r.groups for r in rows) / groups if groups else 0.0
+
+
 def print_tables(
     rows: dict[str, RowSummary], env: Environment, all_gps: dict[str, list[float]]
 ) -> None:
@@ -727,7 +758,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     ratio = statistics.median(ratios[ROLLSERVE])
     ratio_sync = statistics.median(ratios[ROLLSERVE_SYNC])
     pooled = pooled_ratios(summaries)
-    both, same = same_draws(median[ROLLSERVE_SYNC][0], median[PEER][0])
+    interval = pooled_interval(summaries)
+    both = same = 0  # round by round: in interleaved runs each round has its own prompts
+    for ours, theirs in zip(runs[ROLLSERVE_SYNC], runs[PEER], strict=True):
+        pair = same_draws(ours, theirs)
+        both, same = both + pair[0], same + pair[1]
     console.print(f"benchmark took {time.perf_counter() - began:.0f} s in all")
     verdict = "meets" if ratio >= GOAL else "misses"
     console.print(
@@ -739,6 +774,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             f"pooled over the {cfg.repeats} rounds (all groups over all time): rollserve "
             f"{pooled[ROLLSERVE]:.2f}x, rollserve sync {pooled[ROLLSERVE_SYNC]:.2f}x"
         )
+    if interval:
+        console.print(
+            "90% bootstrap interval of the pooled ratio (rounds resampled): "
+            + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
+        )
     if env.idle_cpu:
         shares = [e["idle_side_cpu_s"] / e["wall_s"] for e in env.idle_cpu if e["wall_s"] > 0]
         console.print(
@@ -748,8 +788,9 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         )
     console.print(
         f"same draws: {same} of {both} samples of rollserve sync and vllm-router have identical "
-        f"tokens; mean reward {rows[ROLLSERVE_SYNC].mean_reward:.3f} vs "
-        f"{rows[PEER].mean_reward:.3f}"
+        f"tokens; mean reward over all rounds "
+        f"{reward_over_rounds(summaries[ROLLSERVE_SYNC]):.3f} vs "
+        f"{reward_over_rounds(summaries[PEER]):.3f}"
     )
     report: dict[str, Any] = {
         "goal": GOAL,
@@ -757,6 +798,8 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "ratio_sync": ratio_sync,
         "ratio_pooled": pooled[ROLLSERVE],
         "ratio_sync_pooled": pooled[ROLLSERVE_SYNC],
+        "ratio_pooled_interval_90": interval.get(ROLLSERVE),
+        "ratio_sync_pooled_interval_90": interval.get(ROLLSERVE_SYNC),
         "settings": settings_out,
         "router_policy": env.router_policy,
         "router_trial": env.trial,

@@ -116,20 +116,22 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             # threads of this process yield to it when they compete for a CPU.
             changed = renice_threads(settings.frontend_nice)
             logger.info("niceness %d on %d frontend threads", settings.frontend_nice, changed)
-        await backend.warm_up()
-        engine_servicer.attach(backend)
-        await set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+        if await warm_up_unless_stopped(backend, stop):
+            engine_servicer.attach(backend)
+            await set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
 
-        address = settings.advertised_address(port)
-        print(f"{READY_PREFIX} engine_id={settings.engine_id} address={address}", flush=True)
-        if ready is not None:
-            ready(port)
-        if settings.scheduler_address is not None:
-            link = asyncio.create_task(
-                stay_registered(settings.scheduler_address, settings.engine_id, address),
-                name="scheduler-link",
-            )
-        died = await _until_stop_or_death(stop, backend)
+            address = settings.advertised_address(port)
+            print(f"{READY_PREFIX} engine_id={settings.engine_id} address={address}", flush=True)
+            if ready is not None:
+                ready(port)
+            if settings.scheduler_address is not None:
+                link = asyncio.create_task(
+                    stay_registered(settings.scheduler_address, settings.engine_id, address),
+                    name="scheduler-link",
+                )
+            died = await _until_stop_or_death(stop, backend)
+        else:
+            died = backend.dead
         if died:
             # A dead engine core never serves again: say so to health checks (the scheduler
             # stops placing work here) and exit non-zero so a supervisor restarts the engine.
@@ -153,6 +155,26 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         logger.info("stopped")
     if died:
         raise SystemExit(ENGINE_DIED_EXIT_CODE)
+
+
+async def warm_up_unless_stopped(backend: VllmBackend, stop: asyncio.Event) -> bool:
+    """Runs the backend's warm-up; False, the warm-up abandoned, if a stop came or the engine
+    core died first. (A SIGTERM to the engine's process group also ends vLLM's engine core,
+    and a warm-up request then waits forever: without this race the service never exits.)"""
+    warm = asyncio.create_task(backend.warm_up(), name="warm-up")
+    watch = asyncio.create_task(_until_stop_or_death(stop, backend), name="warm-up-watch")
+    done, _ = await asyncio.wait({warm, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if warm in done:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        warm.result()  # a warm-up that failed fails the start
+        return True
+    warm.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await warm
+    logger.warning("warm-up abandoned: %s", "engine core died" if backend.dead else "stopping")
+    return False
 
 
 async def _until_stop_or_death(stop: asyncio.Event, backend: VllmBackend) -> bool:
