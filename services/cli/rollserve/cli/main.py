@@ -369,8 +369,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `up` sets its own handler
     result: int = args.func(args)
     return result
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    """SIGTERM (a supervisor's stop, or `timeout`'s) unwinds the command as Ctrl-C does, so
+    the engines, servers and stacks it started are stopped by their context managers instead
+    of being left running."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":
