@@ -22,8 +22,10 @@ Each run starts its side fresh (servers or stack), runs ``warmup_steps`` unmeasu
 starts and ends them with groups carried over, as a run in progress does; the groups in flight
 at the end are cancelled and not counted). The sides run one after the other, never at once;
 with ``repeats`` > 1 the order flips each round and the table shows the run with the median
-groups/s of each row. Goal: rollserve delivers at least 1.5x the groups per second of
-vllm-router.
+groups/s of each row. With ``interleave`` both sides start once and stay up, and the
+``repeats`` rounds are short and interleaved, each on its own slice of the prompt stream, so
+that the machine's drift over minutes hits every row alike (``run_interleaved``). Goal:
+rollserve delivers at least 1.5x the groups per second of vllm-router.
 """
 
 from __future__ import annotations
