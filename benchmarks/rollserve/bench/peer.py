@@ -85,6 +85,7 @@ GOAL = 1.5
 PEER, ROLLSERVE, ROLLSERVE_SYNC = "vllm-router", "rollserve", "rollserve sync"
 ROWS = (PEER, ROLLSERVE, ROLLSERVE_SYNC)
 _DRAIN_TIMEOUT_S = 30.0
+_IDLE_POLL_S = 0.05  # how often a finished rollserve round asks whether the scheduler is idle
 _TABLE_WIDTH = 132  # the tables' width even where the console reports 80 (not a terminal)
 
 
@@ -135,6 +136,21 @@ class PeerConfig:
             )
 
 
+@dataclass(frozen=True)
+class IdleCpu:
+    """What the idle side's processes used while one row ran (interleaved runs)."""
+
+    round: int
+    row: str
+    wall_s: float
+    idle_side_cpu_s: float
+
+    @property
+    def share(self) -> float:
+        """Of one CPU."""
+        return self.idle_side_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
 @dataclass
 class Environment:
     """What the run needs from every side, made once."""
@@ -148,7 +164,7 @@ class Environment:
     console: Console
     trial: list[dict[str, Any]] = field(default_factory=list)
     router_policy: str = ""
-    idle_cpu: list[dict[str, Any]] = field(default_factory=list)  # interleaved rounds only
+    idle_cpu: list[IdleCpu] = field(default_factory=list)  # interleaved rounds only
 
 
 # ----------------------------------------------------------------- vllm-router
@@ -410,7 +426,7 @@ def _wait_idle(client: RolloutClient, timeout_s: float = _DRAIN_TIMEOUT_S) -> No
                 f"the scheduler still runs {status.inflight_samples} samples "
                 f"({status.queue_depth} groups queued) {timeout_s:.0f} s after the cancel"
             )
-        time.sleep(0.05)
+        time.sleep(_IDLE_POLL_S)
 
 
 # ------------------------------------------------------------------ interleaved
@@ -489,14 +505,7 @@ def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
                     with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
                         run = rollserve_round(env, client, name, over, start)
                 wall = time.perf_counter() - began
-                env.idle_cpu.append(
-                    {
-                        "round": rep,
-                        "row": name,
-                        "wall_s": wall,
-                        "idle_side_cpu_s": tree_cpu_s(idle) - cpu_before,
-                    }
-                )
+                env.idle_cpu.append(IdleCpu(rep, name, wall, tree_cpu_s(idle) - cpu_before))
                 runs[name].append(run)
     return runs
 
@@ -782,7 +791,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
     if env.idle_cpu:
-        shares = [e["idle_side_cpu_s"] / e["wall_s"] for e in env.idle_cpu if e["wall_s"] > 0]
+        shares = [e.share for e in env.idle_cpu]
         console.print(
             f"interleaved: while a row ran, the other side's idle processes used "
             f"{statistics.median(shares):.1%} of a CPU (median over {len(shares)} rows run), "
@@ -821,7 +830,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         },
         "groups_per_s": all_gps,
         "ratios_per_round": {name: ratios[name] for name in (ROLLSERVE, ROLLSERVE_SYNC)},
-        "idle_side_cpu": env.idle_cpu,
+        "idle_side_cpu": [asdict(e) for e in env.idle_cpu],
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,
     }
