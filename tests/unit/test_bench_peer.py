@@ -204,18 +204,19 @@ def test_bad_settings_are_refused_with_the_field(kwargs: dict[str, Any], message
         PeerConfig(**kwargs)
 
 
-def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
+def rounds(name: str, *walls: float) -> list[RowSummary]:
+    """A row's summaries, one a round: 4 groups in each, delivered in ``walls`` seconds."""
     stream = PromptStream(reasoner_dir(), None, seed=0)
     answers = {i: "answer 1" for i in range(4)}
+    out = []
+    for wall in walls:
+        run = run_of(name, stream, answers)
+        run.wall_s = wall
+        out.append(summarize(run, stream))
+    return out
 
-    def rounds(name: str, *walls: float) -> list[RowSummary]:
-        out = []
-        for wall in walls:
-            run = run_of(name, stream, answers)  # 4 groups a round
-            run.wall_s = wall
-            out.append(summarize(run, stream))
-        return out
 
+def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
     summaries = {
         PEER: rounds(PEER, 4.0, 4.0),  # 1 group/s a round
         ROLLSERVE: rounds(ROLLSERVE, 1.0, 4.0),  # 4 and 1 group/s
@@ -230,17 +231,6 @@ def test_pooled_ratios_weigh_rounds_by_their_time() -> None:
 
 
 def test_the_pooled_ratios_interval_holds_the_rounds_spread() -> None:
-    stream = PromptStream(reasoner_dir(), None, seed=0)
-    answers = {i: "answer 1" for i in range(4)}
-
-    def rounds(name: str, *walls: float) -> list[RowSummary]:
-        out = []
-        for wall in walls:
-            run = run_of(name, stream, answers)  # 4 groups a round
-            run.wall_s = wall
-            out.append(summarize(run, stream))
-        return out
-
     summaries = {
         PEER: rounds(PEER, 4.0, 4.0, 4.0, 4.0, 4.0),
         ROLLSERVE: rounds(ROLLSERVE, 1.0, 2.0, 2.0, 2.0, 4.0),  # pooled: 20 in 11 s vs 20 in 20

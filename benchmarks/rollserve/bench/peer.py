@@ -441,7 +441,7 @@ def round_stride(cfg: PeerConfig) -> int:
 
 def round_order(rep: int) -> tuple[str, ...]:
     """The rows' order in round ``rep``: a rotation of ``ROWS``, reversed in odd rounds; over six
-    rounds every row runs first, second and last twice, after each other row alike."""
+    rounds every row runs first, second and last twice."""
     shift = (rep // 2) % len(ROWS)
     order = ROWS[shift:] + ROWS[:shift]
     return tuple(reversed(order)) if rep % 2 else order
