@@ -429,6 +429,20 @@ def _wait_idle(client: RolloutClient, timeout_s: float = _DRAIN_TIMEOUT_S) -> No
         time.sleep(_IDLE_POLL_S)
 
 
+def run_sequential(env: Environment) -> dict[str, list[SideRun]]:
+    """``repeats`` rounds, each row on freshly started processes, one after the other, the
+    order flipping each round; every round on the same prompts."""
+    runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
+    for rep in range(env.cfg.repeats):
+        for name in ROWS if rep % 2 == 0 else tuple(reversed(ROWS)):
+            if name == PEER:
+                runs[name].append(run_router_side(env, rep))
+            else:
+                over = env.cfg.oversample if name == ROLLSERVE else 0.0
+                runs[name].append(run_rollserve_side(env, rep, name, over))
+    return runs
+
+
 # ------------------------------------------------------------------ interleaved
 
 
@@ -750,16 +764,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             console=console,
         )
         start_machine = machine()
-        runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
-        if cfg.interleave:
-            runs = run_interleaved(env)
-        for rep in range(0 if cfg.interleave else cfg.repeats):
-            for name in ROWS if rep % 2 == 0 else tuple(reversed(ROWS)):
-                if name == PEER:
-                    runs[name].append(run_router_side(env, rep))
-                else:
-                    over = cfg.oversample if name == ROLLSERVE else 0.0
-                    runs[name].append(run_rollserve_side(env, rep, name, over))
+        runs = run_interleaved(env) if cfg.interleave else run_sequential(env)
     summaries = {name: [summarize(r, stream) for r in rs] for name, rs in runs.items()}
     median = {name: _median_run(runs[name], summaries[name]) for name in ROWS}
     rows = {name: median[name][1] for name in ROWS}
