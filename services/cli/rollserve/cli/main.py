@@ -165,6 +165,26 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_bound(args: argparse.Namespace) -> int:
+    from rollserve.bench.bound import BoundConfig, run_bound
+
+    try:
+        run_bound(
+            BoundConfig(
+                scenario=args.scenario,
+                engines=args.engines,
+                warm_steps=args.warm_steps,
+                draws=args.draws,
+                max_passes=args.max_passes,
+                seed=args.seed,
+                json_path=args.json,
+            )
+        )
+    except ValueError as e:
+        raise SystemExit(f"rollserve bench bound: {e}") from None
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -342,6 +362,28 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_argument("--repeats", type=_positive, default=5)
     decisions.add_argument("--json", type=Path)
     decisions.set_defaults(func=_cmd_bench_decisions)
+    bound = bench_sub.add_parser(
+        "bound",
+        help="(modelled) what placement can give a synchronous step without knowing which "
+        "sample is long, against the clairvoyant oracle",
+    )
+    bound.add_argument("--scenario", default="S1", help="a shipped scenario's name or a file")
+    bound.add_argument("--engines", type=_positive, help="override the scenario's engines")
+    bound.add_argument(
+        "--warm-steps",
+        type=int,
+        default=1,
+        help="score the step after this many (the step bench policies measures)",
+    )
+    bound.add_argument(
+        "--draws", type=_positive, default=200, help="length draws to score on (and to search on)"
+    )
+    bound.add_argument(
+        "--max-passes", type=_positive, default=8, help="passes of the one-sample-move search"
+    )
+    bound.add_argument("--seed", type=int, default=0)
+    bound.add_argument("--json", type=Path)
+    bound.set_defaults(func=_cmd_bench_bound)
 
     # The services themselves; their flags are their own.
     sub.add_parser("engine", help="run one engine service", add_help=False)
