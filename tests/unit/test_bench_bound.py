@@ -115,6 +115,13 @@ def test_a_small_run_compares_blind_placements_with_the_clairvoyant(tmp_path: Pa
     assert out["modelled"] is True and out["draws"] == 12
 
 
-def test_too_few_draws_is_an_error_that_names_the_field() -> None:
-    with pytest.raises(ValueError, match=r"draws \(1\) must be at least 2"):
-        run_bound(BoundConfig(draws=1), Console(quiet=True))
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (BoundConfig(draws=1), r"draws \(1\) must be at least 2"),
+        (BoundConfig(warm_steps=-1), r"warm_steps \(-1\) must be at least 0"),
+    ],
+)
+def test_bad_settings_are_errors_that_name_the_field(cfg: BoundConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_bound(cfg, Console(quiet=True))

@@ -236,6 +236,8 @@ def run_bound(cfg: BoundConfig, console: Console | None = None) -> dict[str, Any
     console = console or Console(width=150)
     if cfg.draws < 2:
         raise ValueError(f"draws ({cfg.draws}) must be at least 2")
+    if cfg.warm_steps < 0:
+        raise ValueError(f"warm_steps ({cfg.warm_steps}) must be at least 0")
     scenario = load_scenario(cfg.scenario)
     if cfg.engines is not None:
         scenario = replace(scenario, engines=cfg.engines)
