@@ -197,6 +197,14 @@ def test_the_tables_print(tmp_path: Path) -> None:
         ({"control_plane_nice": 20}, r"control_plane_nice \(20\) must be in 0\.\.19"),
         ({"control_plane_nice": -1}, r"control_plane_nice \(-1\) must be in 0\.\.19"),
         ({"router_policy": "fastest"}, r"router policies \['fastest'\] unknown"),
+        # A trainer at staleness 1 cannot deliver more carried groups than one batch holds.
+        ({"oversample": 2.0}, r"oversample \(2\.0\) must be in \[0, 1\]"),
+        ({"oversample": -0.5}, r"oversample \(-0\.5\) must be in \[0, 1\]"),
+        ({"max_staleness": -1}, r"max_staleness \(-1\) must be >= 0"),
+        ({"omp_threads": -2}, r"omp_threads \(-2\) must be >= 0"),
+        ({"temperature": float("nan")}, r"temperature \(nan\) must be a number >= 0"),
+        ({"step_timeout_s": 0.0}, r"step_timeout_s \(0\.0\) must be > 0"),
+        ({"policy": "fastest"}, r"policy \('fastest'\) unknown; rollserve's policies: "),
     ],
 )
 def test_bad_settings_are_refused_with_the_field(kwargs: dict[str, Any], message: str) -> None:

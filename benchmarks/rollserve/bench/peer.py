@@ -78,7 +78,9 @@ from rollserve.client import (
     StepBatch,
     StepBatcher,
 )
+from rollserve.client.batches import BatcherState
 from rollserve.client.client import ReceivedGroup
+from rollserve.scheduler.core.policy import policy_names
 from rollserve.sim.scenarios import write_trace
 
 GOAL = 1.5
@@ -127,6 +129,18 @@ class PeerConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
         if not 0 <= self.control_plane_nice <= 19:
             raise ValueError(f"control_plane_nice ({self.control_plane_nice}) must be in 0..19")
+        if self.omp_threads < 0:
+            raise ValueError(f"omp_threads ({self.omp_threads}) must be >= 0 (0: the default)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature ({self.temperature}) must be a number >= 0")
+        if not (math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0):
+            raise ValueError(f"step_timeout_s ({self.step_timeout_s}) must be > 0 seconds")
+        if self.policy not in policy_names():
+            known = ", ".join(policy_names())
+            raise ValueError(f"policy ({self.policy!r}) unknown; rollserve's policies: {known}")
+        # The over-sampled row's trainer refuses what it cannot deliver: refuse it before any
+        # process starts (InvalidArgument is a ValueError).
+        BatcherState(self.batch, self.oversample, self.max_staleness)
         unknown = set(self.router_policies) - set(ROUTER_POLICIES)
         if self.router_policy is not None:
             unknown |= {self.router_policy} - {*ROUTER_POLICIES, "kv_aware"}

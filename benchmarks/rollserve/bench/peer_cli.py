@@ -81,8 +81,8 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
     nice = (
         {} if args.control_plane_nice is None else {"control_plane_nice": args.control_plane_nice}
     )
-    run_peer(
-        PeerConfig(
+    try:
+        cfg = PeerConfig(
             model=args.model,
             prompts=args.prompts,
             engines=args.engines,
@@ -108,5 +108,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             trace_path=args.trace,
             **nice,
         )
-    )
+    except ValueError as e:
+        raise SystemExit(f"rollserve bench peer: {e}") from None
+    run_peer(cfg)
     return 0
