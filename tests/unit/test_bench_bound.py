@@ -120,6 +120,7 @@ def test_a_small_run_compares_blind_placements_with_the_clairvoyant(tmp_path: Pa
     [
         (BoundConfig(draws=1), r"draws \(1\) must be at least 2"),
         (BoundConfig(warm_steps=-1), r"warm_steps \(-1\) must be at least 0"),
+        (BoundConfig(engines=1), r"engines \(1\) must be at least 2"),
     ],
 )
 def test_bad_settings_are_errors_that_name_the_field(cfg: BoundConfig, message: str) -> None:

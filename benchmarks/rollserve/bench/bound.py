@@ -246,6 +246,10 @@ def run_bound(cfg: BoundConfig, console: Console | None = None) -> dict[str, Any
     profile = load_profile(scenario.profile)
     rl = rl_settings(profile)
     engines = scenario.engines
+    if engines < 2:
+        raise ValueError(
+            f"engines ({engines}) must be at least 2: on one there is nothing to place"
+        )
     model = StepModel.of(groups)
     rng = np.random.default_rng(cfg.seed)
     fit, held = model.draw(rng, cfg.draws), model.draw(rng, cfg.draws)
