@@ -20,26 +20,14 @@ from rollserve.bench.bound import (
     search,
 )
 from rollserve.scheduler.core.policies.rl import RLSettings
-from rollserve.sim.scenarios import SimGroup
+
+from tests.unit.test_des import group
 
 COSTS = RLSettings(base_s=1.0, per_seq_s=0.1, per_kv_token_s=0.01, per_prefill_token_s=0.0)
 
 
-def group(key: str, lens: tuple[int, ...], prompt_len: int = 10) -> SimGroup:
-    return SimGroup(
-        key=key,
-        prompt_key=f"p-{key}",
-        epoch=0,
-        prompt_len=prompt_len,
-        prefix_id="",
-        prefix_len=0,
-        max_tokens=1000,
-        output_lens=lens,
-    )
-
-
 def test_makespan_is_the_slowest_engine_of_rl_cost_model() -> None:
-    model = StepModel.of([group("a", (4, 2)), group("b", (6, 1))])
+    model = StepModel.of([group("a", (4, 2), prompt_len=10), group("b", (6, 1), prompt_len=10)])
     lens = model.true_lens[None, :]  # samples: a0=4, a1=2, b0=6, b1=1
     engine_of = np.array([0, 1, 0, 1])
 
