@@ -204,6 +204,7 @@ def clairvoyant(
     )
     index = {view.engine_id: k for k, view in enumerate(views)}
     starts = np.concatenate([[0], np.cumsum([g.n for g in groups])])
+    by_key = {g.key: i for i, g in enumerate(groups)}
     out = np.empty(lens.shape[0])
     for d in range(lens.shape[0]):
         queue = tuple(
@@ -220,7 +221,6 @@ def clairvoyant(
         )
         plan = RLPolicy(cfg).plan(Snapshot(queue, views))
         engine_of = np.empty(model.samples, dtype=int)
-        by_key = {g.key: i for i, g in enumerate(groups)}
         for assign in plan.assignments:
             i = by_key[assign.group_key]
             for j in assign.samples or range(groups[i].n):
