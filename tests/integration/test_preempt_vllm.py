@@ -41,6 +41,7 @@ class MoveOneToE1:
     name = "move-one"
     whole_groups = True
     moves_running = True
+    uses_predictions = False
 
     def __init__(self) -> None:
         self.preempted: Preempt | None = None

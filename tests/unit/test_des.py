@@ -241,6 +241,7 @@ class MoveOnce:
     name = "move_once"
     whole_groups = True
     moves_running = True
+    uses_predictions = False
 
     def __init__(self, after: int, to: str) -> None:
         self.after = after

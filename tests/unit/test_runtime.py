@@ -280,12 +280,16 @@ async def test_many_small_groups_through_a_narrow_engine_all_arrive(redis_url: s
 
 
 class Recording:
-    """A real policy that also keeps every snapshot it was shown."""
+    """A real policy that also keeps every snapshot it was shown; with ``uses_predictions``,
+    shown predictions even when the inner policy would not read them."""
 
-    def __init__(self, inner: Policy) -> None:
+    def __init__(self, inner: Policy, uses_predictions: bool | None = None) -> None:
         self.name = inner.name
         self.whole_groups = inner.whole_groups
         self.moves_running = inner.moves_running
+        self.uses_predictions = (
+            inner.uses_predictions if uses_predictions is None else uses_predictions
+        )
         self._inner = inner
         self.snapshots: list[Snapshot] = []
 
@@ -415,7 +419,7 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
 ) -> None:
     # Room for two samples: round_robin places two of the group's four and queues the rest.
     narrow = await FakeEngine("narrow", behaviour=Behaviour.HANG, max_num_seqs=2).start()
-    policy = Recording(create_policy("round_robin"))
+    policy = Recording(create_policy("round_robin"), uses_predictions=True)
     runtime = await make_runtime(redis_url, [narrow], policy, capacity_factor=1.0)
     run = new_run()
     try:
@@ -454,9 +458,49 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
     assert engine_view.predicted_longest == pytest.approx(left)
 
 
+async def test_a_policy_that_reads_no_predictions_is_shown_none(redis_url: str) -> None:
+    # least_outstanding reads no prediction: its snapshots leave them unknown (they cost a
+    # predictor call per queued group and running sample at every plan), while Status still
+    # reports the predicted tokens to operators.
+    narrow = await FakeEngine("narrow", behaviour=Behaviour.HANG, max_num_seqs=2).start()
+    policy = Recording(create_policy("least_outstanding"))
+    assert policy.uses_predictions is False
+    runtime = await make_runtime(redis_url, [narrow], policy, capacity_factor=1.0)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=2, max_tokens=8))
+
+        async def first_tokens() -> bool:
+            [view] = runtime.status().engines
+            return view.outstanding_tokens == 2 * (8 - 3)
+
+        await eventually(first_tokens, "the first chunk")
+        await runtime.submit(run, [spec("later", n=2, run_id=run)])  # planned while g0 runs
+
+        async def planned_again() -> bool:
+            return bool(policy.queued(f"{run}/later"))
+
+        await eventually(planned_again, "a snapshot with the later group queued")
+        status = runtime.status()
+        await runtime.cancel(run, ["g0", "later"])
+    finally:
+        await runtime.stop()
+        await narrow.stop()
+    assert all(g.predicted_len is None for s in policy.snapshots for g in s.queue)
+    assert all(
+        e.predicted_outstanding == 0 and e.predicted_longest == 0
+        for s in policy.snapshots
+        for e in s.engines
+    )
+    [engine_view] = policy.snapshots[-1].engines
+    assert engine_view.inflight_samples == 2  # the load itself is still counted
+    [view] = status.engines
+    assert view.predicted_outstanding_tokens > 0
+
+
 async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> None:
     engine = await FakeEngine("e", lengths=(10, 20, 30, 40)).start()
-    policy = Recording(create_policy("least_outstanding"))
+    policy = Recording(create_policy("least_outstanding"), uses_predictions=True)
     runtime = await make_runtime(redis_url, [engine], policy)
     run = new_run()
     predictor = runtime.predictor

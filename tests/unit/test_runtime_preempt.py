@@ -39,6 +39,7 @@ class MoveOnce:
     name = "move-once"
     whole_groups = False
     moves_running = True
+    uses_predictions = False
 
     def __init__(self, to_engine: str = "b", victim: int = 0, first: tuple[int, ...] = ()):
         self.to_engine = to_engine
@@ -176,6 +177,7 @@ async def test_impossible_preempts_are_logged_and_skipped(
         name = "impossible"
         whole_groups = False
         moves_running = True
+        uses_predictions = False
         preempts: tuple[Preempt, ...] = ()
 
         def plan(self, snapshot: Snapshot) -> Plan:

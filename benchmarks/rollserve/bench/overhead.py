@@ -5,7 +5,9 @@ run: through the whole rollserve path (SDK -> scheduler -> one engine service ->
 Redis stream -> SDK) and straight through ``AsyncLLM`` in a child process
 (``rollserve.bench.direct``). Both engines are up for the whole run (an idle one
 costs no CPU); the rounds alternate between them, flipping the order each round,
-and the table reports medians.
+and the table reports medians. Each round also reads the CPU seconds every part of
+the side spent (``rollserve.bench.cpu``): wall time on a shared machine moves with the
+machine, CPU seconds for the same work much less, and they show where a gap comes from.
 
 Both sides ask for identical work: every sample is an n=1 request with its own
 seed and a logprob per token, so the token counts of both sides must match; the
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rollserve.bench.cpu import CpuMeter
 from rollserve.bench.workload import BenchGroup, bench_groups
 from rollserve.cli.stack import CONTROL_PLANE_NICE, DevStack, StackConfig, engine_threads
 from rollserve.client import PromptGroup, RolloutClient, SamplingParams
@@ -57,10 +60,16 @@ class OverheadConfig:
 class SideResult:
     wall_s: list[float]
     output_tokens: int
+    cpu_s: list[dict[str, float]]  # per round, CPU seconds per part
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.wall_s)
+
+    def cpu_median(self) -> dict[str, float]:
+        """Per part, the median over rounds of its CPU seconds in a round."""
+        parts = dict.fromkeys(part for row in self.cpu_s for part in row)
+        return {p: statistics.median(row.get(p, 0.0) for row in self.cpu_s) for p in parts}
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,6 +96,11 @@ class RollserveSide:
         self._stack = stack
         self._groups = groups
         self._rep = 0
+        engine, scheduler = stack.engines[0].popen.pid, stack.scheduler_pid()
+        trees = {"engine": engine, "scheduler": scheduler}
+        if stack.redis is not None and stack.redis.pid:
+            trees["redis"] = stack.redis.pid
+        self.cpu = CpuMeter(trees, {"driver": os.getpid()})
 
     def run(self) -> tuple[float, int]:
         self._rep += 1
@@ -141,6 +155,8 @@ class DirectSide:
         )
         self._log_path = work_dir / "direct.log"
         self._reply()  # "ready"
+        # Its frontend is the process itself; its engine core, a child.
+        self.cpu = CpuMeter({"engine": self._proc.pid}, {"driver": os.getpid()})
 
     def _reply(self) -> str:
         assert self._proc.stdout is not None
@@ -179,14 +195,39 @@ def alternate(
     for name in names:
         sides[name].run()
     walls: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     tokens: dict[str, int] = {}
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else reversed(names):
-            wall, count = sides[name].run()
+            side = sides[name]
+            before = side.cpu.read()
+            wall, count = side.run()
+            cpu = CpuMeter.delta(before, side.cpu.read())
             walls[name].append(wall)
+            cpus[name].append(cpu)
             tokens[name] = count
-            console.print(f"  round {rep + 1}/{repeats} {name}: {wall:.2f} s, {count} tokens")
-    return {name: SideResult(walls[name], tokens[name]) for name in names}
+            console.print(
+                f"  round {rep + 1}/{repeats} {name}: {wall:.2f} s, {count} tokens, "
+                f"CPU s {sum(cpu.values()):.2f}"
+            )
+    return {name: SideResult(walls[name], tokens[name], cpus[name]) for name in names}
+
+
+def cpu_table(results: dict[str, SideResult]) -> Table:
+    """Median CPU seconds per round of every part of every side, side by side."""
+    medians = {name: side.cpu_median() for name, side in results.items()}
+    parts = list(dict.fromkeys(part for m in medians.values() for part in m))
+    table = Table(title="CPU seconds per round (medians)")
+    table.add_column("part")
+    for name in results:
+        table.add_column(name, justify="right")
+    for part in [*parts, "total"]:
+        cells = []
+        for m in medians.values():
+            value = sum(m.values()) if part == "total" else m.get(part)
+            cells.append("-" if value is None else f"{value:.2f}")
+        table.add_row(part, *cells)
+    return table
 
 
 def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[str, object]:
@@ -235,6 +276,7 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
             f"{side.tokens_per_s:,.0f}",
         )
     console.print(table)
+    console.print(cpu_table(results))
     verdict = "meets" if ratio <= GOAL else "misses"
     console.print(f"overhead_ratio = {ratio:.3f} ({verdict} the goal of {GOAL})")
     report: dict[str, object] = {
@@ -251,12 +293,16 @@ def run_overhead(cfg: OverheadConfig, console: Console | None = None) -> dict[st
             "median_s": ours.median_s,
             "output_tokens": ours.output_tokens,
             "tokens_per_s": ours.tokens_per_s,
+            "cpu_s": ours.cpu_median(),
+            "cpu_s_rounds": ours.cpu_s,
         },
         "direct": {
             "wall_s": direct.wall_s,
             "median_s": direct.median_s,
             "output_tokens": direct.output_tokens,
             "tokens_per_s": direct.tokens_per_s,
+            "cpu_s": direct.cpu_median(),
+            "cpu_s_rounds": direct.cpu_s,
         },
     }
     if cfg.json_path is not None:

@@ -275,6 +275,11 @@ class DevStack:
             self._tmp.cleanup()
             self._tmp = None
 
+    def scheduler_pid(self) -> int:
+        if self.scheduler is None:
+            raise RuntimeError("the scheduler is not running")
+        return self.scheduler.popen.pid
+
     def pids(self) -> list[int]:
         """Process ids of the stack's processes (the engines' cores are their children)."""
         procs = [*self.engines, *([self.scheduler] if self.scheduler else [])]

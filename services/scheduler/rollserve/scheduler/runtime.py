@@ -422,8 +422,9 @@ class SchedulerRuntime:
         self._groups[spec.key] = GroupRecord.new(spec, self._seq)
         self._queue[spec.key] = None
 
-    def _loads(self) -> dict[str, EngineLoad]:
-        """Per engine, what its running samples hold and are predicted still to generate."""
+    def _loads(self, predict: bool = True) -> dict[str, EngineLoad]:
+        """Per engine, what its running samples hold and (with ``predict``) are predicted
+        still to generate; without it the predicted fields stay 0 (unknown)."""
         loads = {engine_id: EngineLoad() for engine_id in self._engines}
         groups: dict[str, set[str]] = {engine_id: set() for engine_id in self._engines}
         memo: dict[tuple[str, int], float] = {}
@@ -437,12 +438,14 @@ class SchedulerRuntime:
                 spec = call.record.spec
                 for index in running:
                     progress = len(call.record.samples[index].token_ids)
-                    left = max(0.0, self._predict_running(call.record, progress, memo) - progress)
                     load.samples += 1
                     load.outstanding_tokens += max(0, spec.sampling.max_tokens - progress)
                     load.kv_used_tokens += len(spec.prompt_token_ids) + progress
-                    load.predicted_outstanding += left
-                    load.predicted_longest = max(load.predicted_longest, left)
+                    if predict:
+                        predicted = self._predict_running(call.record, progress, memo)
+                        left = max(0.0, predicted - progress)
+                        load.predicted_outstanding += left
+                        load.predicted_longest = max(load.predicted_longest, left)
         for engine_id, keys in groups.items():
             loads[engine_id].groups = len(keys)
         return loads
@@ -484,6 +487,9 @@ class SchedulerRuntime:
         return value
 
     def _snapshot(self) -> Snapshot:
+        # Predictions cost a predictor call per queued group and running sample at every
+        # plan: only for a policy that reads them.
+        predict = self._policy.uses_predictions
         queue = []
         for key in self._queue:
             record = self._groups[key]
@@ -501,17 +507,18 @@ class SchedulerRuntime:
                     prompt_key=spec.prompt_key,
                     samples=pending if len(pending) < spec.n else (),
                     prompt_token_ids=spec.prompt_token_ids,
-                    predicted_len=self._predict_queued(record),
+                    predicted_len=self._predict_queued(record) if predict else None,
                     progress=progress if any(progress) else (),
                 )
             )
-        loads = self._loads()
+        loads = self._loads(predict)
         engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
-        running = self._running_samples() if self._policy.moves_running else ()
+        running = self._running_samples(predict) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
 
-    def _running_samples(self) -> tuple[RunningSample, ...]:
-        """Every running sample a policy may preempt (not those being preempted already)."""
+    def _running_samples(self, predict: bool) -> tuple[RunningSample, ...]:
+        """Every running sample a policy may preempt (not those being preempted already);
+        with ``predict``, with its predicted tokens left."""
         memo: dict[tuple[str, int], float] = {}
         out: list[RunningSample] = []
         for key, calls in self._calls.items():
@@ -522,7 +529,7 @@ class SchedulerRuntime:
                         continue
                     sample = record.samples[index]
                     progress = len(sample.token_ids)
-                    predicted = self._predict_running(record, progress, memo)
+                    predicted = self._predict_running(record, progress, memo) if predict else 0.0
                     out.append(
                         RunningSample(
                             group_key=key,

@@ -22,6 +22,11 @@ class Policy(Protocol):
     # the edges then fill ``Snapshot.running`` and ask for a plan when a sample finishes even
     # with nothing queued.
     moves_running: bool
+    # True when the policy reads predicted lengths (``QueuedGroup.predicted_len``,
+    # ``EngineView.predicted_outstanding`` and ``predicted_longest``,
+    # ``RunningSample.predicted_left``): the edges compute them for its snapshots only then,
+    # and leave them unknown (None, 0) for a policy that would not read them.
+    uses_predictions: bool
 
     def plan(self, snapshot: Snapshot) -> Plan:
         """Decide which queued groups start now and where. Groups left out stay queued."""

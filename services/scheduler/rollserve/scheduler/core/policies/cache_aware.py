@@ -173,6 +173,7 @@ class CacheAware:
     name = "cache_aware"
     whole_groups = False
     moves_running = False
+    uses_predictions = False
 
     def __init__(
         self,

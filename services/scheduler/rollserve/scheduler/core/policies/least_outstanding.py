@@ -56,6 +56,7 @@ class LeastOutstandingTokens:
     name = "least_outstanding"
     whole_groups = True
     moves_running = False
+    uses_predictions = False
 
     def plan(self, snapshot: Snapshot) -> Plan:
         loads = [_Load.of(e) for e in snapshot.engines if e.healthy and e.capacity_samples > 0]

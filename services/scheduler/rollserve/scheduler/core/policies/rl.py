@@ -186,6 +186,7 @@ class _Engine:
 class RLPolicy:
     name = "rl"
     whole_groups = False
+    uses_predictions = True
 
     def __init__(self, settings: RLSettings | None = None) -> None:
         self.settings = settings or RLSettings()

@@ -40,6 +40,7 @@ class RoundRobin:
     name = "round_robin"
     whole_groups = False
     moves_running = False
+    uses_predictions = False
 
     def __init__(self) -> None:
         self._last_engine: str | None = None  # the engine that got the latest sample

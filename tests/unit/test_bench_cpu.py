@@ -1,0 +1,83 @@
+"""The benchmarks' CPU meter, on real child processes (nothing faked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from rollserve.bench.cpu import CpuMeter
+
+# A child that names itself as vLLM's engine core does (Linux: PR_SET_NAME), burns about
+# half a CPU second, then sleeps until killed; its parent spawns it and sleeps too.
+_CHILD = """
+import ctypes, sys, time
+name = sys.argv[1].encode()
+if name:
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+end = time.process_time() + 0.5
+while time.process_time() < end:
+    pass
+print("burnt", flush=True)
+time.sleep(600)
+"""
+
+_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=sys.stdout)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def tree() -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, _CHILD, "EngineCore_0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_NAME is Linux's")
+def test_a_tree_reads_as_its_engine_core_and_the_rest(tree: subprocess.Popen[str]) -> None:
+    meter = CpuMeter({"engine": tree.pid}, {"driver": os.getpid()})
+    before = meter.read()
+    assert tree.stdout is not None
+    assert tree.stdout.readline().strip() == "burnt"
+    time.sleep(0.1)  # the kernel's accounting catches up
+    spent = CpuMeter.delta(before, meter.read())
+    assert set(spent) == {"engine", "engine core", "driver"}
+    assert spent["engine core"] >= 0.3  # the child's burn lands on the core part
+    assert spent["engine"] < spent["engine core"]  # the parent only slept
+
+
+def test_a_single_process_counts_without_its_children(tree: subprocess.Popen[str]) -> None:
+    # The test process is the tree's parent: read alone, the child's burn is not its own.
+    meter = CpuMeter({}, {"driver": os.getpid()})
+    before = meter.read()["driver"]
+    assert tree.stdout is not None
+    tree.stdout.readline()
+    assert meter.read()["driver"] - before < 0.3
+
+
+def test_a_gone_process_reads_as_nothing_and_deltas_never_go_negative() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert CpuMeter({"gone": proc.pid}).read() == {}
+    assert CpuMeter.delta({"a": 2.0, "b": 1.0}, {"a": 1.5, "c": 0.5}) == {
+        "a": 0.0,
+        "b": 0.0,
+        "c": 0.5,
+    }
