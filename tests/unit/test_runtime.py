@@ -430,19 +430,17 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
             return view.outstanding_tokens == 2 * (8 - 3)
 
         await eventually(first_tokens, "the first chunk")
-        await runtime.submit(run, [spec("later", n=1, run_id=run)])  # one more snapshot
-
-        async def planned_again() -> bool:
-            return any(g.samples for g in policy.queued(f"{run}/g0"))
-
-        await eventually(planned_again, "a snapshot of the partly placed group")
+        await runtime.submit(run, [spec("later", n=1, run_id=run)])
+        # The engine is full, so no plan runs: what one would be shown now.
+        snapshot = runtime.snapshot()
         status = runtime.status()
         await runtime.cancel(run, ["g0", "later"])  # leave nothing pending in Redis
     finally:
         await runtime.stop()
         await narrow.stop()
-    first, *_, last = policy.queued(f"{run}/g0")
+    [first] = policy.queued(f"{run}/g0")
     assert first.samples == () and first.pending == (0, 1, 2, 3)
+    [last] = [g for g in snapshot.queue if g.key == f"{run}/g0"]
     assert last.samples == (2, 3)
     [view] = status.engines
     assert view.inflight_samples == 2 and view.inflight_groups == 1
@@ -453,9 +451,45 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
     assert last.predicted_len == pytest.approx(min(conditioned, 8.0))
     left = min(conditioned, 8.0) - 3
     assert view.predicted_outstanding_tokens == pytest.approx(2 * left)
-    [engine_view] = policy.snapshots[-1].engines
+    [engine_view] = snapshot.engines
     assert engine_view.kv_used_tokens == 2 * (5 + 3)
     assert engine_view.predicted_longest == pytest.approx(left)
+
+
+async def test_a_policy_is_not_asked_to_plan_while_no_engine_has_a_free_slot(
+    redis_url: str,
+) -> None:
+    # A full engine: the groups submitted meanwhile wait without a plan (it could start
+    # nothing); the slot a cancelled group frees gets them planned.
+    narrow = await FakeEngine("narrow", behaviour=Behaviour.HANG, max_num_seqs=2).start()
+    policy = Recording(create_policy("least_outstanding"))
+    runtime = await make_runtime(redis_url, [narrow], policy, capacity_factor=1.0)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=2, max_tokens=8))
+
+        async def running() -> bool:
+            return runtime.status().engines[0].inflight_samples == 2
+
+        await eventually(running, "the first group running")
+        asked = len(policy.snapshots)
+        for i in range(3):  # each submission wakes the dispatcher
+            await runtime.submit(run, [spec(f"later{i}", n=2, run_id=run)])
+            await asyncio.sleep(0.05)  # time for a plan, had one been asked for
+        waited = len(policy.snapshots)
+        await runtime.cancel(run, ["g0"])
+
+        async def placed() -> bool:
+            return runtime.status().queue_depth == 2
+
+        await eventually(placed, "a later group placed in the freed slots")
+        await runtime.cancel(run, ["later0", "later1", "later2"])
+    finally:
+        await runtime.stop()
+        await narrow.stop()
+    assert waited == asked
+    assert len(policy.snapshots) > asked
+    assert all(any(e.free_samples for e in s.engines) for s in policy.snapshots)
 
 
 async def test_a_policy_that_reads_no_predictions_is_shown_none(redis_url: str) -> None:
@@ -475,24 +509,21 @@ async def test_a_policy_that_reads_no_predictions_is_shown_none(redis_url: str) 
             return view.outstanding_tokens == 2 * (8 - 3)
 
         await eventually(first_tokens, "the first chunk")
-        await runtime.submit(run, [spec("later", n=2, run_id=run)])  # planned while g0 runs
-
-        async def planned_again() -> bool:
-            return bool(policy.queued(f"{run}/later"))
-
-        await eventually(planned_again, "a snapshot with the later group queued")
+        await runtime.submit(run, [spec("later", n=2, run_id=run)])  # queued while g0 runs
+        snapshots = [*policy.snapshots, runtime.snapshot()]
         status = runtime.status()
         await runtime.cancel(run, ["g0", "later"])
     finally:
         await runtime.stop()
         await narrow.stop()
-    assert all(g.predicted_len is None for s in policy.snapshots for g in s.queue)
+    assert [g.key for g in snapshots[-1].queue] == [f"{run}/later"]
+    assert all(g.predicted_len is None for s in snapshots for g in s.queue)
     assert all(
         e.predicted_outstanding == 0 and e.predicted_longest == 0
-        for s in policy.snapshots
+        for s in snapshots
         for e in s.engines
     )
-    [engine_view] = policy.snapshots[-1].engines
+    [engine_view] = snapshots[-1].engines
     assert engine_view.inflight_samples == 2  # the load itself is still counted
     [view] = status.engines
     assert view.predicted_outstanding_tokens > 0

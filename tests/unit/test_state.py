@@ -136,3 +136,30 @@ def test_an_engine_failure_after_a_preemption_starts_the_sample_over() -> None:
     assert (sample.preemptions, sample.resumed_tokens) == (0, 0)
     record.start([0], "e2", now=3.0)
     assert record.attempts == 2
+
+
+def test_every_change_of_a_sample_state_bumps_the_revision_and_tokens_do_not() -> None:
+    # The scheduler reuses a queued group's view while its revision stands still.
+    record = GroupRecord.new(spec("g", n=3), seq=0)
+    seen = [record.revision]
+
+    def changed() -> bool:
+        seen.append(record.revision)
+        return seen[-1] > seen[-2]
+
+    record.start((0, 1), "e0")
+    assert changed()
+    record.add_tokens(0, [1, 2], [-0.1, -0.2])
+    assert not changed()
+    record.preempt(0)
+    assert changed()
+    record.finish_sample(1, FinishReason.STOP, 4, 0)
+    assert changed()
+    record.start((0,), "e1")
+    assert changed()
+    record.requeue((0,), "engine e1 is gone")
+    assert changed()
+    record.cancel()
+    assert changed()
+    record.fail()  # nothing left to end: still counted as a change, never missed
+    assert changed()

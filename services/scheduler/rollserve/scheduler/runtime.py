@@ -199,6 +199,9 @@ class SchedulerRuntime:
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # Queued group key -> ((learned, finished siblings, furthest progress), prediction).
         self._predicted: dict[str, tuple[tuple[int, int, int], float]] = {}
+        # Queued group key -> (record, its revision, prediction, the view built from them):
+        # a plan runs at every finished sample, and most queued groups have not changed.
+        self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
         # Prompt keys learnt from and not saved yet, least recently learnt first.
         self._unsaved: dict[str, None] = {}
         self._globals_unsaved = False
@@ -486,35 +489,50 @@ class SchedulerRuntime:
         self._predicted[spec.key] = (stamp, value)
         return value
 
-    def _snapshot(self) -> Snapshot:
+    def snapshot(self) -> Snapshot:
+        """What the policy would be shown if it planned now."""
         # Predictions cost a predictor call per queued group and running sample at every
         # plan: only for a policy that reads them.
         predict = self._policy.uses_predictions
         queue = []
         for key in self._queue:
             record = self._groups[key]
-            spec = record.spec
-            pending = record.pending
-            progress = record.progress(pending)
-            queue.append(
-                QueuedGroup(
-                    key=key,
-                    n=spec.n,
-                    prompt_len=len(spec.prompt_token_ids),
-                    max_tokens=spec.sampling.max_tokens,
-                    priority=spec.priority,
-                    seq=record.seq,
-                    prompt_key=spec.prompt_key,
-                    samples=pending if len(pending) < spec.n else (),
-                    prompt_token_ids=spec.prompt_token_ids,
-                    predicted_len=self._predict_queued(record) if predict else None,
-                    progress=progress if any(progress) else (),
-                )
-            )
+            predicted = self._predict_queued(record) if predict else None
+            cached = self._views.get(key)
+            if (
+                cached is not None
+                and cached[0] is record
+                and cached[1] == record.revision
+                and cached[2] == predicted
+            ):
+                queue.append(cached[3])
+                continue
+            view = self._queued_view(record, predicted)
+            self._views[key] = (record, record.revision, predicted, view)
+            queue.append(view)
         loads = self._loads(predict)
         engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
         running = self._running_samples(predict) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
+
+    @staticmethod
+    def _queued_view(record: GroupRecord, predicted: float | None) -> QueuedGroup:
+        spec = record.spec
+        pending = record.pending
+        progress = record.progress(pending)
+        return QueuedGroup(
+            key=spec.key,
+            n=spec.n,
+            prompt_len=len(spec.prompt_token_ids),
+            max_tokens=spec.sampling.max_tokens,
+            priority=spec.priority,
+            seq=record.seq,
+            prompt_key=spec.prompt_key,
+            samples=pending if len(pending) < spec.n else (),
+            prompt_token_ids=spec.prompt_token_ids,
+            predicted_len=predicted,
+            progress=progress if any(progress) else (),
+        )
 
     def _running_samples(self, predict: bool) -> tuple[RunningSample, ...]:
         """Every running sample a policy may preempt (not those being preempted already);
@@ -554,7 +572,14 @@ class SchedulerRuntime:
             # sample may leave a slot that a running one should move to.
             if not self._queue and not (self._policy.moves_running and self._calls):
                 continue
-            plan = self._policy.plan(self._snapshot())
+            # A policy places only where a slot is free: with none anywhere (and nothing
+            # it may move), a plan could start nothing.
+            if not self._policy.moves_running and not any(
+                room > 0 and self._engines[engine_id].healthy
+                for engine_id, room in self._room().items()
+            ):
+                continue
+            plan = self._policy.plan(self.snapshot())
             for assign in plan.assignments:
                 self._carry_out(assign)
             if plan.preempts:
@@ -804,6 +829,7 @@ class SchedulerRuntime:
         del self._groups[key]
         self._queue.pop(key, None)
         self._predicted.pop(key, None)
+        self._views.pop(key, None)
         current = asyncio.current_task()
         for call in self._calls.pop(key, {}).values():
             if call.task is not None and call.task is not current:

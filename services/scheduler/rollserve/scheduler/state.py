@@ -167,6 +167,9 @@ class GroupRecord:
     seq: int  # arrival order in this scheduler process
     samples: list[SampleRecord]
     last_error: str = ""
+    # Bumped by every change of a sample's state (the methods below are the only ways to
+    # change one): the queued samples and their kept tokens are the same while it is.
+    revision: int = 0
 
     @classmethod
     def new(cls, spec: GroupSpec, seq: int) -> GroupRecord:
@@ -215,10 +218,12 @@ class GroupRecord:
         now = time.time() if now is None else now
         for index in indices:
             self.samples[index].start(engine_id, now)
+        self.revision += 1
 
     def preempt(self, index: int) -> None:
         """Running sample ``index`` was stopped with its tokens kept: it is queued to resume."""
         self.samples[index].preempt()
+        self.revision += 1
 
     def requeue(self, indices: Sequence[int], error: str) -> tuple[int, ...]:
         """Their engine failed: those of ``indices`` still running go back to the queue with
@@ -227,15 +232,18 @@ class GroupRecord:
         running = tuple(i for i in indices if self.samples[i].state == SampleState.RUNNING)
         for index in running:
             self.samples[index].requeue()
+        self.revision += 1
         return running
 
     def cancel(self) -> None:
         for s in self.samples:
             s.end(SampleState.CANCELLED)
+        self.revision += 1
 
     def fail(self) -> None:
         for s in self.samples:
             s.end(SampleState.FAILED)
+        self.revision += 1
 
     def add_tokens(self, index: int, token_ids: list[int], logprobs: list[float]) -> None:
         sample = self.samples[index]
@@ -252,6 +260,7 @@ class GroupRecord:
     ) -> None:
         now = time.time() if now is None else now
         self.samples[index].finish(reason, num_prompt_tokens, cached_prompt_tokens, now)
+        self.revision += 1
 
     def to_samples(self) -> list[Sample]:
         prefix = self.spec.group_id

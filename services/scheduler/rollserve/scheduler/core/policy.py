@@ -29,7 +29,10 @@ class Policy(Protocol):
     uses_predictions: bool
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        """Decide which queued groups start now and where. Groups left out stay queued."""
+        """Decide which queued groups start now and where. Groups left out stay queued.
+
+        New work goes only to healthy engines with a free slot (``free_samples > 0``): when
+        no engine has one, the edges do not ask a policy that moves no running work."""
         ...
 
 
