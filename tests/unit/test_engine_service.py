@@ -80,9 +80,9 @@ class HoldingBackend(ScriptedBackend):
 
 @asynccontextmanager
 async def served(
-    backend: ScriptedBackend,
+    backend: ScriptedBackend, flush_interval_s: float = 0.0
 ) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
-    servicer = EngineServicer("scripted", flush_interval_s=0.0)
+    servicer = EngineServicer("scripted", flush_interval_s=flush_interval_s)
     servicer.attach(backend)
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(servicer, server)
@@ -219,3 +219,39 @@ async def test_abort_of_samples_the_call_does_not_generate_is_invalid_argument(
     assert problem in (info.value.details() or "")
     assert backend.aborted == []
     call.cancel()
+
+
+async def test_a_sample_end_is_sent_at_once_with_the_tokens_held_for_the_flush() -> None:
+    # New tokens wait for the flush interval (an hour here); a sample's end does not (the
+    # scheduler refills the slot it frees), and the flush it makes carries its siblings' tokens.
+    backend = HoldingBackend()
+    async with served(backend, flush_interval_s=3600.0) as stub:
+        call = stub.Generate(request(n=3))
+        await asyncio.wait_for(backend.started(3), WAIT_S)
+        await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=[1]))
+        tokens: dict[int, list[int]] = {}
+        first = await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S)
+        assert first.index == 1 and first.finish_reason == pb.FINISH_REASON_ABORT
+        assert tokens == {0: [7], 1: [7], 2: [7]}
+        await stub.Abort(pb.AbortRequest(request_id="r"))
+        rest = [await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S) for _ in "ab"]
+        assert sorted(c.index for c in rest) == [0, 2]
+        assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+async def test_new_tokens_go_out_together_when_the_flush_interval_has_passed() -> None:
+    backend = HoldingBackend()
+    async with served(backend, flush_interval_s=0.2) as stub:
+        call = stub.Generate(request(n=3))
+        message = cast(pb.GenerateResponse, await asyncio.wait_for(call.read(), WAIT_S))
+        # The three samples' first tokens, in one Chunk: none of them has ended.
+        assert message.WhichOneof("kind") == "chunk"
+        assert {d.index: list(d.token_ids) for d in message.chunk.deltas} == {
+            0: [7],
+            1: [7],
+            2: [7],
+        }
+        await stub.Abort(pb.AbortRequest(request_id="r"))
+        tokens: dict[int, list[int]] = {}
+        ends = [await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S) for _ in "abc"]
+        assert sorted(c.index for c in ends) == [0, 1, 2] and not any(tokens.values())

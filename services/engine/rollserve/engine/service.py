@@ -407,6 +407,11 @@ class _Run:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     error: BackendError | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    flush_due: bool = False  # the flush interval has passed since the last message
+
+    def flush_now(self) -> None:
+        self.flush_due = True
+        self.wakeup.set()
 
     def unfinished_ids(self) -> list[str]:
         return [s.request_id for s in self.samples if s.finish_reason is None]
@@ -416,6 +421,10 @@ class _Run:
 
     def all_reported(self) -> bool:
         return all(s.reported for s in self.samples)
+
+    def end_unreported(self) -> bool:
+        """Whether a sample has finished and its Complete is not sent yet."""
+        return any(s.finish_reason is not None and not s.reported for s in self.samples)
 
     def drain(self) -> list[pb.GenerateResponse]:
         """Messages for everything buffered: one Chunk, then one Complete per finished sample."""
@@ -498,6 +507,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             [_Sample(index, r.request_id) for index, r in sample_requests],
         )
         self._runs[run.request_id] = run
+        timer: asyncio.TimerHandle | None = None  # the next flush of new tokens
         try:
             for (_, sample_request), sample in zip(sample_requests, run.samples, strict=True):
                 run.tasks.append(asyncio.create_task(_pump(backend, sample_request, sample, run)))
@@ -505,11 +515,20 @@ class EngineServicer(pb_grpc.EngineServicer):
             last_flush = loop.time()
             while True:
                 await run.wakeup.wait()
-                if run.error is None and not run.all_finished():
+                run.wakeup.clear()
+                # A sample's end goes out at once (it frees a slot the scheduler refills);
+                # new tokens wait for the flush interval, so that one message carries many.
+                if run.error is None and not run.end_unreported() and not run.flush_due:
+                    if timer is not None:
+                        continue  # a flush is set for later
                     delay = last_flush + self._flush_interval_s - loop.time()
                     if delay > 0:
-                        await asyncio.sleep(delay)
-                run.wakeup.clear()
+                        timer = loop.call_later(delay, run.flush_now)
+                        continue
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
+                run.flush_due = False
                 if run.error is not None:
                     yield pb.GenerateResponse(
                         error=pb.Error(message=run.error.message, retryable=run.error.retryable)
@@ -521,6 +540,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 if run.all_reported():
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             del self._runs[run.request_id]
             unfinished = run.unfinished_ids()
             for task in run.tasks:

@@ -109,10 +109,13 @@ class EngineSettings(BaseModel):
         ),
     )
     flush_interval_ms: float = Field(
-        100.0,
+        500.0,
         ge=0,
         le=1000,
-        description="How long new tokens are batched before a Chunk is sent; 0 sends at once.",
+        description=(
+            "How long new tokens are batched before a Chunk is sent; 0 sends at once. A "
+            "sample's end is sent at once, with the tokens batched so far."
+        ),
     )
     scheduler_address: str | None = Field(
         None,

@@ -13,10 +13,10 @@ sample, ``"{request_id}/{i}"``, sharing the prompt as a prefix (siblings hit the
 n=1 requests sent together do in vLLM). Each sample's length comes from the length model
 (:mod:`rollserve.sim.responses`), fixed by the prompt and the sample's draw. The call's handler
 wakes every flush interval (simulated time, like every duration here) and sends one Chunk with
-the tokens each sample produced since the last one, then a Complete per finished sample; when
-the last sample finishes it sends at once. Cancelling the call aborts its samples in the engine;
-Abort ends them (all, or those its ``sample_indices`` name) with finish reason ``abort`` and the
-tokens produced so far, and the handler sends what it has at once.
+the tokens each sample produced since the last one, then a Complete per finished sample; when a
+sample finishes it sends at once, as the engine service does. Cancelling the call aborts its
+samples in the engine; Abort ends them (all, or those its ``sample_indices`` name) with finish
+reason ``abort`` and the tokens produced so far, and the handler sends what it has at once.
 
 Validation (``sample_indices`` included), registration and heartbeats are the real engine's code
 (``rollserve.engine.service`` and ``.server``): a request the sim accepts is one vLLM would.
@@ -294,8 +294,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
     def _sample_finished(run: _Run, sample: _Sample, finished: Finished) -> None:
         sample.finished = finished
         run.running -= 1
-        if run.running == 0:
-            run.wakeup.set()
+        run.wakeup.set()  # its end goes out at once, as the engine service sends it
 
     def _drain(self, run: _Run) -> list[pb.GenerateResponse]:
         """One Chunk with every running sample's new tokens, then a Complete per finished one."""

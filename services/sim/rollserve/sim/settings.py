@@ -80,10 +80,13 @@ class SimSettings(BaseModel):
         32768, ge=16, le=16_777_216, description="Context length: prompt plus response tokens."
     )
     flush_interval_ms: float = Field(
-        100.0,
+        500.0,
         gt=0,
         le=60_000,
-        description="Simulated ms new tokens are batched before a Chunk is sent (x time_scale).",
+        description=(
+            "Simulated ms new tokens are batched before a Chunk is sent (x time_scale); a "
+            "sample's end is sent at once, as the real engine service does."
+        ),
     )
     shutdown_grace_s: float = Field(
         5.0, ge=0, le=600, description="On SIGTERM, how long running Generate calls may finish."
