@@ -25,9 +25,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_process(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    """One engine for the session; stopped with SIGTERM, its process group reaped."""
+    """One engine for the session; stopped with SIGTERM, its process group reaped.
+
+    It sends new tokens every 100 ms (the default is 500): tests that act on a running
+    sample's progress must see it before the tiny model's short samples end."""
     engine = start_engine_process(
-        tiny_model_dir, "engine-it", log_dir=tmp_path_factory.mktemp("engine-logs")
+        tiny_model_dir,
+        "engine-it",
+        ["--flush-interval-ms", "100"],
+        log_dir=tmp_path_factory.mktemp("engine-logs"),
     )
     try:
         yield engine

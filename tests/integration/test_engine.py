@@ -170,7 +170,7 @@ async def test_generate_n4(engine: pb_grpc.EngineAsyncStub) -> None:
 async def test_chunks_are_batched(engine: pb_grpc.EngineAsyncStub) -> None:
     # Greedy: the eight samples are one sequence and end in the same step, all their tokens
     # since the last flush riding in their Completes. Long enough to span several flush
-    # intervals (500 ms by default), so that Chunks come before the ends.
+    # intervals, so that Chunks come before the ends.
     result = await generate(engine, request("batched", n=8, max_tokens=1500, temperature=0.0))
     assert result.error is None
     assert result.tokens > 0
