@@ -416,9 +416,6 @@ class _Run:
     def unfinished_ids(self) -> list[str]:
         return [s.request_id for s in self.samples if s.finish_reason is None]
 
-    def all_finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
-
     def all_reported(self) -> bool:
         return all(s.reported for s in self.samples)
 
