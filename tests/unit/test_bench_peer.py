@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import itertools
 import random
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,10 +20,14 @@ from rollserve.assets import default_prompts, reasoner_dir
 from rollserve.bench.peer import (
     PEER,
     ROLLSERVE,
+    ROLLSERVE_B,
     ROLLSERVE_SYNC,
     ROWS,
     Environment,
     PeerConfig,
+    Variant,
+    _stack_config,
+    _variant_report,
     pooled_interval,
     pooled_ratios,
     print_tables,
@@ -260,6 +265,98 @@ def test_interleaved_rounds_rotate_the_rows_evenly() -> None:
         assert positions == [0, 0, 1, 1, 2, 2]
     assert orders[1] == tuple(reversed(orders[0]))
     assert round_order(6) == orders[0]
+
+
+def test_a_variant_adds_a_fourth_row_that_rotates_with_the_others() -> None:
+    cfg = PeerConfig(variant=Variant(policy="rl"))
+    assert cfg.rows == (*ROWS, ROLLSERVE_B)
+    assert PeerConfig().rows == ROWS
+    assert cfg.oversample_of(ROLLSERVE_B) == cfg.oversample_of(ROLLSERVE) == cfg.oversample
+    assert cfg.oversample_of(ROLLSERVE_SYNC) == 0.0
+    orders = [round_order(rep, cfg.rows) for rep in range(8)]
+    for name in cfg.rows:  # over eight rounds every row runs in every position twice
+        assert sorted(order.index(name) for order in orders) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, r"variant sets nothing"),
+        ({"policy": "fastest"}, r"variant policy \('fastest'\) unknown; rollserve's policies: "),
+        ({"control_plane_nice": 20}, r"variant control_plane_nice \(20\) must be in 0\.\.19"),
+    ],
+)
+def test_a_bad_variant_is_refused_with_the_field(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Variant(**kwargs)
+
+
+def test_the_variant_row_gets_its_own_stack_settings(tmp_path: Path) -> None:
+    variant = Variant(
+        policy="rl",
+        scheduler_args=("--capacity-factor", "2"),
+        engine_args=("--flush-interval-ms", "100"),
+        control_plane_nice=5,
+    )
+    cfg = PeerConfig(scheduler_args=("--max-attempts", "4"), variant=variant)
+    env = Environment(
+        cfg=cfg,
+        model=reasoner_dir(),
+        stream=PromptStream(reasoner_dir(), None, seed=0),
+        sampling=Sampling(4, 1024, 1.0),
+        omp_threads=1,
+        log_dir=tmp_path,
+        console=Console(file=io.StringIO()),
+    )
+    main = _stack_config(env, ROLLSERVE, ROLLSERVE)
+    b = _stack_config(env, ROLLSERVE_B, ROLLSERVE_B)
+    assert main.scheduler_args == ("--policy", "least_outstanding", "--max-attempts", "4")
+    assert (main.engine_args, main.control_plane_nice) == ((), cfg.control_plane_nice)
+    # The variant's flags come after the main row's, so that they win where both set one.
+    assert b.scheduler_args == (
+        "--policy",
+        "rl",
+        "--max-attempts",
+        "4",
+        "--capacity-factor",
+        "2",
+    )
+    assert (b.engine_args, b.control_plane_nice) == (("--flush-interval-ms", "100"), 5)
+    assert b.run_dir != main.run_dir
+    assert variant.describe() == (
+        "rl, scheduler --capacity-factor 2, engines --flush-interval-ms 100, nice 5"
+    )
+
+
+def test_the_variant_is_compared_with_rollserve_round_by_round_and_pooled() -> None:
+    walls = (4.0, 4.0, 4.0, 4.0)
+    summaries = {
+        PEER: rounds(PEER, *walls),
+        ROLLSERVE: rounds(ROLLSERVE, 2.0, 2.0, 2.0, 2.0),
+        ROLLSERVE_SYNC: rounds(ROLLSERVE_SYNC, *walls),
+        ROLLSERVE_B: rounds(ROLLSERVE_B, 1.0, 2.0, 1.0, 4.0),  # pooled: 16 in 8 s vs 16 in 8
+    }
+    gps = {name: [r.groups_per_s for r in rows] for name, rows in summaries.items()}
+    cfg = PeerConfig(variant=Variant(policy="rl"))
+    report = _variant_report(cfg, summaries, round_ratios(gps))
+    assert report["vs_rollserve_per_round"] == [2.0, 1.0, 2.0, 0.5]
+    assert report["vs_rollserve_pooled"] == 1.0
+    low, high = report["vs_rollserve_pooled_interval_90"]
+    assert low < 1.0 < high
+    assert report["ratio_pooled"] == 2.0  # 16 groups in 8 s against 16 in 16
+    assert report["ratio"] == statistics.median([4.0, 2.0, 4.0, 1.0])
+    assert report["settings"]["policy"] == "rl"
+    assert _variant_report(PeerConfig(), summaries, round_ratios(gps)) == {}
+
+
+def test_a_bad_flag_string_is_refused_naming_the_flag() -> None:
+    from rollserve.cli.main import main
+
+    argv = ["bench", "peer", "--variant-engine-args", "--flush-interval-ms '100"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert "--variant-engine-args" in str(refused.value)
+    assert "cannot be split into flags" in str(refused.value)
 
 
 @pytest.mark.parametrize(("oversample", "max_staleness"), [(0.0, 1), (0.5, 1), (1.0, 2)])

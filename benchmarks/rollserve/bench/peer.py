@@ -16,6 +16,10 @@ stack's niceness. What differs is what a trainer gets out of them:
   by ``oversample`` with the tail carried over within ``max_staleness`` steps.
 - **rollserve sync**: the same stack and batcher with ``oversample = 0``: every step waits for
   its own ``B`` groups, as the peer's driver does.
+- **rollserve B** (only with a ``variant``): a second dev stack on its own engines, with
+  another policy, scheduler flags, engine flags or control-plane niceness, driven as the
+  over-sampled row is. It answers "is this setting better?" within one run: the rows share
+  every round, so the machine's drift cancels in the ratio of B to rollserve.
 
 Each run starts its side fresh (servers or stack), runs ``warmup_steps`` unmeasured steps, then
 ``K`` measured steps; a side's figures cover the measured steps only (the over-sampled run
@@ -85,10 +89,53 @@ from rollserve.sim.scenarios import write_trace
 
 GOAL = 1.5
 PEER, ROLLSERVE, ROLLSERVE_SYNC = "vllm-router", "rollserve", "rollserve sync"
+ROLLSERVE_B = "rollserve B"
 ROWS = (PEER, ROLLSERVE, ROLLSERVE_SYNC)
 _DRAIN_TIMEOUT_S = 30.0
 _IDLE_POLL_S = 0.05  # how often a finished rollserve round asks whether the scheduler is idle
 _TABLE_WIDTH = 132  # the tables' width even where the console reports 80 (not a terminal)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A second rollserve configuration, measured as the row "rollserve B" (over-sampled as
+    the rollserve row is) on its own stack. Unset fields are the main rollserve row's."""
+
+    policy: str | None = None
+    scheduler_args: tuple[str, ...] = ()  # after the main row's scheduler_args: they win
+    engine_args: tuple[str, ...] = ()  # for each of its engines
+    control_plane_nice: int | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.policy is None
+            and not self.scheduler_args
+            and not self.engine_args
+            and self.control_plane_nice is None
+        ):
+            raise ValueError(
+                "variant sets nothing: give it a policy, scheduler_args, engine_args or "
+                "control_plane_nice that differs from the rollserve row"
+            )
+        if self.policy is not None and self.policy not in policy_names():
+            known = ", ".join(policy_names())
+            raise ValueError(
+                f"variant policy ({self.policy!r}) unknown; rollserve's policies: {known}"
+            )
+        nice = self.control_plane_nice
+        if nice is not None and not 0 <= nice <= 19:
+            raise ValueError(f"variant control_plane_nice ({nice}) must be in 0..19")
+
+    def describe(self) -> str:
+        """What the variant changes, for the tables."""
+        parts = [] if self.policy is None else [self.policy]
+        if self.scheduler_args:
+            parts.append("scheduler " + " ".join(self.scheduler_args))
+        if self.engine_args:
+            parts.append("engines " + " ".join(self.engine_args))
+        if self.control_plane_nice is not None:
+            parts.append(f"nice {self.control_plane_nice}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -120,6 +167,16 @@ class PeerConfig:
     # Both sides' processes kept up for the whole run, the rounds short and interleaved (each
     # on fresh prompts), so that the machine's own drift hits every row alike
     interleave: bool = False
+    variant: Variant | None = None  # a fourth row, "rollserve B", on its own stack
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """The rows this run measures."""
+        return ROWS if self.variant is None else (*ROWS, ROLLSERVE_B)
+
+    def oversample_of(self, row: str) -> float:
+        """The over-sampling of a rollserve row: none for the synchronous one."""
+        return 0.0 if row == ROLLSERVE_SYNC else self.oversample
 
     def __post_init__(self) -> None:
         for name in ("engines", "steps", "batch", "n", "max_tokens", "trial_steps", "repeats"):
@@ -336,26 +393,39 @@ def delivered_group(result: GroupResult, launch_step: int, delivery_step: int) -
     )
 
 
-def _stack_config(env: Environment, name: str) -> StackConfig:
+def _stack_config(env: Environment, row: str, name: str) -> StackConfig:
+    """The dev stack of a rollserve row: the variant's settings for "rollserve B", the main
+    ones for the others; ``name`` names its log folder."""
     cfg = env.cfg
+    variant = cfg.variant if row == ROLLSERVE_B else None
+    policy = cfg.policy if variant is None or variant.policy is None else variant.policy
+    scheduler_args = ("--policy", policy, *cfg.scheduler_args)
+    engine_args: tuple[str, ...] = ()
+    nice = cfg.control_plane_nice
+    if variant is not None:
+        scheduler_args += variant.scheduler_args
+        engine_args = variant.engine_args
+        nice = nice if variant.control_plane_nice is None else variant.control_plane_nice
     env.console.print(
         f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
-        f"--policy {cfg.policy}) …"
+        f"{' '.join(scheduler_args)}"
+        f"{', engines ' + ' '.join(engine_args) if engine_args else ''}, niceness {nice}) …"
     )
     return StackConfig(
         model=env.model,
         engines=cfg.engines,
         omp_threads=env.omp_threads,
-        scheduler_args=("--policy", cfg.policy, *cfg.scheduler_args),
+        engine_args=engine_args,
+        scheduler_args=scheduler_args,
         run_dir=env.log_dir / name.replace(" ", "-"),
-        control_plane_nice=cfg.control_plane_nice,
+        control_plane_nice=nice,
     )
 
 
 def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float) -> SideRun:
     """One round on a freshly started dev stack (the default, sequential mode)."""
     with ExitStack() as ctx:
-        stack = ctx.enter_context(DevStack(_stack_config(env, f"{rep}-{name}")))
+        stack = ctx.enter_context(DevStack(_stack_config(env, name, f"{rep}-{name}")))
         client = ctx.enter_context(
             RolloutClient(stack.scheduler_address, stack.redis_url, f"peer-{uuid.uuid4().hex[:8]}")
         )
@@ -369,12 +439,14 @@ def rollserve_round(
     still in flight at the end are cancelled, and the call returns once the scheduler runs
     nothing (so the next side to run has the machine to itself)."""
     cfg = env.cfg
+    variant = cfg.variant if name == ROLLSERVE_B else None
     run = SideRun(
         name=name,
         settings={
-            "policy": cfg.policy,
+            "policy": cfg.policy if variant is None or variant.policy is None else variant.policy,
             "oversample": oversample,
             "max_staleness": cfg.max_staleness,
+            **({} if variant is None else {"variant": asdict(variant)}),
         },
     )
     batcher = StepBatcher(
@@ -446,13 +518,14 @@ def _wait_idle(client: RolloutClient, timeout_s: float = _DRAIN_TIMEOUT_S) -> No
 def run_sequential(env: Environment) -> dict[str, list[SideRun]]:
     """``repeats`` rounds, each row on freshly started processes, one after the other, the
     order flipping each round; every round on the same prompts."""
-    runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
+    rows = env.cfg.rows
+    runs: dict[str, list[SideRun]] = {name: [] for name in rows}
     for rep in range(env.cfg.repeats):
-        for name in ROWS if rep % 2 == 0 else tuple(reversed(ROWS)):
+        for name in rows if rep % 2 == 0 else tuple(reversed(rows)):
             if name == PEER:
                 runs[name].append(run_router_side(env, rep))
             else:
-                over = env.cfg.oversample if name == ROLLSERVE else 0.0
+                over = env.cfg.oversample_of(name)
                 runs[name].append(run_rollserve_side(env, rep, name, over))
     return runs
 
@@ -467,11 +540,11 @@ def round_stride(cfg: PeerConfig) -> int:
     return (cfg.warmup_steps + cfg.steps + 1) * math.ceil(cfg.batch * (1 + cfg.oversample))
 
 
-def round_order(rep: int) -> tuple[str, ...]:
-    """The rows' order in round ``rep``: a rotation of ``ROWS``, reversed in odd rounds; over six
-    rounds every row runs first, second and last twice."""
-    shift = (rep // 2) % len(ROWS)
-    order = ROWS[shift:] + ROWS[:shift]
+def round_order(rep: int, rows: tuple[str, ...] = ROWS) -> tuple[str, ...]:
+    """The rows' order in round ``rep``: a rotation of ``rows``, reversed in odd rounds; over
+    2 x len(rows) rounds every row runs in every position twice."""
+    shift = (rep // 2) % len(rows)
+    order = rows[shift:] + rows[:shift]
     return tuple(reversed(order)) if rep % 2 else order
 
 
@@ -507,11 +580,16 @@ def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
     each row in each round on the round's own slice of the prompt stream. The JSON records
     the CPU the idle side used while each row ran."""
     cfg = env.cfg
-    runs: dict[str, list[SideRun]] = {name: [] for name in ROWS}
+    runs: dict[str, list[SideRun]] = {name: [] for name in cfg.rows}
     stride = round_stride(cfg)
     with ExitStack() as ctx:
         servers = ctx.enter_context(PeerServers(*_server_args(env, "vllm-router")))
-        stack = ctx.enter_context(DevStack(_stack_config(env, ROLLSERVE)))
+        stack = ctx.enter_context(DevStack(_stack_config(env, ROLLSERVE, ROLLSERVE)))
+        stacks = {ROLLSERVE: stack, ROLLSERVE_SYNC: stack}  # the stack each rollserve row uses
+        if cfg.variant is not None:
+            stacks[ROLLSERVE_B] = ctx.enter_context(
+                DevStack(_stack_config(env, ROLLSERVE_B, ROLLSERVE_B))
+            )
         if not env.router_policy:
             env.router_policy = cfg.router_policy or choose_router_policy(env, servers)
         url = ctx.enter_context(servers.router(env.router_policy))
@@ -522,15 +600,20 @@ def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
             env.console.print(
                 f"[bold]round {rep + 1}/{cfg.repeats}[/bold] (stream groups {start}…)"
             )
-            for name in round_order(rep):
-                idle = stack.pids() if name == PEER else servers.pids()
+            for name in round_order(rep, cfg.rows):
+                running = stacks.get(name)  # None: the router's row
+                idle = [] if running is None else servers.pids()
+                for other in {id(s): s for s in stacks.values()}.values():
+                    if other is not running:
+                        idle += other.pids()
                 cpu_before, began = tree_cpu_s(idle), time.perf_counter()
-                if name == PEER:
+                if running is None:
                     run = router_round(env, servers, url, start)
                 else:
-                    over = cfg.oversample if name == ROLLSERVE else 0.0
+                    over = cfg.oversample_of(name)
                     run_id = f"peer-{uuid.uuid4().hex[:8]}"  # group ids repeat across rows
-                    with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
+                    address, redis_url = running.scheduler_address, running.redis_url
+                    with RolloutClient(address, redis_url, run_id) as client:
                         run = rollserve_round(env, client, name, over, start)
                 wall = time.perf_counter() - began
                 env.idle_cpu.append(IdleCpu(rep, name, wall, tree_cpu_s(idle) - cpu_before))
@@ -556,36 +639,42 @@ def round_ratios(all_gps: dict[str, list[float]]) -> dict[str, list[float]]:
     }
 
 
-def pooled_ratios(summaries: dict[str, list[RowSummary]]) -> dict[str, float]:
-    """Each rollserve row's groups over its time in all rounds together, over vllm-router's:
-    a round that ran slow weighs by its length, where the median of per-round ratios does not
-    see how far apart the rounds were."""
+def pooled_ratios(summaries: dict[str, list[RowSummary]], base: str = PEER) -> dict[str, float]:
+    """Each other row's groups over its time in all rounds together, over the ``base`` row's
+    (vllm-router's by default): a round that ran slow weighs by its length, where the median
+    of per-round ratios does not see how far apart the rounds were."""
 
     def rate(rows: list[RowSummary]) -> float:
         wall = sum(r.wall_s for r in rows)
         return sum(r.groups for r in rows) / wall if wall > 0 else 0.0
 
-    peer = rate(summaries[PEER])
+    reference = rate(summaries[base])
     return {
-        name: rate(summaries[name]) / peer if peer > 0 else float("nan")
-        for name in (ROLLSERVE, ROLLSERVE_SYNC)
+        name: rate(rows) / reference if reference > 0 else float("nan")
+        for name, rows in summaries.items()
+        if name != base
     }
 
 
 def pooled_interval(
-    summaries: dict[str, list[RowSummary]], level: float = 0.9, draws: int = 4000, seed: int = 0
+    summaries: dict[str, list[RowSummary]],
+    base: str = PEER,
+    level: float = 0.9,
+    draws: int = 4000,
+    seed: int = 0,
 ) -> dict[str, tuple[float, float]]:
-    """A bootstrap interval of each pooled ratio: the rounds resampled with replacement (a
-    round's rows staying together, as they ran side by side), the pooled ratio of each
-    resample, the central ``level`` of those. Empty with fewer than 3 rounds."""
-    rounds = len(summaries[PEER])
+    """A bootstrap interval of each pooled ratio over ``base``: the rounds resampled with
+    replacement (a round's rows staying together, as they ran side by side), the pooled ratio
+    of each resample, the central ``level`` of those. Empty with fewer than 3 rounds."""
+    rounds = len(summaries[base])
     if rounds < 3:
         return {}
     rng = random.Random(seed)
-    values: dict[str, list[float]] = {ROLLSERVE: [], ROLLSERVE_SYNC: []}
+    values: dict[str, list[float]] = {name: [] for name in summaries if name != base}
     for _ in range(draws):
         picks = [rng.randrange(rounds) for _ in range(rounds)]
-        ratios = pooled_ratios({name: [rows[i] for i in picks] for name, rows in summaries.items()})
+        resample = {name: [rows[i] for i in picks] for name, rows in summaries.items()}
+        ratios = pooled_ratios(resample, base)
         for name, series in values.items():
             series.append(ratios[name])
     low, high = (1 - level) / 2, (1 + level) / 2
@@ -659,6 +748,8 @@ def print_tables(
             policy = env.router_policy
         elif name == ROLLSERVE:
             policy = f"{cfg.policy} (over {cfg.oversample:g}, stale <= {cfg.max_staleness})"
+        elif name == ROLLSERVE_B and cfg.variant is not None:
+            policy = f"{cfg.variant.describe()} (over {cfg.oversample:g})"
         else:
             policy = f"{cfg.policy} (sync)"
         main.add_row(
@@ -779,10 +870,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         )
         start_machine = machine()
         runs = run_interleaved(env) if cfg.interleave else run_sequential(env)
+    names = cfg.rows
     summaries = {name: [summarize(r, stream) for r in rs] for name, rs in runs.items()}
-    median = {name: _median_run(runs[name], summaries[name]) for name in ROWS}
-    rows = {name: median[name][1] for name in ROWS}
-    all_gps = {name: [s.groups_per_s for s in summaries[name]] for name in ROWS}
+    median = {name: _median_run(runs[name], summaries[name]) for name in names}
+    rows = {name: median[name][1] for name in names}
+    all_gps = {name: [s.groups_per_s for s in summaries[name]] for name in names}
     print_tables(rows, env, all_gps)
     ratios = round_ratios(all_gps)
     ratio = statistics.median(ratios[ROLLSERVE])
@@ -809,6 +901,17 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             "90% bootstrap interval of the pooled ratio (rounds resampled): "
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
+    variant_report = _variant_report(cfg, summaries, ratios)
+    if variant_report:
+        b_over_a = variant_report["vs_rollserve_pooled"]
+        b_interval = variant_report["vs_rollserve_pooled_interval_90"]
+        console.print(
+            f"rollserve B ({cfg.variant.describe() if cfg.variant else ''}) / rollserve: "
+            f"{statistics.median(variant_report['vs_rollserve_per_round']):.2f}x median of "
+            f"rounds, {b_over_a:.2f}x pooled"
+            + (f" [{b_interval[0]:.2f}x-{b_interval[1]:.2f}x]" if b_interval else "")
+            + f"; rollserve B / vllm-router {pooled[ROLLSERVE_B]:.2f}x pooled"
+        )
     if env.idle_cpu:
         shares = [e.share for e in env.idle_cpu]
         console.print(
@@ -834,7 +937,8 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "router_policy": env.router_policy,
         "router_trial": env.trial,
         "same_draws": {"samples_in_both": both, "identical": same},
-        "rows": {name: asdict(rows[name]) for name in ROWS},
+        "variant": variant_report or None,
+        "rows": {name: asdict(rows[name]) for name in names},
         "runs": {
             name: [
                 {
@@ -845,10 +949,10 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
                 }
                 for r, s in zip(runs[name], summaries[name], strict=True)
             ]
-            for name in ROWS
+            for name in names
         },
         "groups_per_s": all_gps,
-        "ratios_per_round": {name: ratios[name] for name in (ROLLSERVE, ROLLSERVE_SYNC)},
+        "ratios_per_round": {name: ratios[name] for name in names if name != PEER},
         "idle_side_cpu": [asdict(e) for e in env.idle_cpu],
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,
@@ -857,8 +961,30 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         cfg.json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {cfg.json_path}")
     if cfg.trace_path is not None:
-        write_measured_trace(cfg, stream, [r for name in ROWS for r in runs[name]], console)
+        write_measured_trace(cfg, stream, [r for name in names for r in runs[name]], console)
     return report
+
+
+def _variant_report(
+    cfg: PeerConfig, summaries: dict[str, list[RowSummary]], ratios: dict[str, list[float]]
+) -> dict[str, Any]:
+    """The variant row against the main rollserve row, round by round and pooled (with its
+    bootstrap interval); empty without a variant."""
+    if cfg.variant is None:
+        return {}
+    pair = {ROLLSERVE: summaries[ROLLSERVE], ROLLSERVE_B: summaries[ROLLSERVE_B]}
+    return {
+        "settings": asdict(cfg.variant),
+        "ratio": statistics.median(ratios[ROLLSERVE_B]),
+        "ratio_pooled": pooled_ratios(summaries)[ROLLSERVE_B],
+        "ratio_pooled_interval_90": pooled_interval(summaries).get(ROLLSERVE_B),
+        "vs_rollserve_per_round": [
+            b.groups_per_s / a.groups_per_s if a.groups_per_s > 0 else float("nan")
+            for a, b in zip(pair[ROLLSERVE], pair[ROLLSERVE_B], strict=True)
+        ],
+        "vs_rollserve_pooled": pooled_ratios(pair, base=ROLLSERVE)[ROLLSERVE_B],
+        "vs_rollserve_pooled_interval_90": pooled_interval(pair, base=ROLLSERVE).get(ROLLSERVE_B),
+    }
 
 
 def write_measured_trace(

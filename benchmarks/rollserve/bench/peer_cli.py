@@ -15,6 +15,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _split(flag: str, text: str) -> tuple[str, ...]:
+    """A flag's value split as a shell would; a ValueError that names the flag if it cannot."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as e:
+        raise ValueError(f"{flag} ({text!r}) cannot be split into flags: {e}") from None
+
+
 def add_bench_peer(bench_sub: Any) -> None:
     """Registers ``peer`` under ``rollserve bench``."""
     p: argparse.ArgumentParser = bench_sub.add_parser(
@@ -62,6 +70,23 @@ def add_bench_peer(bench_sub: Any) -> None:
         "prompts, the rows' order rotating), so the machine's drift hits every row alike; "
         "--repeats sets the rounds",
     )
+    variant = p.add_argument_group(
+        "rollserve B",
+        "a second rollserve configuration, measured in the same rounds as the row "
+        '"rollserve B" on its own stack (its own engines); any of these adds the row',
+    )
+    variant.add_argument("--variant-policy", help="its scheduler policy (default: --policy)")
+    variant.add_argument(
+        "--variant-scheduler-args",
+        default="",
+        help="more scheduler flags, one string, after --scheduler-args",
+    )
+    variant.add_argument("--variant-engine-args", default="", help="engine flags, one string")
+    variant.add_argument(
+        "--variant-control-plane-nice",
+        type=int,
+        help="niceness of its control plane (default: --control-plane-nice)",
+    )
     p.add_argument("--run-dir", type=Path, help="keep every process's log here")
     p.add_argument("--json", type=Path)
     p.add_argument(
@@ -74,7 +99,7 @@ def add_bench_peer(bench_sub: Any) -> None:
 
 
 def _cmd_bench_peer(args: argparse.Namespace) -> int:
-    from rollserve.bench.peer import PeerConfig, run_peer
+    from rollserve.bench.peer import PeerConfig, Variant, run_peer
     from rollserve.bench.peer_router import ROUTER_POLICIES
 
     policies = tuple(p for p in (args.router_policies or "").split(",") if p)
@@ -82,6 +107,20 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
         {} if args.control_plane_nice is None else {"control_plane_nice": args.control_plane_nice}
     )
     try:
+        variant = None
+        variant_args = (
+            args.variant_policy,
+            args.variant_scheduler_args,
+            args.variant_engine_args,
+            args.variant_control_plane_nice,
+        )
+        if any(value not in (None, "") for value in variant_args):
+            variant = Variant(
+                policy=args.variant_policy,
+                scheduler_args=_split("--variant-scheduler-args", args.variant_scheduler_args),
+                engine_args=_split("--variant-engine-args", args.variant_engine_args),
+                control_plane_nice=args.variant_control_plane_nice,
+            )
         cfg = PeerConfig(
             model=args.model,
             prompts=args.prompts,
@@ -94,7 +133,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             policy=args.policy,
-            scheduler_args=tuple(shlex.split(args.scheduler_args)),
+            scheduler_args=_split("--scheduler-args", args.scheduler_args),
             oversample=args.oversample,
             max_staleness=args.max_staleness,
             router_policies=policies or ROUTER_POLICIES,
@@ -106,6 +145,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             json_path=args.json,
             trace_path=args.trace,
+            variant=variant,
             **nice,
         )
     except ValueError as e:
