@@ -11,6 +11,7 @@ from rollserve.bench.fidelity import (
     FidelityConfig,
     SampleRecord,
     busy_union_s,
+    largest_burst,
     real_engine_load,
     sim_groups,
     simulate,
@@ -65,6 +66,16 @@ def test_real_engine_load_per_engine_in_id_order() -> None:
     assert load["engine-1"].busy_s == pytest.approx(3.0)
     assert load["engine-1"].output_tokens == 40
     assert load["engine-1"].samples == 2
+    assert (load["engine-0"].report_burst, load["engine-1"].report_burst) == (1, 1)  # 2 s apart
+
+
+def test_the_largest_burst_counts_ends_within_the_window() -> None:
+    assert largest_burst([]) == 0
+    assert largest_burst([5.0]) == 1
+    # 2.00, 2.05 and 2.09 lie within 0.1 s; 1.0 and 3.0 stand alone.
+    assert largest_burst([3.0, 2.05, 1.0, 2.09, 2.0]) == 3
+    assert largest_burst([0.0, 0.2, 0.4, 0.6]) == 1
+    assert largest_burst([0.0, 0.2, 0.4, 0.6], window_s=0.25) == 2
 
 
 def test_sim_groups_keep_order_lengths_and_prompts() -> None:

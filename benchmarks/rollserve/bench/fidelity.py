@@ -159,11 +159,17 @@ def sim_groups(groups: Sequence[BenchGroup], samples: Sequence[SampleRecord]) ->
     return out
 
 
+REPORT_BURST_WINDOW_S = 0.1
+
+
 @dataclass(frozen=True)
 class RealEngineLoad:
     busy_s: float  # union of the intervals with a sample in flight
     samples: int
     output_tokens: int
+    # The most of its samples whose end the scheduler learned within REPORT_BURST_WINDOW_S:
+    # high when a starved engine front end reports a backlog at once (docs/calibration.md)
+    report_burst: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,8 +212,20 @@ def busy_union_s(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
+def largest_burst(times: Sequence[float], window_s: float = REPORT_BURST_WINDOW_S) -> int:
+    """The most of ``times`` that fall within any ``window_s`` of each other."""
+    ordered = sorted(times)
+    best = first = 0
+    for last, t in enumerate(ordered):
+        while t - ordered[first] > window_s:
+            first += 1
+        best = max(best, last - first + 1)
+    return best
+
+
 def real_engine_load(samples: Sequence[SampleRecord]) -> dict[str, RealEngineLoad]:
-    """Per engine, in engine-id order: busy seconds (a sample in flight), samples, tokens."""
+    """Per engine, in engine-id order: busy seconds (a sample in flight), samples, tokens, and
+    the largest burst of ends the scheduler learned of at once."""
     out: dict[str, RealEngineLoad] = {}
     for engine in sorted({s.engine_id for s in samples}):
         mine = [s for s in samples if s.engine_id == engine]
@@ -215,6 +233,7 @@ def real_engine_load(samples: Sequence[SampleRecord]) -> dict[str, RealEngineLoa
             busy_s=busy_union_s([(s.started_at, s.finished_at) for s in mine]),
             samples=len(mine),
             output_tokens=sum(s.response_len for s in mine),
+            report_burst=largest_burst([s.finished_at for s in mine]),
         )
     return out
 
@@ -379,6 +398,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         "error",
         "real busy s per engine",
         "sim busy s per engine",
+        f"ends reported within {REPORT_BURST_WINDOW_S * 1000:.0f} ms",
     ):
         table.add_column(column, justify="right")
     for r in rows:
@@ -391,6 +411,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
             f"{r.error:+.1%}",
             " ".join(f"{v.busy_s:.2f}" for v in r.real_engines.values()),
             " ".join(f"{v.busy_s:.2f}" for v in r.sim_engines.values()),
+            " ".join(f"{v.report_burst}/{v.samples}" for v in r.real_engines.values()),
         )
     console.print(table)
     verdict = "meets" if abs(error) <= GOAL else "misses"
