@@ -6,13 +6,24 @@ The real step (dev stack, vLLM) is not run here; its records are built by hand.
 
 from __future__ import annotations
 
+import io
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 import pytest
+from rich.console import Console
+from rollserve.assets import reasoner_dir
 from rollserve.bench.fidelity import (
     FidelityConfig,
     SampleRecord,
+    StepComparison,
     busy_union_s,
+    executed_steps,
     largest_burst,
+    per_step,
     real_engine_load,
+    run_fidelity,
     sim_groups,
     simulate,
 )
@@ -109,3 +120,88 @@ def test_simulate_replays_every_step_with_the_policy() -> None:
         assert all(0 < e.busy_s <= makespan + 1e-12 for e in engines.values())
         assert all(e.engine_steps > 0 for e in engines.values())
     assert simulate(steps, cfg) == out  # deterministic
+
+
+def test_rounds_repeat_the_timed_steps_after_one_warm_up() -> None:
+    assert executed_steps(3, 1) == [(0, 0), (1, 1), (1, 2), (1, 3)]
+    assert executed_steps(2, 3) == [(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
+
+
+def comparison(step: int, round_no: int, real: float, sim: float) -> StepComparison:
+    return StepComparison(
+        step=step,
+        real_makespan_s=real,
+        sim_makespan_s=sim,
+        output_tokens=1,
+        response_len_median=1.0,
+        response_len_max=1,
+        cut_at_max_tokens=0,
+        real_engines={},
+        sim_engines={},
+        load_average=[],
+        samples=[],
+        round=round_no,
+    )
+
+
+def test_each_timed_step_is_the_median_of_its_rounds() -> None:
+    rows = [
+        comparison(0, 0, 9.0, 1.0),  # the warm-up: left out
+        comparison(1, 1, 4.0, 3.0),
+        comparison(2, 1, 2.0, 2.0),
+        comparison(1, 2, 3.0, 3.0),
+        comparison(2, 2, 2.5, 2.0),
+        comparison(1, 3, 5.0, 3.0),
+        comparison(2, 3, 1.5, 2.0),
+    ]
+    first, second = per_step(rows)
+    assert (first.step, first.rounds, first.real_median_s) == (1, 3, 4.0)
+    assert (first.real_min_s, first.real_max_s, first.sim_median_s) == (3.0, 5.0, 3.0)
+    assert first.error == pytest.approx(-0.25)
+    assert (second.real_median_s, second.real_min_s, second.real_max_s) == (2.0, 1.5, 2.5)
+    assert second.error == pytest.approx(0.0)
+
+
+def recorded_run(path: Path, rounds: int, steps: int) -> Path:
+    """A --json of a run of 2 groups x 2 samples, 1 timed step, ``steps`` steps recorded."""
+    settings = {
+        "model": str(reasoner_dir()),
+        "groups": 2,
+        "n": 2,
+        "max_tokens": 64,
+        "engines": 2,
+        "policy": "least_outstanding",
+        "capacity_factor": 1.25,
+        "repeats": 1,
+        "seed": 0,
+        "rounds": rounds,
+    }
+    rows = [
+        {
+            "real_makespan_s": 1.0 + number,
+            "load_average": [],
+            "samples": [asdict(record(g, k, 20 + g + k)) for g in range(2) for k in range(2)],
+        }
+        for number in range(steps)
+    ]
+    path.write_text(json.dumps({"settings": settings, "steps": rows}))
+    return path
+
+
+def test_a_replay_takes_the_medians_over_the_recorded_rounds(tmp_path: Path) -> None:
+    path = recorded_run(tmp_path / "run.json", rounds=2, steps=3)  # warm-up + 2 rounds of 1
+    out = io.StringIO()
+    report = run_fidelity(FidelityConfig(replay=path), Console(file=out, width=140))
+    assert report["settings"]["rounds"] == 2
+    (step,) = report["per_step"]
+    assert (step["step"], step["rounds"]) == (1, 2)
+    assert (step["real_min_s"], step["real_max_s"], step["real_median_s"]) == (2.0, 3.0, 2.5)
+    assert report["real_makespan_median_s"] == 2.5
+    assert [(r["step"], r["round"]) for r in report["steps"]] == [(0, 0), (1, 1), (1, 2)]
+    assert "1 (round 2)" in out.getvalue() and "(2.00-3.00)" in out.getvalue()
+
+
+def test_a_replay_whose_steps_do_not_match_its_rounds_is_refused(tmp_path: Path) -> None:
+    path = recorded_run(tmp_path / "run.json", rounds=2, steps=2)
+    with pytest.raises(ValueError, match=r"has 2 steps; its settings \(repeats 1, rounds 2\)"):
+        run_fidelity(FidelityConfig(replay=path), Console(file=io.StringIO()))

@@ -19,11 +19,15 @@ from the samples' dispatch and finish times; simulated: the sum of its step dura
 
 Every step uses its own prompts (one draw of ``groups x (repeats + 1)`` distinct prompts, cut
 in order). The first step warms the engines up (their first batches are slower) and is shown
-but left out of the medians. The same seed gives the same prompts and sampling seeds; vLLM on
-CPU then gives the same tokens up to rare batch-dependent rounding, and the replay uses
-whatever lengths the real run produced. Run it on a quiet machine, as ``bench overhead``;
-each step records the load average. ``--replay JSON`` starts no stack: it simulates the real
-steps an earlier ``--json`` recorded again, with ``--profile``. Method: docs/calibration.md.
+but left out of the medians. With ``--rounds R`` the timed steps run ``R`` times over, the same
+prompts and seeds each time (so the same tokens, and prefix-cache hits from the round before,
+which the replay has too): a step's real makespan is then the median of its rounds, and the
+spread of its rounds shows how far the real system moves on identical work. The same seed
+gives the same prompts and sampling seeds; vLLM on CPU then gives the same tokens up to rare
+batch-dependent rounding, and the replay uses whatever lengths the real run produced. Run it
+on a quiet machine, as ``bench overhead``; each step records the load average. ``--replay
+JSON`` starts no stack: it simulates the real steps an earlier ``--json`` recorded again, with
+``--profile``. Method: docs/calibration.md.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class FidelityConfig:
     policy: str = "least_outstanding"
     capacity_factor: float = 1.25  # the scheduler's default, passed to both sides
     repeats: int = 3  # timed real steps, after one warm-up step
+    rounds: int = 1  # times the timed steps run, the same work each time
     seed: int = 0
     profile: str = "cpu-tiny"  # a shipped profile's name or a TOML file
     json_path: Path | None = None
@@ -180,7 +185,7 @@ class SimEngineLoad:
 
 @dataclass(frozen=True)
 class StepComparison:
-    step: int
+    step: int  # 0: the warm-up; 1..repeats: the timed steps
     real_makespan_s: float
     sim_makespan_s: float
     output_tokens: int
@@ -191,6 +196,7 @@ class StepComparison:
     sim_engines: dict[str, SimEngineLoad]
     load_average: list[float]  # the machine's when the real step ended (1, 5, 15 min)
     samples: list[SampleRecord]
+    round: int = 1  # 0 for the warm-up, then 1..rounds
 
     @property
     def error(self) -> float:
@@ -198,6 +204,50 @@ class StepComparison:
 
     def to_json(self) -> dict[str, Any]:
         return {"error": self.error, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One timed step over its rounds: the medians and the real spread."""
+
+    step: int
+    rounds: int
+    real_median_s: float
+    real_min_s: float
+    real_max_s: float
+    sim_median_s: float
+
+    @property
+    def error(self) -> float:
+        return self.sim_median_s / self.real_median_s - 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.error, **asdict(self)}
+
+
+def executed_steps(repeats: int, rounds: int) -> list[tuple[int, int]]:
+    """``(round, step)`` of every step the run executes, in order: the warm-up ``(0, 0)``, then
+    steps ``1..repeats`` in each of ``rounds`` rounds."""
+    return [(0, 0)] + [(r, k) for r in range(1, rounds + 1) for k in range(1, repeats + 1)]
+
+
+def per_step(rows: Sequence[StepComparison]) -> list[StepSummary]:
+    """Each timed step's medians over its rounds, in step order (the warm-up left out)."""
+    out = []
+    for step in sorted({r.step for r in rows if r.step > 0}):
+        mine = [r for r in rows if r.step == step]
+        real = [r.real_makespan_s for r in mine]
+        out.append(
+            StepSummary(
+                step=step,
+                rounds=len(mine),
+                real_median_s=statistics.median(real),
+                real_min_s=min(real),
+                real_max_s=max(real),
+                sim_median_s=statistics.median(r.sim_makespan_s for r in mine),
+            )
+        )
+    return out
 
 
 def busy_union_s(intervals: Sequence[tuple[float, float]]) -> float:
@@ -277,7 +327,8 @@ def _load_average() -> list[float]:
 def measure_real(
     cfg: FidelityConfig, model: Path, chunks: Sequence[Sequence[BenchGroup]], console: Console
 ) -> list[RealStep]:
-    """Runs every chunk as one step on a fresh dev stack."""
+    """Runs the steps of :func:`executed_steps` on a fresh dev stack, step ``k`` on
+    ``chunks[k]``."""
     from rollserve.cli.stack import DevStack, StackConfig
     from rollserve.client import RolloutClient
 
@@ -293,9 +344,12 @@ def measure_real(
     with DevStack(stack_config) as stack:
         run_id = f"fidelity-{uuid.uuid4().hex[:8]}"
         with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
-            for number, chunk in enumerate(chunks):
-                step = real_step(client, chunk, f"s{number}", cfg.max_tokens)
+            for round_no, number in executed_steps(cfg.repeats, cfg.rounds):
+                tag = f"r{round_no}s{number}"  # group ids must not repeat within a run
+                step = real_step(client, chunks[number], tag, cfg.max_tokens)
                 label = "warm-up" if number == 0 else f"step {number}/{cfg.repeats}"
+                if number and cfg.rounds > 1:
+                    label += f", round {round_no}/{cfg.rounds}"
                 console.print(
                     f"  {label}: makespan {step.makespan_s:.2f} s, "
                     f"{sum(s.response_len for s in step.samples)} output tokens, "
@@ -306,6 +360,7 @@ def measure_real(
 
 
 _REPLAYED = ("groups", "n", "max_tokens", "engines", "policy", "capacity_factor", "repeats", "seed")
+_REPLAYED_DEFAULTS = {"rounds": 1}  # settings older JSONs lack
 
 
 def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[str, Any]:
@@ -320,7 +375,9 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
     if cfg.replay is not None:
         replayed = json.loads(cfg.replay.read_text())
         recorded = replayed["settings"]
-        cfg = replace(cfg, model=Path(recorded["model"]), **{k: recorded[k] for k in _REPLAYED})
+        kept = {k: recorded[k] for k in _REPLAYED}
+        kept |= {k: recorded.get(k, default) for k, default in _REPLAYED_DEFAULTS.items()}
+        cfg = replace(cfg, model=Path(recorded["model"]), **kept)
     model = cfg.model or reasoner_dir()
     profile = load_profile(cfg.profile)  # fail before starting the stack
     drawn = bench_groups(model, cfg.groups * (cfg.repeats + 1), cfg.n, cfg.max_tokens, cfg.seed)
@@ -337,6 +394,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         "policy": cfg.policy,
         "capacity_factor": cfg.capacity_factor,
         "repeats": cfg.repeats,
+        "rounds": cfg.rounds,
         "seed": cfg.seed,
         "profile": profile.name,
         "profile_path": str(cfg.profile),
@@ -360,17 +418,28 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         ]
     settings["load_average_after"] = _load_average()
 
+    order = executed_steps(cfg.repeats, cfg.rounds)
+    if len(steps) != len(order):
+        raise ValueError(
+            f"the replayed run has {len(steps)} steps; its settings (repeats {cfg.repeats}, "
+            f"rounds {cfg.rounds}) make {len(order)}"
+        )
     simulated = simulate(
-        [sim_groups(chunk, step.samples) for chunk, step in zip(chunks, steps, strict=True)], cfg
+        [
+            sim_groups(chunks[number], step.samples)
+            for (_, number), step in zip(order, steps, strict=True)
+        ],
+        cfg,
     )
     rows = []
-    for number, (step, (sim_makespan, sim_engines)) in enumerate(
-        zip(steps, simulated, strict=True)
+    for (round_no, number), step, (sim_makespan, sim_engines) in zip(
+        order, steps, simulated, strict=True
     ):
         lengths = [s.response_len for s in step.samples]
         rows.append(
             StepComparison(
                 step=number,
+                round=round_no,
                 real_makespan_s=step.makespan_s,
                 sim_makespan_s=sim_makespan,
                 output_tokens=sum(lengths),
@@ -383,9 +452,9 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
                 samples=step.samples,
             )
         )
-    timed = rows[1:]  # step 0 warms the engines up
-    real_median = statistics.median(r.real_makespan_s for r in timed)
-    sim_median = statistics.median(r.sim_makespan_s for r in timed)
+    summaries = per_step(rows)  # step 0 warms the engines up and is left out
+    real_median = statistics.median(s.real_median_s for s in summaries)
+    sim_median = statistics.median(s.sim_median_s for s in summaries)
     error = sim_median / real_median - 1
 
     table = Table(title=f"real vs simulated step makespan ({profile.name}; one run)")
@@ -403,7 +472,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
-            f"{r.step}" if r.step else "warm-up",
+            _step_label(r, cfg.rounds),
             str(r.output_tokens),
             f"{r.response_len_median:.0f}/{r.response_len_max}",
             f"{r.real_makespan_s:.2f}",
@@ -414,11 +483,24 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
             " ".join(f"{v.report_burst}/{v.samples}" for v in r.real_engines.values()),
         )
     console.print(table)
+    if cfg.rounds > 1:
+        over = Table(title=f"each timed step over its {cfg.rounds} rounds (same work each round)")
+        for column in ("step", "real s: median (min-max)", "real spread", "sim s", "error"):
+            over.add_column(column, justify="right")
+        for summary in summaries:
+            over.add_row(
+                str(summary.step),
+                f"{summary.real_median_s:.2f} ({summary.real_min_s:.2f}-{summary.real_max_s:.2f})",
+                f"{summary.real_max_s / summary.real_min_s - 1:.0%}",
+                f"{summary.sim_median_s:.2f}",
+                f"{summary.error:+.1%}",
+            )
+        console.print(over)
     verdict = "meets" if abs(error) <= GOAL else "misses"
     console.print(
         f"median makespan: real {real_median:.2f} s, simulated {sim_median:.2f} s, "
         f"error {error:+.1%} ({verdict} the goal of ±{GOAL:.0%}); per step "
-        + ", ".join(f"{r.error:+.1%}" for r in timed)
+        + ", ".join(f"{summary.error:+.1%}" for summary in summaries)
     )
     report: dict[str, Any] = {
         "settings": settings,
@@ -427,12 +509,19 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         "sim_makespan_median_s": sim_median,
         "error": error,
         "meets_goal": abs(error) <= GOAL,
+        "per_step": [summary.to_json() for summary in summaries],
         "steps": [r.to_json() for r in rows],
     }
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(report, indent=1) + "\n")
         console.print(f"wrote {cfg.json_path}")
     return report
+
+
+def _step_label(row: StepComparison, rounds: int) -> str:
+    if row.step == 0:
+        return "warm-up"
+    return f"{row.step}" if rounds == 1 else f"{row.step} (round {row.round})"
 
 
 def _positive(text: str) -> int:
@@ -460,6 +549,13 @@ def add_bench_fidelity(bench_sub: Any) -> None:
     p.add_argument(
         "--repeats", type=_positive, default=d.repeats, help="timed steps after one warm-up"
     )
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=d.rounds,
+        help="run the timed steps this many times, the same work each time; a step's real "
+        "makespan is the median of its rounds",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--profile", default=d.profile, help="profile name or TOML file")
     p.add_argument("--json", type=Path)
@@ -482,6 +578,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
             policy=args.policy,
             capacity_factor=args.capacity_factor,
             repeats=args.repeats,
+            rounds=args.rounds,
             seed=args.seed,
             profile=args.profile,
             json_path=args.json,
