@@ -302,3 +302,34 @@ def test_cpu_time_fit_recovers_a_known_profile_from_phase_totals() -> None:
         assert relative(getattr(fit.coefficients, name), getattr(TRUE, name)) < 1e-6, name
     assert fit.r2 == pytest.approx(1.0)
     assert phases[0].cpu_share == pytest.approx(0.5)
+    assert phases[0].frontend_per_core_s is None
+    with pytest.raises(ValueError):  # no phase recorded its front end
+        fit_cpu_time(phases, frontend=True)
+
+
+def test_the_front_end_fit_reads_the_front_ends_cpu_not_the_cores() -> None:
+    """A front end that spends 1 ms a step plus 20 µs per decoded sequence, beside a core
+    that spends 4 ms a step: the front-end fit finds the front end's costs."""
+    phases = []
+    for number, (steps, seqs, prefill) in enumerate(
+        [(100, 100, 0), (100, 1600, 0), (50, 3200, 64), (80, 640, 512), (120, 7680, 0)]
+    ):
+        phases.append(
+            PhaseCpu(
+                phase=f"p{number}",
+                engine=0,
+                steps=steps,
+                decode_seqs=seqs,
+                prefill_tokens=prefill,
+                attended_kv_tokens=seqs * (40 + number),
+                cpu_s=0.004 * steps,
+                wall_s=0.005 * steps,
+                frontend_cpu_s=0.001 * steps + 20e-6 * seqs,
+            )
+        )
+    fit = fit_cpu_time(phases, frontend=True)
+    assert fit.coefficients.step_base_s == pytest.approx(0.001, rel=1e-6)
+    assert fit.coefficients.per_decode_seq_s == pytest.approx(20e-6, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0)
+    assert fit_cpu_time(phases).coefficients.step_base_s == pytest.approx(0.004, rel=1e-6)
+    assert phases[0].frontend_per_core_s == pytest.approx((0.1 + 0.002) / 0.4)

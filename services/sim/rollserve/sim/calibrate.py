@@ -544,12 +544,22 @@ class PhaseCpu:
     attended_kv_tokens: int
     cpu_s: float
     wall_s: float
+    # The front end's (the worker: vLLM's AsyncLLM, its output handling) CPU in the same phase;
+    # None in measurements made before it was recorded
+    frontend_cpu_s: float | None = None
 
     @property
     def cpu_share(self) -> float:
         """Share of one CPU the engine core had while the phase ran: near 1 on a quiet machine
         (it never waits for a CPU); far below 1 when other work took the CPUs."""
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def frontend_per_core_s(self) -> float | None:
+        """Front-end CPU seconds per engine-core CPU second in this phase."""
+        if self.frontend_cpu_s is None or self.cpu_s <= 0:
+            return None
+        return self.frontend_cpu_s / self.cpu_s
 
 
 @dataclass(frozen=True)
@@ -564,13 +574,17 @@ class CpuFit:
     r2: float
 
 
-def fit_cpu_time(phases: Sequence[PhaseCpu]) -> CpuFit:
-    """Least squares of each phase's mean CPU time per step on its mean terms per step."""
+def fit_cpu_time(phases: Sequence[PhaseCpu], *, frontend: bool = False) -> CpuFit:
+    """Least squares of each phase's mean CPU time per step on its mean terms per step: the
+    engine core's, or with ``frontend`` the front end's (phases without it are left out)."""
+    if frontend:
+        phases = [p for p in phases if p.frontend_cpu_s is not None]
     rows = [
         (1.0, p.decode_seqs / p.steps, p.prefill_tokens / p.steps, p.attended_kv_tokens / p.steps)
         for p in phases
     ]
-    y = [p.cpu_s / p.steps for p in phases]
+    spent = [p.frontend_cpu_s if frontend else p.cpu_s for p in phases]
+    y = [(cpu or 0.0) / p.steps for cpu, p in zip(spent, phases, strict=True)]
     coefficients, clamped = _nnls_rows(rows, y)
     fitted = [
         sum(c * x for c, x in zip(asdict(coefficients).values(), row, strict=True)) for row in rows
@@ -699,6 +713,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
     if frontend_nice:
         renice_threads(frontend_nice)  # as the engine service does
     core = _engine_core_process()
+    frontend = _this_process()
     config = llm.vllm_config
     vocab = int(config.model_config.get_vocab_size())
     hf = config.model_config.hf_config
@@ -749,7 +764,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
 
     async def run_phase(phase: Phase) -> dict[str, Any]:
         iterations.clear()
-        cpu_before = _cpu_seconds(core)
+        cpu_before, frontend_before = _cpu_seconds(core), _cpu_seconds(frontend)
         start = time.perf_counter()
         tokens = 0
         if phase.carriers is None:
@@ -776,14 +791,13 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
             await asyncio.sleep(0.2)  # the aborted carriers' last steps
             del iterations[cut:]
         wall = time.perf_counter() - start
-        cpu_after = _cpu_seconds(core)
+        cpu_after, frontend_after = _cpu_seconds(core), _cpu_seconds(frontend)
         await asyncio.sleep(0.2)  # the last step's stats are recorded right after its output
         return {
             "phase": phase.name,
             "wall_s": wall,
-            "engine_cpu_s": (
-                cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-            ),
+            "engine_cpu_s": _spent(cpu_before, cpu_after),
+            "frontend_cpu_s": _spent(frontend_before, frontend_after),
             "output_tokens": tokens,
             "iterations": [it.to_json() for it in iterations],
         }
@@ -814,6 +828,16 @@ def _engine_core_process() -> Any:
             if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
                 return child
     return None
+
+
+def _this_process() -> Any:
+    import psutil
+
+    return psutil.Process()
+
+
+def _spent(before: float | None, after: float | None) -> float | None:
+    return after - before if before is not None and after is not None else None
 
 
 def _cpu_seconds(process: Any) -> float | None:
@@ -1190,6 +1214,7 @@ def analyse(
                         attended_kv_tokens=tracked.attended_kv_tokens,
                         cpu_s=cpu_s,
                         wall_s=result["wall_s"],
+                        frontend_cpu_s=result.get("frontend_cpu_s"),
                     )
                 )
     fit = fit_step_costs(fitted, cfg.outlier_mads)
@@ -1214,6 +1239,10 @@ def analyse(
     cpu_fit: CpuFit | None = None
     with contextlib.suppress(ValueError):  # too few phases, or terms they do not vary
         cpu_fit = fit_cpu_time(fitted_cpu)
+    frontend_fit: CpuFit | None = None
+    with contextlib.suppress(ValueError):  # not recorded (an older measurement), or too few
+        frontend_fit = fit_cpu_time(fitted_cpu, frontend=True)
+    per_core = sorted(r for p in fitted_cpu if (r := p.frontend_per_core_s) is not None)
     if cpu_share is None:
         cpu_line = "Engine-core CPU time: not measured."
     else:
@@ -1227,6 +1256,15 @@ def analyse(
         + _coefficients_text(cpu_fit.coefficients)
         + f", R² {cpu_fit.r2:.3f} over {cpu_fit.phases} phases."
         if cpu_fit is not None
+        else ""
+    )
+    frontend_line = (
+        "Front end (this AsyncLLM's own process: output handling, at the stack's niceness): "
+        f"{statistics.median(per_core):.2f} CPU s per engine-core CPU s (median over phases, "
+        f"{per_core[0]:.2f}-{per_core[-1]:.2f}); per step "
+        + _coefficients_text(frontend_fit.coefficients)
+        + f", R² {frontend_fit.r2:.3f}. Not in the profile: the simulator has no front end yet."
+        if frontend_fit is not None and per_core
         else ""
     )
 
@@ -1268,6 +1306,8 @@ def analyse(
     console.print(cpu_line)
     if cpu_fit_line:
         console.print(cpu_fit_line)
+    if frontend_line:
+        console.print(frontend_line)
 
     per_engine_line = "; ".join(
         f"engine {e}: {_coefficients_text(v.coefficients)}" for e, v in enumerate(per_engine)
@@ -1325,6 +1365,7 @@ def analyse(
         f"Alone (other engines idle) a step takes, relative to the fit's conditions: {solo_line}.",
         cpu_line,
         *([cpu_fit_line] if cpu_fit_line else []),
+        *([frontend_line] if frontend_line else []),
         "",
         "Limits, from the engines' own vLLM config: block_size "
         f"{limits.block_size}; {limits.num_blocks} KV blocks",
@@ -1359,8 +1400,13 @@ def analyse(
         "design_points": [asdict(g) for g in groups],
         "solo_check": [{**asdict(r), "solo_over_concurrent": r.ratio} for r in solo_rows],
         "engine_cpu_share_median": cpu_share,
-        "phase_cpu": [{**asdict(p), "cpu_share": p.cpu_share} for p in cpu_phases],
+        "phase_cpu": [
+            {**asdict(p), "cpu_share": p.cpu_share, "frontend_per_core_s": p.frontend_per_core_s}
+            for p in cpu_phases
+        ],
         "cpu_time_fit": asdict(cpu_fit) if cpu_fit is not None else None,
+        "frontend_cpu_time_fit": asdict(frontend_fit) if frontend_fit is not None else None,
+        "frontend_per_core_s_median": statistics.median(per_core) if per_core else None,
         "phase_walls": {name: [r["wall_s"] for r in results] for name, results in records.items()},
         "samples_columns": list(StepSample.__dataclass_fields__),
         "samples": [list(asdict(s).values()) for s in (*fitted, *solo)],
