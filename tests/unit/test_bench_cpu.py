@@ -81,3 +81,40 @@ def test_a_gone_process_reads_as_nothing_and_deltas_never_go_negative() -> None:
         "b": 0.0,
         "c": 0.5,
     }
+
+
+# Pins itself to one CPU (the lowest it may use), burns about 0.3 CPU seconds, says so, and
+# sleeps until killed (so that it can still be read).
+_PINNED = """
+import os, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+end = time.process_time() + 0.3
+while time.process_time() < end:
+    pass
+print("burnt", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs schedstat")
+def test_waiting_for_a_cpu_reads_per_part() -> None:
+    """Two processes pinned to one CPU, each burning 0.3 CPU seconds at once: while one runs
+    the other waits, runnable, so between them they wait at least as long as the one that
+    finished first burned."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PINNED], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        meter = CpuMeter({"a": procs[0].pid}, {"b": procs[1].pid})
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "burnt"
+        waits = meter.read_waits()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert set(waits) == {"a", "b"}
+    assert waits["a"] + waits["b"] >= 0.2
+    assert CpuMeter({"gone": procs[0].pid}).read_waits() == {}

@@ -20,6 +20,7 @@ from rollserve.bench.fidelity import (
     StepComparison,
     busy_union_s,
     executed_steps,
+    frontend_ran_waited,
     largest_burst,
     per_step,
     real_engine_load,
@@ -205,3 +206,15 @@ def test_a_replay_whose_steps_do_not_match_its_rounds_is_refused(tmp_path: Path)
     path = recorded_run(tmp_path / "run.json", rounds=2, steps=2)
     with pytest.raises(ValueError, match=r"has 2 steps; its settings \(repeats 1, rounds 2\)"):
         run_fidelity(FidelityConfig(replay=path), Console(file=io.StringIO()))
+
+
+def test_the_front_ends_cpu_is_read_from_the_engine_trees_without_their_cores() -> None:
+    cpu = {
+        "engine-1": {"cpu_s": 0.4, "wait_s": 0.7},
+        "engine-0 core": {"cpu_s": 3.0, "wait_s": 0.2},
+        "engine-0": {"cpu_s": 0.1, "wait_s": 1.7},
+        "scheduler": {"cpu_s": 0.1, "wait_s": 0.1},
+        "engine-1 core": {"cpu_s": 2.9, "wait_s": 0.3},
+    }
+    assert frontend_ran_waited(cpu) == [(0.1, 1.7), (0.4, 0.7)]
+    assert frontend_ran_waited({}) == []

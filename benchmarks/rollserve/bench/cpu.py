@@ -6,12 +6,16 @@ the work, or the processes around it (an engine's frontend, the scheduler, Redis
 driver). A :class:`CpuMeter` reads the cumulative user+system time of named process
 trees (each root and all its descendants) and splits every tree into its vLLM engine
 core (a process whose name carries ``EngineCore``, as vLLM names it) and the rest.
+:meth:`CpuMeter.read_waits` reads, for the same parts, the time their threads spent runnable
+but waiting for a CPU (Linux's ``/proc/<pid>/task/<tid>/schedstat``): a niced front end
+starved by busy engine cores shows there, not in its CPU seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 
 import psutil
 
@@ -31,6 +35,20 @@ def _is_engine_core(proc: psutil.Process) -> bool:
             return True
         return any(ENGINE_CORE_MARK in part for part in proc.cmdline()[:1])
     return False
+
+
+def _wait_s(pid: int) -> float:
+    """Seconds the threads of process ``pid`` have waited, runnable, for a CPU (0 where the
+    kernel does not say)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/task/{tid}/schedstat") as f,
+            ):
+                total += int(f.read().split()[1])
+    return total / 1e9
 
 
 def _cpu_s(proc: psutil.Process) -> float:
@@ -58,14 +76,26 @@ class CpuMeter:
         self._processes = dict(processes or {})
 
     def read(self) -> dict[str, float]:
+        """Cumulative CPU seconds per part."""
+        return self._sum(_cpu_s)
+
+    def read_waits(self) -> dict[str, float]:
+        """Cumulative seconds per part that its threads waited, runnable, for a CPU (summed
+        over threads, so a part can wait more than the wall time); empty where the kernel
+        keeps no schedstat."""
+        if not os.path.exists(f"/proc/{os.getpid()}/schedstat"):
+            return {}
+        return self._sum(lambda proc: _wait_s(proc.pid))
+
+    def _sum(self, measure: Callable[[psutil.Process], float]) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, pid in self._trees.items():
             for proc in _tree(pid):
                 part = f"{name} core" if _is_engine_core(proc) else name
-                out[part] = out.get(part, 0.0) + _cpu_s(proc)
+                out[part] = out.get(part, 0.0) + measure(proc)
         for name, pid in self._processes.items():
             with contextlib.suppress(psutil.NoSuchProcess):
-                out[name] = out.get(name, 0.0) + _cpu_s(psutil.Process(pid))
+                out[name] = out.get(name, 0.0) + measure(psutil.Process(pid))
         return out
 
     @staticmethod

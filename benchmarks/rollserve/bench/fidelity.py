@@ -39,7 +39,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,10 @@ class RealStep:
     makespan_s: float
     samples: list[SampleRecord]
     load_average: list[float]  # the machine's, when the step ended
+    # Per part of the stack ("engine-0", "engine-0 core", "scheduler", ...): the CPU seconds
+    # it ran ("cpu_s") and the seconds its threads waited, runnable, for a CPU ("wait_s")
+    # during the step; empty in runs recorded before these were
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def real_step(
@@ -197,6 +201,7 @@ class StepComparison:
     load_average: list[float]  # the machine's when the real step ended (1, 5, 15 min)
     samples: list[SampleRecord]
     round: int = 1  # 0 for the warm-up, then 1..rounds
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)  # as in RealStep
 
     @property
     def error(self) -> float:
@@ -340,13 +345,27 @@ def measure_real(
         engines=cfg.engines,
         scheduler_args=("--policy", cfg.policy, "--capacity-factor", str(cfg.capacity_factor)),
     )
+    from rollserve.bench.cpu import CpuMeter
+
     steps: list[RealStep] = []
     with DevStack(stack_config) as stack:
+        meter = CpuMeter(
+            {engine.name: engine.popen.pid for engine in stack.engines},
+            {"scheduler": stack.scheduler_pid()},
+        )
         run_id = f"fidelity-{uuid.uuid4().hex[:8]}"
         with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
             for round_no, number in executed_steps(cfg.repeats, cfg.rounds):
                 tag = f"r{round_no}s{number}"  # group ids must not repeat within a run
+                cpu_before, wait_before = meter.read(), meter.read_waits()
                 step = real_step(client, chunks[number], tag, cfg.max_tokens)
+                step = replace(
+                    step,
+                    cpu=_cpu_parts(
+                        CpuMeter.delta(cpu_before, meter.read()),
+                        CpuMeter.delta(wait_before, meter.read_waits()),
+                    ),
+                )
                 label = "warm-up" if number == 0 else f"step {number}/{cfg.repeats}"
                 if number and cfg.rounds > 1:
                     label += f", round {round_no}/{cfg.rounds}"
@@ -357,6 +376,20 @@ def measure_real(
                 )
                 steps.append(step)
     return steps
+
+
+def _cpu_parts(cpu: dict[str, float], waits: dict[str, float]) -> dict[str, dict[str, float]]:
+    return {part: {"cpu_s": cpu[part], "wait_s": waits.get(part, 0.0)} for part in sorted(cpu)}
+
+
+def frontend_ran_waited(cpu: dict[str, dict[str, float]]) -> list[tuple[float, float]]:
+    """Each engine front end's CPU and CPU-wait seconds in a step, in engine order (the parts
+    named "engine-..." that are not its core)."""
+    return [
+        (v["cpu_s"], v["wait_s"])
+        for part, v in sorted(cpu.items())
+        if part.startswith("engine") and not part.endswith(" core")
+    ]
 
 
 _REPLAYED = ("groups", "n", "max_tokens", "engines", "policy", "capacity_factor", "repeats", "seed")
@@ -413,6 +446,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
                 makespan_s=row["real_makespan_s"],
                 samples=[SampleRecord(**sample) for sample in row["samples"]],
                 load_average=row.get("load_average", []),
+                cpu=row.get("cpu", {}),
             )
             for row in replayed["steps"]
         ]
@@ -449,6 +483,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
                 real_engines=real_engine_load(step.samples),
                 sim_engines=sim_engines,
                 load_average=step.load_average,
+                cpu=step.cpu,
                 samples=step.samples,
             )
         )
@@ -468,6 +503,7 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         "real busy s per engine",
         "sim busy s per engine",
         f"ends reported within {REPORT_BURST_WINDOW_S * 1000:.0f} ms",
+        "front ends: CPU s ran/waited",
     ):
         table.add_column(column, justify="right")
     for r in rows:
@@ -481,6 +517,8 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
             " ".join(f"{v.busy_s:.2f}" for v in r.real_engines.values()),
             " ".join(f"{v.busy_s:.2f}" for v in r.sim_engines.values()),
             " ".join(f"{v.report_burst}/{v.samples}" for v in r.real_engines.values()),
+            " ".join(f"{ran:.2f}/{waited:.2f}" for ran, waited in frontend_ran_waited(r.cpu))
+            or "-",
         )
     console.print(table)
     if cfg.rounds > 1:
