@@ -925,6 +925,10 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         f"{reward_over_rounds(summaries[ROLLSERVE_SYNC]):.3f} vs "
         f"{reward_over_rounds(summaries[PEER]):.3f}"
     )
+    console.print(
+        "mean reward over all rounds (the table's column is each row's median round): "
+        + ", ".join(f"{name} {reward_over_rounds(summaries[name]):.3f}" for name in names)
+    )
     report: dict[str, Any] = {
         "goal": GOAL,
         "ratio": ratio,
@@ -952,6 +956,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             for name in names
         },
         "groups_per_s": all_gps,
+        "mean_reward_over_rounds": {name: reward_over_rounds(summaries[name]) for name in names},
         "ratios_per_round": {name: ratios[name] for name in names if name != PEER},
         "idle_side_cpu": [asdict(e) for e in env.idle_cpu],
         "machine": {**start_machine, "load_average_end": os.getloadavg()},

@@ -164,7 +164,7 @@ class StackConfig:
     engines: int = 1
     redis_url: str | None = None  # None starts the embedded Redis
     scheduler_port: int = 0  # 0 picks a free port
-    engine_args: tuple[str, ...] = ()  # extra flags for every engine
+    engine_args: tuple[str, ...] = ()  # extra flags for every engine (they win over the stack's)
     scheduler_args: tuple[str, ...] = ()
     omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
     # Niceness of the control plane (engine frontends, scheduler, embedded Redis): on one
@@ -226,7 +226,8 @@ class DevStack:
                     cfg.model,
                     f"engine-{i}",
                     self.log_dir,
-                    (*cfg.engine_args, "--frontend-nice", str(cfg.control_plane_nice)),
+                    # the stack's niceness first, so that engine_args can override it
+                    ("--frontend-nice", str(cfg.control_plane_nice), *cfg.engine_args),
                     env={"OMP_NUM_THREADS": str(threads)},
                 )
             )
