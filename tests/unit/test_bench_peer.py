@@ -338,7 +338,8 @@ def test_the_variant_is_compared_with_rollserve_round_by_round_and_pooled() -> N
     }
     gps = {name: [r.groups_per_s for r in rows] for name, rows in summaries.items()}
     cfg = PeerConfig(variant=Variant(policy="rl"))
-    report = _variant_report(cfg, summaries, round_ratios(gps))
+    pooled, interval = pooled_ratios(summaries), pooled_interval(summaries)
+    report = _variant_report(cfg, summaries, round_ratios(gps), pooled, interval)
     assert report["vs_rollserve_per_round"] == [2.0, 1.0, 2.0, 0.5]
     assert report["vs_rollserve_pooled"] == 1.0
     low, high = report["vs_rollserve_pooled_interval_90"]
@@ -346,7 +347,8 @@ def test_the_variant_is_compared_with_rollserve_round_by_round_and_pooled() -> N
     assert report["ratio_pooled"] == 2.0  # 16 groups in 8 s against 16 in 16
     assert report["ratio"] == statistics.median([4.0, 2.0, 4.0, 1.0])
     assert report["settings"]["policy"] == "rl"
-    assert _variant_report(PeerConfig(), summaries, round_ratios(gps)) == {}
+    assert report["ratio_pooled_interval_90"] == interval[ROLLSERVE_B]
+    assert _variant_report(PeerConfig(), summaries, round_ratios(gps), pooled, interval) == {}
 
 
 def test_a_bad_flag_string_is_refused_naming_the_flag() -> None:

@@ -901,7 +901,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             "90% bootstrap interval of the pooled ratio (rounds resampled): "
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
-    variant_report = _variant_report(cfg, summaries, ratios)
+    variant_report = _variant_report(cfg, summaries, ratios, pooled, interval)
     if variant_report:
         b_over_a = variant_report["vs_rollserve_pooled"]
         b_interval = variant_report["vs_rollserve_pooled_interval_90"]
@@ -971,18 +971,23 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
 
 
 def _variant_report(
-    cfg: PeerConfig, summaries: dict[str, list[RowSummary]], ratios: dict[str, list[float]]
+    cfg: PeerConfig,
+    summaries: dict[str, list[RowSummary]],
+    ratios: dict[str, list[float]],
+    pooled: dict[str, float],
+    interval: dict[str, tuple[float, float]],
 ) -> dict[str, Any]:
     """The variant row against the main rollserve row, round by round and pooled (with its
-    bootstrap interval); empty without a variant."""
+    bootstrap interval), beside its ratios to the router (``ratios``, ``pooled`` and
+    ``interval`` as :func:`run_peer` computed them); empty without a variant."""
     if cfg.variant is None:
         return {}
     pair = {ROLLSERVE: summaries[ROLLSERVE], ROLLSERVE_B: summaries[ROLLSERVE_B]}
     return {
         "settings": asdict(cfg.variant),
         "ratio": statistics.median(ratios[ROLLSERVE_B]),
-        "ratio_pooled": pooled_ratios(summaries)[ROLLSERVE_B],
-        "ratio_pooled_interval_90": pooled_interval(summaries).get(ROLLSERVE_B),
+        "ratio_pooled": pooled[ROLLSERVE_B],
+        "ratio_pooled_interval_90": interval.get(ROLLSERVE_B),
         "vs_rollserve_per_round": [
             b.groups_per_s / a.groups_per_s if a.groups_per_s > 0 else float("nan")
             for a, b in zip(pair[ROLLSERVE], pair[ROLLSERVE_B], strict=True)
