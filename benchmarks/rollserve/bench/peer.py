@@ -631,10 +631,14 @@ def _median_run(runs: list[SideRun], summaries: list[RowSummary]) -> tuple[SideR
     return runs[middle], summaries[middle]
 
 
-def round_ratios(all_gps: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Per round, each row's groups/s over vllm-router's of the same round."""
+def round_ratios(all_gps: dict[str, list[float]], base: str = PEER) -> dict[str, list[float]]:
+    """Per round, each row's groups/s over the ``base`` row's (vllm-router's by default) of the
+    same round; NaN where the base delivered nothing."""
     return {
-        name: [ours / peer for ours, peer in zip(values, all_gps[PEER], strict=True)]
+        name: [
+            ours / theirs if theirs > 0 else float("nan")
+            for ours, theirs in zip(values, all_gps[base], strict=True)
+        ]
         for name, values in all_gps.items()
     }
 
@@ -988,10 +992,9 @@ def _variant_report(
         "ratio": statistics.median(ratios[ROLLSERVE_B]),
         "ratio_pooled": pooled[ROLLSERVE_B],
         "ratio_pooled_interval_90": interval.get(ROLLSERVE_B),
-        "vs_rollserve_per_round": [
-            b.groups_per_s / a.groups_per_s if a.groups_per_s > 0 else float("nan")
-            for a, b in zip(pair[ROLLSERVE], pair[ROLLSERVE_B], strict=True)
-        ],
+        "vs_rollserve_per_round": round_ratios(
+            {name: [r.groups_per_s for r in rows] for name, rows in pair.items()}, base=ROLLSERVE
+        )[ROLLSERVE_B],
         "vs_rollserve_pooled": pooled_ratios(pair, base=ROLLSERVE)[ROLLSERVE_B],
         "vs_rollserve_pooled_interval_90": pooled_interval(pair, base=ROLLSERVE).get(ROLLSERVE_B),
     }
