@@ -218,6 +218,19 @@ def test_tracker_agrees_with_the_simulator_on_attended_context(wave: Wave) -> No
 # ---------------------------------------------------------------- design and profile
 
 
+def test_every_other_pass_runs_the_design_backwards() -> None:
+    """ABBA: a drift of the machine's speed that is linear over two passes weighs every design
+    point alike."""
+    phases = [p for p in design(3) if not p.solo]
+
+    def points(rep: int) -> list[str]:
+        prefix = f"r{rep}-"
+        return [p.name.removeprefix(prefix) for p in phases if p.name.startswith(prefix)]
+
+    assert points(0) and points(1) == points(0)[::-1] and points(2) == points(0)
+    assert [p.name for p in phases[: len(points(0))]] == [f"r0-{n}" for n in points(0)]
+
+
 @pytest.mark.parametrize("quick", [False, True])
 def test_design_is_valid_for_the_engine(quick: bool) -> None:
     phases = design(2, quick=quick)
@@ -255,6 +268,7 @@ def test_rendered_profile_loads_with_the_fitted_values(tmp_path: Path) -> None:
         comments=["how it was made", "", 'a "quoted" line'],
         simulated_hardware='2-core "test" CPU',
         source="unit test, R² 1",
+        engines=3,
     )
     path = tmp_path / "p.toml"
     path.write_text(text)
@@ -265,6 +279,7 @@ def test_rendered_profile_loads_with_the_fitted_values(tmp_path: Path) -> None:
     assert profile.max_num_seqs == 64
     assert profile.max_num_batched_tokens == 2048
     assert profile.simulated_hardware == '2-core "test" CPU'
+    assert profile.calibrated_engines == 3
     assert relative(profile.per_kv_token_s, TRUE.per_kv_token_s) < 1e-3
     assert relative(profile.step_base_s, TRUE.step_base_s) < 1e-3
     assert text.startswith("# how it was made\n#\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,10 +26,12 @@ from rollserve.bench.fidelity import (
     per_step,
     real_engine_load,
     run_fidelity,
+    run_pooled,
     sim_groups,
     simulate,
 )
 from rollserve.bench.workload import BenchGroup
+from rollserve.cli.main import main
 
 
 def bench_group(index: int, n: int = 2, prompt_len: int = 12) -> BenchGroup:
@@ -163,8 +166,9 @@ def test_each_timed_step_is_the_median_of_its_rounds() -> None:
     assert second.error == pytest.approx(0.0)
 
 
-def recorded_run(path: Path, rounds: int, steps: int) -> Path:
-    """A --json of a run of 2 groups x 2 samples, 1 timed step, ``steps`` steps recorded."""
+def recorded_run(path: Path, rounds: int, steps: int, slower_s: float = 0.0) -> Path:
+    """A --json of a run of 2 groups x 2 samples, 1 timed step, ``steps`` steps recorded,
+    each ``slower_s`` slower than in the base run."""
     settings = {
         "model": str(reasoner_dir()),
         "groups": 2,
@@ -179,7 +183,7 @@ def recorded_run(path: Path, rounds: int, steps: int) -> Path:
     }
     rows = [
         {
-            "real_makespan_s": 1.0 + number,
+            "real_makespan_s": 1.0 + number + slower_s,
             "load_average": [],
             "samples": [asdict(record(g, k, 20 + g + k)) for g in range(2) for k in range(2)],
         }
@@ -218,3 +222,84 @@ def test_the_front_ends_cpu_is_read_from_the_engine_trees_without_their_cores() 
     }
     assert frontend_ran_waited(cpu) == [(0.1, 1.7), (0.4, 0.7)]
     assert frontend_ran_waited({}) == []
+
+
+def profile_lines(step_base_s: float = 0.002) -> list[str]:
+    return [
+        'name = "cpu-tiny"',
+        'source = "test"',
+        'simulated_hardware = "test"',
+        f"step_base_s = {step_base_s}",
+        "per_decode_seq_s = 4e-05",
+        "per_prefill_token_s = 2e-05",
+        "per_kv_token_s = 3e-07",
+        "kv_capacity_tokens = 838848",
+        "block_size = 32",
+        "max_num_seqs = 64",
+        "max_num_batched_tokens = 2048",
+    ]
+
+
+def test_a_check_on_more_engines_than_the_profile_was_calibrated_with_says_so(
+    tmp_path: Path,
+) -> None:
+    """The recorded run had 2 engines; a profile fitted on 1 is used with a note, and the
+    report keeps the profile's engine count."""
+    lines = profile_lines()
+    profile = tmp_path / "one.toml"
+    profile.write_text("\n".join([*lines, "calibrated_engines = 1", ""]))
+    path = recorded_run(tmp_path / "run.json", rounds=1, steps=2)
+    out = io.StringIO()
+    report = run_fidelity(
+        FidelityConfig(replay=path, profile=str(profile)), Console(file=out, width=200)
+    )
+    assert report["settings"]["profile_calibrated_engines"] == 1
+    assert "calibrated with 1 engine(s) side by side and this check runs 2" in out.getvalue()
+
+    profile.write_text("\n".join([*lines, "calibrated_engines = 2", ""]))
+    out = io.StringIO()
+    run_fidelity(FidelityConfig(replay=path, profile=str(profile)), Console(file=out, width=200))
+    assert "side by side and this check runs" not in out.getvalue()
+
+
+def test_pooling_takes_every_round_of_every_run_and_every_profile(tmp_path: Path) -> None:
+    fast = recorded_run(tmp_path / "fast.json", rounds=2, steps=3)  # timed: 2.0, 3.0 s
+    slow = recorded_run(tmp_path / "slow.json", rounds=2, steps=3, slower_s=2.0)  # 4.0, 5.0 s
+    profiles = []
+    for name, base in (("a", 0.002), ("b", 0.02)):
+        path = tmp_path / f"{name}.toml"
+        path.write_text("\n".join(profile_lines(base)) + "\n")
+        profiles.append(str(path))
+    out = io.StringIO()
+    report = run_pooled([fast, slow], profiles, Console(file=out, width=200))
+    (step,) = report["per_step"]
+    assert (step["step"], step["real_rounds"], step["real_median_s"]) == (1, 4, 3.5)
+    assert (step["real_min_s"], step["real_max_s"]) == (2.0, 5.0)
+    sims = [
+        run_fidelity(FidelityConfig(replay=run, profile=p), Console(file=io.StringIO()))[
+            "per_step"
+        ][0]["sim_median_s"]
+        for run in (fast, slow)
+        for p in profiles
+    ]
+    assert step["sim_median_s"] == pytest.approx(statistics.median(sims))
+    assert step["sim_min_s"] < step["sim_max_s"]  # the slower profile simulates slower
+    assert report["error"] == pytest.approx(step["sim_median_s"] / 3.5 - 1)
+    assert len(report["pairs"]) == 4
+    assert report["pairs_within_goal"] == sum(abs(p["error"]) <= 0.15 for p in report["pairs"])
+    assert "pooled: 2 run(s) x 2 profile(s)" in out.getvalue()
+
+
+def test_only_runs_of_the_same_work_pool(tmp_path: Path) -> None:
+    first = recorded_run(tmp_path / "first.json", rounds=1, steps=2)
+    other = recorded_run(tmp_path / "other.json", rounds=1, steps=2)
+    data = json.loads(other.read_text())
+    data["settings"]["seed"] = 7
+    other.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"other\.json: seed is 7 where .*first\.json has 0"):
+        run_pooled([first, other], ["cpu-tiny"], Console(file=io.StringIO()))
+
+
+def test_several_profiles_without_a_replay_are_refused() -> None:
+    with pytest.raises(SystemExit, match="several --profile need --replay"):
+        main(["bench", "fidelity", "--profile", "cpu-tiny", "gpu-h100-llama8b"])

@@ -377,3 +377,33 @@ def test_load_profile_reads_a_path_and_rejects_unknown_and_missing_keys(tmp_path
 
     with pytest.raises(ValueError, match="no shipped profile"):
         load_profile("no-such-profile")
+
+
+def test_calibrated_engines_is_optional_and_checked(tmp_path: Path) -> None:
+    """A profile from published figures has no engine count; a calibrated one says how many
+    engines shared the host, and a count below 1 or not a whole number is refused."""
+    lines = [
+        'name = "mine"',
+        'source = "made up"',
+        'simulated_hardware = "none"',
+        "step_base_s = 1",
+        "per_decode_seq_s = 0.5",
+        "per_prefill_token_s = 0.0",
+        "per_kv_token_s = 0.0",
+        "kv_capacity_tokens = 64",
+        "block_size = 16",
+        "max_num_seqs = 4",
+        "max_num_batched_tokens = 128",
+    ]
+    path = tmp_path / "p.toml"
+    path.write_text("\n".join(lines))
+    assert load_profile(path).calibrated_engines is None
+    path.write_text("\n".join([*lines, "calibrated_engines = 2"]))
+    assert load_profile(path).calibrated_engines == 2
+    path.write_text("\n".join([*lines, "calibrated_engines = 0"]))
+    with pytest.raises(ValueError, match=r"calibrated_engines \(0\) must be at least 1"):
+        load_profile(path)
+    path.write_text("\n".join([*lines, "calibrated_engines = 1.5"]))
+    with pytest.raises(ValueError, match="calibrated_engines must be an integer"):
+        load_profile(path)
+    assert load_profile("gpu-h100-llama8b").calibrated_engines is None

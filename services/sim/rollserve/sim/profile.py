@@ -53,6 +53,7 @@ _DIR = Path(__file__).resolve().parent / "profiles"
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
+_OPTIONAL_FIELDS = ("calibrated_engines",)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class CostProfile:
     block_size: int  # tokens per KV block
     max_num_seqs: int  # running sequences at most
     max_num_batched_tokens: int  # decode tokens + prefill tokens per step
+    # Engines that ran side by side on the host while the steps were timed (``sim calibrate``);
+    # None: not measured here (published figures). Engines sharing a small host's CPUs step
+    # at other speeds than one alone, so a check should run as many as the fit had.
+    calibrated_engines: int | None = None
     spec: SpecDecoding | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
@@ -119,6 +124,11 @@ class CostProfile:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"profile {self.name!r}: {name} ({value}) must be at least 1")
+        if self.calibrated_engines is not None and self.calibrated_engines < 1:
+            raise ValueError(
+                f"profile {self.name!r}: calibrated_engines ({self.calibrated_engines}) must be "
+                "at least 1"
+            )
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError(
                 f"profile {self.name!r}: kv_capacity_tokens ({self.kv_capacity_tokens}) must be "
@@ -171,8 +181,8 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
     """A shipped profile by name (``gpu-h100-llama8b``) or a TOML file by path.
 
     The file holds exactly the fields of :class:`CostProfile` as top-level keys, and may hold a
-    ``[spec]`` table with the fields of :class:`SpecDecoding`; unknown or missing keys and values
-    of the wrong type are errors that name the file.
+    ``[spec]`` table with the fields of :class:`SpecDecoding`; ``calibrated_engines`` is
+    optional. Unknown or missing keys and values of the wrong type are errors that name the file.
     """
     path = Path(path_or_name)
     if isinstance(path_or_name, str) and path.suffix != ".toml" and len(path.parts) == 1:
@@ -191,7 +201,7 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}; known: {known}")
-    missing = [name for name in known if name not in data]
+    missing = [name for name in known if name not in data and name not in _OPTIONAL_FIELDS]
     if missing:
         raise ValueError(f"{path}: missing keys {missing}")
     for name in _TEXT_FIELDS:
@@ -202,7 +212,7 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: {name} must be a number of seconds, got {value!r}")
         data[name] = float(value)
-    for name in _LIMIT_FIELDS:
+    for name in (*_LIMIT_FIELDS, *(n for n in _OPTIONAL_FIELDS if n in data)):
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
