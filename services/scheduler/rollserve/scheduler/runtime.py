@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
@@ -122,6 +123,10 @@ class _EngineFault(Exception):
 
 class _Rejected(Exception):
     """The engine refused the call for a reason no other engine would fix."""
+
+
+class _BadOutput(Exception):
+    """The engine sent output no trainer can use (a logprob that is not a finite number)."""
 
 
 @dataclass(slots=True)
@@ -743,6 +748,9 @@ class SchedulerRuntime:
         except _Rejected as exc:
             await self._end(record, f"engine {engine.engine_id} rejected it: {exc}")
             return
+        except _BadOutput as exc:
+            await self._end(record, f"engine {engine.engine_id} sent unusable output: {exc}")
+            return
         except _EngineFault as exc:
             await self._engine_down(engine, str(exc))
         finally:
@@ -758,10 +766,12 @@ class SchedulerRuntime:
             if kind == "chunk":
                 for delta in message.chunk.deltas:
                     self._check_running(call, delta.index)
+                    self._check_logprobs(call, delta.index, delta.logprobs)
                     record.add_tokens(delta.index, list(delta.token_ids), list(delta.logprobs))
             elif kind == "complete":
                 done = message.complete
                 self._check_running(call, done.index)
+                self._check_logprobs(call, done.index, done.logprobs)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs))
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its
@@ -804,6 +814,18 @@ class SchedulerRuntime:
             record.spec.key,
             to_engine,
         )
+
+    @staticmethod
+    def _check_logprobs(call: _Call, index: int, logprobs: Sequence[float]) -> None:
+        """A NaN or infinite logprob would poison a trainer's update and cannot be written to
+        the stream's JSON: the group fails with the reason instead of reaching the trainer."""
+        for offset, value in enumerate(logprobs):
+            if not math.isfinite(value):
+                first = len(call.record.samples[index].token_ids)
+                raise _BadOutput(
+                    f"a logprob of {value} for token {first + offset} of sample {index}; "
+                    "logprobs must be finite numbers"
+                )
 
     @staticmethod
     def _check_running(call: _Call, index: int) -> None:
