@@ -67,6 +67,7 @@ class FakeEngine:
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     first_token: int = 100  # token t of a sample is first_token + t
     logprob: float = -0.5  # of every token
+    spec: tuple[int, int] = (0, 0)  # draft tokens proposed and accepted, per sample's end
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
     address: str = ""
@@ -187,9 +188,8 @@ class _Servicer(pb_grpc.EngineServicer):
             )
         return pb.Chunk(deltas=deltas)
 
-    @staticmethod
     def _complete(
-        request: pb.GenerateRequest, total: dict[int, int], index: int
+        self, request: pb.GenerateRequest, total: dict[int, int], index: int
     ) -> pb.GenerateResponse:
         """The normal end of sample ``index``: length when it reached max_tokens, else stop."""
         return pb.GenerateResponse(
@@ -200,6 +200,8 @@ class _Servicer(pb_grpc.EngineServicer):
                 else pb.FINISH_REASON_STOP,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=0,
+                spec_draft_tokens=self._e.spec[0],
+                spec_accepted_tokens=self._e.spec[1],
             )
         )
 

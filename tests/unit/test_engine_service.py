@@ -282,3 +282,23 @@ async def test_a_logprob_that_is_not_finite_ends_the_call_with_an_error_that_is_
     assert not error.retryable
     assert "logprob of nan for token 1 of" in error.message
     assert "must be finite" in error.message
+
+
+class SpeculatingBackend(ScriptedBackend):
+    """Ends each sample with speculation counts: 8 draft tokens proposed, 3 accepted."""
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        yield SampleOutput([7], [-0.5], None, len(request.prompt_token_ids), 0)
+        yield SampleOutput([8], [-0.5], "length", 3, 0, spec_draft_tokens=8, spec_accepted_tokens=3)
+
+
+async def test_a_samples_speculation_counts_go_out_with_its_end() -> None:
+    async with served(SpeculatingBackend()) as stub:
+        completes = [
+            message.complete
+            async for message in stub.Generate(request(n=2), timeout=10)
+            if message.WhichOneof("kind") == "complete"
+        ]
+    assert sorted(c.index for c in completes) == [0, 1]
+    assert all((c.spec_draft_tokens, c.spec_accepted_tokens) == (8, 3) for c in completes)

@@ -183,6 +183,22 @@ async def test_a_non_retryable_engine_failure_fails_the_group_without_retry(
     assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
+async def test_each_delivered_sample_carries_its_speculation_counts(redis_url: str) -> None:
+    engine = await FakeEngine("e", spec=(8, 3)).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert result.status == GroupStatus.DELIVERED
+    assert [(s.spec_proposed_tokens, s.spec_accepted_tokens) for s in result.samples] == [
+        (8, 3)
+    ] * len(result.samples)
+
+
 @pytest.mark.parametrize("logprob", [float("nan"), float("-inf")])
 async def test_a_logprob_that_is_not_finite_fails_the_group_with_the_reason(
     redis_url: str, logprob: float

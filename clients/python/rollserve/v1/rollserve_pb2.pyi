@@ -603,11 +603,18 @@ class Complete(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
     """prompt tokens served from the prefix cache"""
+    spec_draft_tokens: _builtins.int
+    """Speculative decoding in this call (0 when off): draft tokens proposed for this sample,
+    and of those, accepted (never more than proposed).
+    """
+    spec_accepted_tokens: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -621,10 +628,12 @@ class Complete(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         num_prompt_tokens: _builtins.int = ...,
         num_cached_tokens: _builtins.int = ...,
+        spec_draft_tokens: _builtins.int = ...,
+        spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

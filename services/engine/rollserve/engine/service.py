@@ -96,6 +96,10 @@ class SampleOutput:
     finish_reason: VllmFinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # With speculation, on the output that ends the sample: draft tokens proposed for it
+    # and accepted (vLLM's per-request metrics); 0 otherwise.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +261,15 @@ class VllmBackend:
                     self._prompt_tokens += num_prompt_tokens
                     self._cached_tokens += cached
                 self._generation_tokens += len(token_ids)
+                drafted, accepted = _spec_counts(completion) if out.finished else (0, 0)
                 yield SampleOutput(
                     token_ids=token_ids,
                     logprobs=_sampled_logprobs(completion.logprobs, token_ids),
                     finish_reason=reason,
                     num_prompt_tokens=num_prompt_tokens,
                     num_cached_tokens=cached,
+                    spec_draft_tokens=drafted,
+                    spec_accepted_tokens=accepted,
                 )
         except self._dead_error as exc:
             raise BackendError(f"vLLM engine is dead: {exc}", retryable=True) from exc
@@ -332,6 +339,9 @@ def build_engine_args(settings: EngineSettings, device: Device) -> Any:
         distributed_executor_backend="uni",
         disable_log_stats=False,
         speculative_config=build_speculative_config(settings),
+        # Per sample: how many draft tokens it was proposed and accepted (the Complete's
+        # spec counts); only with speculation.
+        per_request_spec_decode_metrics="summary" if settings.spec_method else "none",
         **device_args,
     )
 
@@ -387,6 +397,17 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     return [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)]
 
 
+def _spec_counts(completion: Any) -> tuple[int, int]:
+    """Draft tokens proposed for a finished sample and accepted, from vLLM's per-request
+    speculative-decoding metrics (``per_request_spec_decode_metrics="summary"``); (0, 0)
+    without them."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        return 0, 0
+    accepted = sum(j * count for j, count in enumerate(metrics.histogram))
+    return int(metrics.num_draft_tokens), int(accepted)
+
+
 def check_logprobs(request_id: str, first_token: int, logprobs: Sequence[float]) -> None:
     """Raises a non-retryable :class:`BackendError` at the first logprob that is not a finite
     number. A trainer weighs every token by it; NaN would poison the update, and the stream's
@@ -417,6 +438,8 @@ class _Sample:
     finish_reason: pb.FinishReason.ValueType | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     reported: bool = False
 
 
@@ -462,6 +485,8 @@ class _Run:
                             finish_reason=s.finish_reason,
                             num_prompt_tokens=s.num_prompt_tokens,
                             num_cached_tokens=s.num_cached_tokens,
+                            spec_draft_tokens=s.spec_draft_tokens,
+                            spec_accepted_tokens=s.spec_accepted_tokens,
                         )
                     )
                 )
@@ -630,6 +655,8 @@ async def _pump(
             if out.finish_reason is not None:
                 sample.num_prompt_tokens = out.num_prompt_tokens
                 sample.num_cached_tokens = out.num_cached_tokens
+                sample.spec_draft_tokens = out.spec_draft_tokens
+                sample.spec_accepted_tokens = out.spec_accepted_tokens
                 sample.finish_reason = FINISH_REASONS[out.finish_reason]
             run.wakeup.set()
     except BackendError as exc:

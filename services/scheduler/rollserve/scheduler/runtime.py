@@ -773,6 +773,7 @@ class SchedulerRuntime:
                 self._check_running(call, done.index)
                 self._check_logprobs(call, done.index, done.logprobs)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs))
+                record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its
                 # siblings run: plan again now, or the batch thins out behind long samples.

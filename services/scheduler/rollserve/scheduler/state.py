@@ -107,6 +107,9 @@ class SampleRecord:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Speculative decoding, summed over the calls of this run (a resumed sample has several)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     started_at: float = 0.0  # first dispatch
     finished_at: float = 0.0
 
@@ -151,6 +154,8 @@ class SampleRecord:
         self.logprobs.clear()
         self.preemptions = 0
         self.resumed_tokens = 0
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
         self.finish_reason = None
         self.num_prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -250,6 +255,12 @@ class GroupRecord:
         sample.token_ids.extend(token_ids)
         sample.logprobs.extend(logprobs)
 
+    def add_spec(self, index: int, proposed: int, accepted: int) -> None:
+        """Draft tokens an engine call proposed for sample ``index`` and accepted."""
+        sample = self.samples[index]
+        sample.spec_proposed_tokens += proposed
+        sample.spec_accepted_tokens += accepted
+
     def finish_sample(
         self,
         index: int,
@@ -281,6 +292,8 @@ class GroupRecord:
                     cached_prompt_tokens=s.cached_prompt_tokens,
                     preemptions=s.preemptions,
                     resumed_tokens=s.resumed_tokens,
+                    spec_proposed_tokens=s.spec_proposed_tokens,
+                    spec_accepted_tokens=s.spec_accepted_tokens,
                     started_at=s.started_at,
                     finished_at=s.finished_at,
                 )
