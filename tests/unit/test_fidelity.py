@@ -11,6 +11,7 @@ import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -26,6 +27,7 @@ from rollserve.bench.fidelity import (
     per_step,
     real_engine_load,
     run_fidelity,
+    run_pairs,
     run_pooled,
     sim_groups,
     simulate,
@@ -303,3 +305,49 @@ def test_only_runs_of_the_same_work_pool(tmp_path: Path) -> None:
 def test_several_profiles_without_a_replay_are_refused() -> None:
     with pytest.raises(SystemExit, match="several --profile need --replay"):
         main(["bench", "fidelity", "--profile", "cpu-tiny", "gpu-h100-llama8b"])
+
+
+def test_pairs_calibrate_then_check_each_time_and_pool_them_all(tmp_path: Path) -> None:
+    """Faked: the calibration (writes a profile, each slower than the one before) and the
+    check (writes a recorded run, each slower than the one before); the pooling is real."""
+    order: list[str] = []
+
+    def calibrate(profile: Path, json_path: Path) -> None:
+        order.append(f"calibrate {profile.name}")
+        k = int(profile.stem.split("-")[1])
+        profile.write_text("\n".join(profile_lines(0.002 * k)) + "\n")
+
+    def check(cfg: FidelityConfig) -> dict[str, Any]:
+        assert cfg.json_path is not None
+        order.append(f"check {Path(cfg.profile).name}")
+        k = int(cfg.json_path.stem.split("-")[1])
+        recorded_run(cfg.json_path, rounds=1, steps=2, slower_s=float(k))
+        return {"error": -0.1 * k}
+
+    out = io.StringIO()
+    report = run_pairs(
+        FidelityConfig(json_path=tmp_path / "pooled.json"),
+        3,
+        tmp_path / "pairs",
+        Console(file=out, width=200),
+        calibrate=calibrate,
+        check=check,
+    )
+    assert order == [
+        f"{what} profile-{k}.toml" for k in (1, 2, 3) for what in ("calibrate", "check")
+    ]
+    assert report["own_pairs"] == pytest.approx([-0.1, -0.2, -0.3])
+    assert len(report["pairs"]) == 9
+    (step,) = report["per_step"]
+    assert step["real_rounds"] == 3 and step["real_median_s"] == 4.0  # 3.0, 4.0, 5.0
+    assert json.loads((tmp_path / "pooled.json").read_text())["own_pairs"] == report["own_pairs"]
+    assert "pooled: 3 run(s) x 3 profile(s)" in out.getvalue()
+
+
+def test_pairs_need_two_and_no_replay(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--pairs \(1\) must be at least 2"):
+        run_pairs(FidelityConfig(), 1, tmp_path, Console(file=io.StringIO()))
+    with pytest.raises(ValueError, match="cannot take --replay"):
+        run_pairs(FidelityConfig(replay=tmp_path / "x.json"), 2, tmp_path)
+    with pytest.raises(SystemExit, match="takes neither --replay nor --profile"):
+        main(["bench", "fidelity", "--pairs", "2", "--profile", "gpu-h100-llama8b"])

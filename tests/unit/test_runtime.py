@@ -170,21 +170,16 @@ async def test_group_fails_with_reason_after_max_attempts(redis_url: str) -> Non
 async def test_a_non_retryable_engine_failure_fails_the_group_without_retry(
     redis_url: str, behaviour: Behaviour, message: str
 ) -> None:
-    engine = await FakeEngine("e", behaviour=behaviour).start()
-    runtime = await make_runtime(redis_url, [engine])
-    run = new_run()
-    try:
-        await runtime.submit(run, specs(run, 1))
-        [result] = await read_stream(redis_url, run, 1)
-    finally:
-        await runtime.stop()
-        await engine.stop()
+    engine = FakeEngine("e", behaviour=behaviour)
+    result, runtime = await one_group(redis_url, engine)
     assert result.status == GroupStatus.FAILED and message in result.error
     assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
-async def test_each_delivered_sample_carries_its_speculation_counts(redis_url: str) -> None:
-    engine = await FakeEngine("e", spec=(8, 3)).start()
+async def one_group(redis_url: str, engine: FakeEngine) -> tuple[GroupResult, SchedulerRuntime]:
+    """One group of one run through a runtime on ``engine`` alone: what reached the stream,
+    and the runtime (stopped) for its counters."""
+    await engine.start()
     runtime = await make_runtime(redis_url, [engine])
     run = new_run()
     try:
@@ -193,6 +188,11 @@ async def test_each_delivered_sample_carries_its_speculation_counts(redis_url: s
     finally:
         await runtime.stop()
         await engine.stop()
+    return result, runtime
+
+
+async def test_each_delivered_sample_carries_its_speculation_counts(redis_url: str) -> None:
+    result, _ = await one_group(redis_url, FakeEngine("e", spec=(8, 3)))
     assert result.status == GroupStatus.DELIVERED
     assert [(s.spec_proposed_tokens, s.spec_accepted_tokens) for s in result.samples] == [
         (8, 3)
@@ -206,15 +206,7 @@ async def test_a_logprob_that_is_not_finite_fails_the_group_with_the_reason(
     """NaN cannot be written to the stream's JSON (it would read as null and the SDK could not
     decode the group), and it would poison a trainer's update: the group fails instead, and
     the engine is not blamed as down."""
-    engine = await FakeEngine("e", logprob=logprob).start()
-    runtime = await make_runtime(redis_url, [engine])
-    run = new_run()
-    try:
-        await runtime.submit(run, specs(run, 1))
-        [result] = await read_stream(redis_url, run, 1)
-    finally:
-        await runtime.stop()
-        await engine.stop()
+    result, runtime = await one_group(redis_url, FakeEngine("e", logprob=logprob))
     assert result.status == GroupStatus.FAILED
     assert f"engine e sent unusable output: a logprob of {logprob} for token 0" in result.error
     assert runtime.counters.engine_failures == 0

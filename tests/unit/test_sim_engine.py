@@ -329,20 +329,24 @@ def test_shipped_profiles_load() -> None:
     assert 5e-3 < gpu.step_time(1, 0, 1000) < 10e-3  # one stream decodes at 100-200 tokens/s
 
 
+MINE = (
+    'name = "mine"',
+    'source = "made up"',
+    'simulated_hardware = "none"',
+    "step_base_s = 1",
+    "per_decode_seq_s = 0.5",
+    "per_prefill_token_s = 0.0",
+    "per_kv_token_s = 0.0",
+    "kv_capacity_tokens = 64",
+    "block_size = 16",
+    "max_num_seqs = 4",
+    "max_num_batched_tokens = 128",
+)
+"""A profile's TOML lines, every field given."""
+
+
 def test_load_profile_reads_a_path_and_rejects_unknown_and_missing_keys(tmp_path: Path) -> None:
-    lines = [
-        'name = "mine"',
-        'source = "made up"',
-        'simulated_hardware = "none"',
-        "step_base_s = 1",
-        "per_decode_seq_s = 0.5",
-        "per_prefill_token_s = 0.0",
-        "per_kv_token_s = 0.0",
-        "kv_capacity_tokens = 64",
-        "block_size = 16",
-        "max_num_seqs = 4",
-        "max_num_batched_tokens = 128",
-    ]
+    lines = list(MINE)
     good = tmp_path / "mine.toml"
     good.write_text("\n".join(lines))
     assert load_profile(good) == make_profile(
@@ -382,19 +386,7 @@ def test_load_profile_reads_a_path_and_rejects_unknown_and_missing_keys(tmp_path
 def test_calibrated_engines_is_optional_and_checked(tmp_path: Path) -> None:
     """A profile from published figures has no engine count; a calibrated one says how many
     engines shared the host, and a count below 1 or not a whole number is refused."""
-    lines = [
-        'name = "mine"',
-        'source = "made up"',
-        'simulated_hardware = "none"',
-        "step_base_s = 1",
-        "per_decode_seq_s = 0.5",
-        "per_prefill_token_s = 0.0",
-        "per_kv_token_s = 0.0",
-        "kv_capacity_tokens = 64",
-        "block_size = 16",
-        "max_num_seqs = 4",
-        "max_num_batched_tokens = 128",
-    ]
+    lines = list(MINE)
     path = tmp_path / "p.toml"
     path.write_text("\n".join(lines))
     assert load_profile(path).calibrated_engines is None

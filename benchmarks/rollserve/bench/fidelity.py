@@ -39,7 +39,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -549,11 +549,8 @@ def run_fidelity(cfg: FidelityConfig, console: Console | None = None) -> dict[st
                 f"{summary.error:+.1%}",
             )
         console.print(over)
-    verdict = "meets" if abs(error) <= GOAL else "misses"
     console.print(
-        f"median makespan: real {real_median:.2f} s, simulated {sim_median:.2f} s, "
-        f"error {error:+.1%} ({verdict} the goal of ±{GOAL:.0%}); per step "
-        + ", ".join(f"{summary.error:+.1%}" for summary in summaries)
+        _verdict("median", real_median, sim_median, [summary.error for summary in summaries])
     )
     report: dict[str, Any] = {
         "settings": settings,
@@ -675,11 +672,8 @@ def run_pooled(
             f"{row['error']:+.1%}",
         )
     console.print(table)
-    verdict = "meets" if abs(error) <= GOAL else "misses"
     console.print(
-        f"pooled median makespan: real {real_median:.2f} s, simulated {sim_median:.2f} s, "
-        f"error {error:+.1%} ({verdict} the goal of ±{GOAL:.0%}); per step "
-        + ", ".join(f"{row['error']:+.1%}" for row in pooled)
+        _verdict("pooled median", real_median, sim_median, [row["error"] for row in pooled])
         + f"; single pairs within ±{GOAL:.0%}: {within} of {len(pair_errors)}"
     )
     report: dict[str, Any] = {
@@ -701,6 +695,75 @@ def run_pooled(
         json_path.write_text(json.dumps(report, indent=1) + "\n")
         console.print(f"wrote {json_path}")
     return report
+
+
+def run_pairs(
+    cfg: FidelityConfig,
+    pairs: int,
+    out_dir: Path,
+    console: Console | None = None,
+    *,
+    calibrate: Callable[[Path, Path], None] | None = None,
+    check: Callable[[FidelityConfig], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``pairs`` times: a fresh calibration (``sim calibrate`` on ``cfg.engines`` engines,
+    into ``out_dir``) and at once a check against it (``cfg`` with that profile); then every
+    check replayed with every fit and pooled (:func:`run_pooled`). The pooled report gets each
+    pair's own error as ``own_pairs``. ``calibrate(profile, json)`` and ``check(cfg)`` default
+    to the real ones (tests pass others)."""
+    from rich.console import Console
+
+    console = console or Console(width=140)
+    if pairs < 2:
+        raise ValueError(f"--pairs ({pairs}) must be at least 2: one pair is a plain check")
+    if cfg.replay is not None:
+        raise ValueError("--pairs runs engines; it cannot take --replay")
+    if calibrate is None:
+
+        def calibrate(profile: Path, json_path: Path) -> None:
+            from rollserve.sim.calibrate import CalibrateConfig, run_calibration
+
+            run_calibration(
+                CalibrateConfig(engines=cfg.engines, out=profile, json_path=json_path), console
+            )
+
+    def _check(checked: FidelityConfig) -> dict[str, Any]:
+        return run_fidelity(checked, console)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profiles: list[str] = []
+    checks: list[Path] = []
+    own: list[float] = []
+    for k in range(1, pairs + 1):
+        profile = out_dir / f"profile-{k}.toml"
+        console.rule(f"pair {k}/{pairs}: calibrate, then check")
+        calibrate(profile, out_dir / f"calibrate-{k}.json")
+        checked = replace(
+            cfg, profile=str(profile), json_path=out_dir / f"fidelity-{k}.json", replay=None
+        )
+        own.append((check or _check)(checked)["error"])
+        profiles.append(str(profile))
+        checks.append(out_dir / f"fidelity-{k}.json")
+    console.rule(f"all {pairs} checks x all {pairs} fits")
+    report = run_pooled(checks, profiles, console, cfg.json_path)
+    report["own_pairs"] = own
+    console.print(
+        "each pair's own error (a fit and the check right after it): "
+        + ", ".join(f"{e:+.1%}" for e in own)
+    )
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _verdict(what: str, real_s: float, sim_s: float, step_errors: Sequence[float]) -> str:
+    error = sim_s / real_s - 1
+    verdict = "meets" if abs(error) <= GOAL else "misses"
+    return (
+        f"{what} makespan: real {real_s:.2f} s, simulated {sim_s:.2f} s, error {error:+.1%} "
+        f"({verdict} the goal of ±{GOAL:.0%}); per step "
+        + ", ".join(f"{e:+.1%}" for e in step_errors)
+    )
 
 
 def _step_label(row: StepComparison, rounds: int) -> str:
@@ -762,6 +825,19 @@ def add_bench_fidelity(bench_sub: Any) -> None:
         help="start no stack: simulate the real steps saved in this --json again (with "
         "--profile); several runs of the same work, or several profiles, are pooled per step",
     )
+    p.add_argument(
+        "--pairs",
+        type=_positive,
+        default=1,
+        help="K >= 2: K times a fresh `sim calibrate` and at once a check against it, then "
+        "every check replayed with every fit and pooled (about 4 minutes a pair)",
+    )
+    p.add_argument(
+        "--pairs-dir",
+        type=Path,
+        help="where --pairs keeps each pair's profile and JSONs (default: beside --json, "
+        "else a new temporary folder)",
+    )
     p.set_defaults(func=_cmd_fidelity)
 
 
@@ -774,6 +850,17 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     replays: list[Path] = args.replay or []
+    if args.pairs > 1:
+        if replays or len(args.profile) > 1 or args.profile != [FidelityConfig().profile]:
+            raise SystemExit(
+                "rollserve bench fidelity: --pairs fits its own profiles and runs its own "
+                "checks; it takes neither --replay nor --profile"
+            )
+        out_dir = args.pairs_dir or _pairs_dir(args.json)
+        report = run_pairs(
+            _live_config(args, profile=FidelityConfig().profile), args.pairs, out_dir
+        )
+        return 0 if report["meets_goal"] else 1
     if len(replays) > 1 or len(args.profile) > 1:
         if not replays:
             raise SystemExit(
@@ -782,21 +869,31 @@ def _fidelity(args: argparse.Namespace) -> int:
             )
         report = run_pooled(replays, args.profile, json_path=args.json)
         return 0 if report["meets_goal"] else 1
-    report = run_fidelity(
-        FidelityConfig(
-            model=args.model,
-            groups=args.groups,
-            n=args.n,
-            max_tokens=args.max_tokens,
-            engines=args.engines,
-            policy=args.policy,
-            capacity_factor=args.capacity_factor,
-            repeats=args.repeats,
-            rounds=args.rounds,
-            seed=args.seed,
-            profile=args.profile[0],
-            json_path=args.json,
-            replay=replays[0] if replays else None,
-        )
-    )
+    cfg = replace(_live_config(args, args.profile[0]), replay=replays[0] if replays else None)
+    report = run_fidelity(cfg)
     return 0 if report["meets_goal"] else 1
+
+
+def _live_config(args: argparse.Namespace, profile: str) -> FidelityConfig:
+    return FidelityConfig(
+        model=args.model,
+        groups=args.groups,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        engines=args.engines,
+        policy=args.policy,
+        capacity_factor=args.capacity_factor,
+        repeats=args.repeats,
+        rounds=args.rounds,
+        seed=args.seed,
+        profile=profile,
+        json_path=args.json,
+    )
+
+
+def _pairs_dir(json_path: Path | None) -> Path:
+    if json_path is not None:
+        return json_path.with_name(f"{json_path.stem}-pairs")
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="rollserve-fidelity-pairs-"))
