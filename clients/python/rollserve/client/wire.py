@@ -20,6 +20,8 @@ An entry has three fields:
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence
 
 import msgspec
 
@@ -99,6 +101,16 @@ class GroupResult(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_output_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
+
+
+def first_non_finite(logprobs: Sequence[float]) -> int | None:
+    """Index of the first logprob that is NaN or infinite, None if all are finite. Such a
+    value cannot be trained on, and JSON cannot carry it (it would be written as null and
+    the entry would not decode): engines and the scheduler refuse it before the stream."""
+    for index, value in enumerate(logprobs):
+        if not math.isfinite(value):
+            return index
+    return None
 
 
 _encoder = msgspec.json.Encoder()

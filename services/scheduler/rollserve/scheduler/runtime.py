@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
@@ -66,7 +65,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import redis.exceptions
-from rollserve.client.wire import FinishReason, GroupResult, GroupStatus
+from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, first_non_finite
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import LengthPredictor
 from rollserve.scheduler.core.snapshot import (
@@ -820,13 +819,13 @@ class SchedulerRuntime:
     def _check_logprobs(call: _Call, index: int, logprobs: Sequence[float]) -> None:
         """A NaN or infinite logprob would poison a trainer's update and cannot be written to
         the stream's JSON: the group fails with the reason instead of reaching the trainer."""
-        for offset, value in enumerate(logprobs):
-            if not math.isfinite(value):
-                first = len(call.record.samples[index].token_ids)
-                raise _BadOutput(
-                    f"a logprob of {value} for token {first + offset} of sample {index}; "
-                    "logprobs must be finite numbers"
-                )
+        offset = first_non_finite(logprobs)
+        if offset is not None:
+            first = len(call.record.samples[index].token_ids)
+            raise _BadOutput(
+                f"a logprob of {logprobs[offset]} for token {first + offset} of sample "
+                f"{index}; logprobs must be finite numbers"
+            )
 
     @staticmethod
     def _check_running(call: _Call, index: int) -> None:

@@ -883,7 +883,9 @@ def _phase_from_json(data: Mapping[str, Any]) -> Phase:
 # ---------------------------------------------------------------- the parent
 
 
-def _default_engines() -> int:
+def default_engines() -> int:
+    """One engine per two CPUs (``rollserve.cli.stack.engines_with_room``), imported late:
+    the stack module pulls in gRPC."""
     from rollserve.cli.stack import engines_with_room
 
     return engines_with_room()
@@ -892,7 +894,7 @@ def _default_engines() -> int:
 @dataclass(frozen=True)
 class CalibrateConfig:
     model: Path | None = None  # None: the shipped trained reasoner
-    engines: int = field(default_factory=_default_engines)
+    engines: int = field(default_factory=default_engines)
     repeats: int = 2  # passes over the design, every other one backwards
     quick: bool = False  # a small design, to try the command out
     outlier_mads: float = DEFAULT_OUTLIER_MADS  # see fit_step_costs; 0 keeps every step
