@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from rollserve.bench.policies import PoliciesConfig, run_policies
-from rollserve.sim.engine_model import SimEngine, SimRequest
+from rollserve.sim.engine_model import Finished, SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile, SpecDecoding, load_profile
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -66,17 +66,23 @@ def test_with_spec_turns_it_on_and_off() -> None:
 def test_the_engine_decodes_a_lone_sample_faster_and_counts_its_speculating_steps() -> None:
     spec = SpecDecoding(draft_tokens=4, accept_len=2.0, max_batch=1)
 
+    finished: dict[str, int] = {}
+
     def run(profile: CostProfile) -> tuple[float, SimEngine]:
         engine = SimEngine("e", profile)
         engine.add(SimRequest("a", prompt_len=8, output_len=40, max_tokens=64))
         engine.add(SimRequest("b", prompt_len=8, output_len=10, max_tokens=64))
         busy = 0.0
         while engine.has_work():
-            busy += engine.step().duration_s
+            result = engine.step()
+            busy += result.duration_s
+            finished.update((f.request_id, f.spec_steps) for f in result.finished)
         return busy, engine
 
     plain_s, plain = run(make_profile())
+    assert finished == {"a": 0, "b": 0}
     spec_s, fast = run(make_profile(spec))
+    assert finished == {"a": 30, "b": 0}  # each sample's own speculating steps
     assert plain.stats.spec_steps == 0
     # Both samples run together for 9 decode steps (no speculation at 2 sequences); "a" then
     # decodes 30 tokens alone, speculating.
@@ -227,8 +233,15 @@ async def test_a_sim_engine_on_a_speculating_profile_reports_its_drafts(tmp_path
     ]
     path.write_text("\n".join(lines))
     async with sim_engine(profile=str(path)) as (_, stub):
-        await collect(stub.Generate(generate_request(n=4)))
+        _, completes, _ = await collect(stub.Generate(generate_request(n=4)))
         stats = await stub.Stats(pb.StatsRequest())
+    # Each sample's Complete carries its own share (accept_len 2: one accepted of 4 a pass);
+    # rounded per sample, they add up to the engine's counts within a draft a sample.
+    proposed = [c.spec_draft_tokens for c in completes.values()]
+    accepted = [c.spec_accepted_tokens for c in completes.values()]
+    assert all(p == 4 * a for p, a in zip(proposed, accepted, strict=True))
+    assert abs(sum(proposed) - stats.spec_draft_tokens) <= 4 * len(completes)
+    assert sum(accepted) > 0
     assert stats.spec_drafts > 0
     assert stats.spec_draft_tokens == 4 * stats.spec_drafts
     assert stats.spec_accepted_tokens == stats.spec_drafts  # accept_len 2: one draft token a pass
@@ -265,3 +278,19 @@ def test_without_round_robin_its_ratios_are_null_not_nan(tmp_path: Path) -> None
     assert report["policies"]["rl"]["vs_round_robin"] is None
     assert report["max_vs_sync_round_robin"] is None
     assert "nan" not in log.read_text()
+
+
+def test_each_samples_speculating_steps_add_up_to_the_engines_through_preemptions() -> None:
+    """Twelve samples on an engine whose KV runs out (preemptions) and that speculates at up to
+    four sequences: every sample's count of speculating steps, carried across its preemptions,
+    sums to the engine's sequence-steps of speculation."""
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, max_batch=4)
+    engine = SimEngine("e", make_engine_profile(kv_capacity_tokens=256, spec=spec))
+    for i in range(12):
+        engine.add(SimRequest(f"r{i}", prompt_len=8, output_len=10 + 7 * i, max_tokens=128))
+    finished: list[Finished] = []
+    while engine.has_work():
+        finished += engine.step().finished
+    assert len(finished) == 12 and engine.stats.preemptions > 0
+    assert sum(f.preemptions for f in finished) == engine.stats.preemptions
+    assert sum(f.spec_steps for f in finished) == engine.stats.spec_seq_steps > 0

@@ -102,6 +102,7 @@ class Finished:
     finish_reason: str  # "stop" (reached output_len) | "length" (reached max_tokens) | "abort"
     cached_prompt_tokens: int  # at its first admission
     preemptions: int
+    spec_steps: int = 0  # steps in which it decoded and the engine speculated
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +127,9 @@ class EngineStats:
     spec_seq_steps: int = 0  # decoding sequences summed over those steps
 
     def spec_counters(self, spec: SpecDecoding | None) -> tuple[int, int, int]:
-        """vLLM's speculative counters as this engine's speculation would have made them:
-        drafts (one per sequence per verification pass), draft tokens and accepted tokens.
-        A speculating step is ``1 / accept_len`` of a pass, so a sequence's steps make that
-        many passes, each proposing ``draft_tokens`` and accepting ``accept_len - 1``."""
-        if spec is None:
-            return 0, 0, 0
-        passes = self.spec_seq_steps / spec.accept_len
-        drafts = round(passes)
-        return drafts, drafts * spec.draft_tokens, round(passes * (spec.accept_len - 1))
+        """vLLM's speculative counters as this engine's speculation would have made them
+        (:meth:`SpecDecoding.counters` of all its sequence-steps of speculation)."""
+        return (0, 0, 0) if spec is None else spec.counters(self.spec_seq_steps)
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -224,6 +219,8 @@ class _Seq:
     admitted: bool = False
     cached_prompt_tokens: int = 0
     preemptions: int = 0
+    spec_base: int = 0  # the engine's speculating steps when it last started running
+    spec_steps: int = 0  # speculating steps it decoded in, before it last started
 
     def order(self) -> tuple[int, int]:
         return (self.request.priority, self.arrival)
@@ -235,6 +232,7 @@ class _Seq:
             reason,
             self.cached_prompt_tokens,
             self.preemptions,
+            self.spec_steps,
         )
 
 
@@ -252,6 +250,8 @@ class SimEngine:
         self._arrivals = 0
         self._admissions = 0
         self._steps = 0  # steps done: a running request has generated steps - base tokens
+        self._spec_steps = 0  # steps that speculated: a running request decoded in
+        # _spec_steps - spec_base of them since it last started
         # Running totals over the running requests:
         self._ends: list[tuple[int, int, _Seq]] = []  # (step count when done, slot, seq); lazy
         self._crossing: dict[int, int] = {}  # (base - prompt_len) % block_size -> requests
@@ -354,6 +354,9 @@ class SimEngine:
                 self._decode_short_of_blocks(preempted)
         decode_seqs = len(self._running)
         attended = self._offset + decode_seqs * steps
+        speculates = profile.spec is not None and profile.spec.applies(decode_seqs)
+        if speculates:  # before admitting: this step's new requests do not decode in it
+            self._spec_steps += 1
 
         # 2. Admit.
         admitted = 0
@@ -387,7 +390,7 @@ class SimEngine:
             finished.append(seq.outcome(reason))
 
         self.stats.steps += 1
-        if profile.spec is not None and profile.spec.applies(decode_seqs):
+        if speculates:
             self.stats.spec_steps += 1
             self.stats.spec_seq_steps += decode_seqs
         self.stats.busy_s += duration
@@ -426,6 +429,7 @@ class SimEngine:
         prompt_len = seq.request.prompt_len
         seq.base = base = self._steps - seq.generated
         seq.slot = slot = self._admissions
+        seq.spec_base = self._spec_steps
         self._admissions += 1
         self._running[seq] = None
         heappush(self._ends, (base + seq.target, slot, seq))
@@ -439,6 +443,7 @@ class SimEngine:
         prompt_len = seq.request.prompt_len
         base = seq.base
         seq.generated = self._steps - base
+        seq.spec_steps += self._spec_steps - seq.spec_base
         seq.slot = -1
         del self._running[seq]
         self._crossing[(base - prompt_len) % self.profile.block_size] -= 1

@@ -82,6 +82,16 @@ class SpecDecoding:
         """Whether a step decoding ``decode_seqs`` sequences speculates."""
         return decode_seqs > 0 and (self.max_batch == 0 or decode_seqs <= self.max_batch)
 
+    def counters(self, seq_steps: int) -> tuple[int, int, int]:
+        """vLLM's speculative counters for ``seq_steps`` sequence-steps of speculation (one
+        sequence decoding in one speculating step): drafts (one per sequence per verification
+        pass), draft tokens and accepted tokens. A speculating step is ``1 / accept_len`` of a
+        pass, so they make ``seq_steps / accept_len`` passes, each proposing ``draft_tokens``
+        and accepting ``accept_len - 1``."""
+        passes = seq_steps / self.accept_len
+        drafts = round(passes)
+        return drafts, drafts * self.draft_tokens, round(passes * (self.accept_len - 1))
+
     def describe(self) -> str:
         batch = f" at <= {self.max_batch} sequences" if self.max_batch else ""
         return f"{self.draft_tokens} drafts, {self.accept_len:g} tokens a pass{batch}"

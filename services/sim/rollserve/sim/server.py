@@ -309,6 +309,10 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             s.sent = max(s.sent, end)
             if finished is not None:
                 s.reported = True
+                spec = self.engine.engine.profile.spec
+                _, drafted, accepted = (
+                    (0, 0, 0) if spec is None else spec.counters(finished.spec_steps)
+                )
                 completes.append(
                     pb.GenerateResponse(
                         complete=pb.Complete(
@@ -318,6 +322,8 @@ class SimEngineServicer(pb_grpc.EngineServicer):
                             finish_reason=FINISH_REASONS[finished.finish_reason],
                             num_prompt_tokens=run.prompt_len,
                             num_cached_tokens=finished.cached_prompt_tokens,
+                            spec_draft_tokens=drafted,
+                            spec_accepted_tokens=accepted,
                         )
                     )
                 )
