@@ -21,11 +21,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from rollserve.cli.stack import launch_engine
 from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from tests.integration.engine_proc import STOP_TIMEOUT_S, free_port, start_engine_process
+from tests.integration.engine_proc import (
+    STOP_TIMEOUT_S,
+    EngineProcess,
+    free_port,
+    start_engine_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -399,5 +405,31 @@ def test_engine_whose_vllm_core_dies_stops_serving_and_exits(
         code = engine.proc.wait(timeout=STOP_TIMEOUT_S)
         assert code == ENGINE_DIED_EXIT_CODE, engine.log_tail()
         assert "engine core died" in engine.log_tail(10**6)
+    finally:
+        engine.kill()
+
+
+def test_engine_stopped_while_its_model_loads_exits_at_once_and_cleanly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A SIGTERM while vLLM loads the model (which blocks the event loop) interrupts the load:
+    the engine exits 0 without serving, leaving no process of its group behind. Without
+    `signals_interrupt_load` the stop would wait for the whole load and the warm-up."""
+    engine = EngineProcess(
+        "engine-loading", launch_engine(tiny_model_dir, "engine-loading", tmp_path)
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        # vLLM logs the architecture from inside the load, seconds before the load ends.
+        while "Resolved architecture" not in engine.log_tail(10**6):
+            assert engine.proc.poll() is None, engine.log_tail()
+            assert time.monotonic() < deadline, engine.log_tail()
+            time.sleep(0.02)
+        code = engine.stop()
+        log = engine.log_tail(10**6)
+        assert code == 0, log
+        assert "stopping: SIGTERM during the model load" in log
+        assert "rollserve-engine ready" not in log
+        assert engine.leftover_pids == [], log
     finally:
         engine.kill()

@@ -26,7 +26,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args, get_origin
 
 import grpc
@@ -60,6 +60,9 @@ READY_PREFIX = "rollserve-engine ready"
 
 CHILD_EXIT_TIMEOUT_S = 10.0
 """How long vLLM's children may take to exit after shutdown before they are killed."""
+INTERRUPTED_CHILD_EXIT_TIMEOUT_S = 1.0
+"""The same after a stop during the model load: the half-started engine core has nothing to
+finish."""
 ENGINE_CHECK_INTERVAL_S = 0.5
 """How often the process checks that vLLM's engine core is alive."""
 ENGINE_DIED_EXIT_CODE = 3
@@ -102,15 +105,23 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     backend: VllmBackend | None = None
     link: asyncio.Task[None] | None = None
     died = False
+    children_exit_s = CHILD_EXIT_TIMEOUT_S
     try:
         # The import takes seconds and needs no event loop; model loading must run on this
         # thread (vLLM starts its engine-core child from the calling thread and binds its
         # output handler to the running loop), so it blocks the loop while it runs.
         await asyncio.to_thread(importlib.import_module, "vllm")
+        await asyncio.sleep(0)  # a signal that came with the import's end sets stop first
         if stop.is_set():
             return
         _start_engine_core_with_parent_death_signal()
-        backend = VllmBackend.create(settings, device)
+        try:
+            with signals_interrupt_load(stop):
+                backend = VllmBackend.create(settings, device)
+        except LoadInterrupted as exc:
+            logger.info("stopping: %s", exc)
+            children_exit_s = INTERRUPTED_CHILD_EXIT_TIMEOUT_S
+            return
         if settings.frontend_nice:
             # The engine core has started (with this process's priority): from now on the
             # threads of this process yield to it when they compete for a CPU.
@@ -149,12 +160,42 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         engine_servicer.detach()
         if backend is not None:
             backend.shutdown()
-        _reap_children(CHILD_EXIT_TIMEOUT_S)
+        _reap_children(children_exit_s)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         logger.info("stopped")
     if died:
         raise SystemExit(ENGINE_DIED_EXIT_CODE)
+
+
+class LoadInterrupted(BaseException):
+    """A stop signal came while the model loaded (a BaseException, as KeyboardInterrupt is, so
+    that vLLM's own ``except Exception`` clean-ups let it through)."""
+
+
+@contextlib.contextmanager
+def signals_interrupt_load(stop: asyncio.Event) -> Iterator[None]:
+    """While the model loads, SIGTERM and SIGINT interrupt the load and set ``stop``.
+
+    The load runs on the event loop's thread and blocks it (vLLM binds its output handler to
+    the running loop), so the loop's own signal handlers wait for the load to end: seconds
+    for a small model on a CPU, minutes for a large one on a GPU. A Python-level handler runs
+    in this thread between bytecodes instead. vLLM's engine-core child dies with this process
+    (``_run_engine_core``). The loop's handlers are back on leaving the block.
+    """
+
+    def interrupt(signum: int, _frame: object) -> None:
+        stop.set()
+        raise LoadInterrupted(f"{signal.Signals(signum).name} during the model load")
+
+    previous = {
+        signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 async def warm_up_unless_stopped(backend: VllmBackend, stop: asyncio.Event) -> bool:
