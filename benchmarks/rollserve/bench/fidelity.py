@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollserve.bench.workload import BenchGroup, bench_groups
+from rollserve.cli.paths import output_dir, output_file
 from rollserve.sim.calibrate import default_engines
 from rollserve.sim.scenarios import SimGroup
 
@@ -815,7 +816,7 @@ def add_bench_fidelity(bench_sub: Any) -> None:
         default=[d.profile],
         help="profile name or TOML file; several (with --replay) pool, as several --replay do",
     )
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=output_file)
     p.add_argument(
         "--replay",
         type=Path,
@@ -832,7 +833,7 @@ def add_bench_fidelity(bench_sub: Any) -> None:
     )
     p.add_argument(
         "--pairs-dir",
-        type=Path,
+        type=output_dir,
         help="where --pairs keeps each pair's profile and JSONs (default: beside --json, "
         "else a new temporary folder)",
     )

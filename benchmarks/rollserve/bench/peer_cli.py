@@ -7,6 +7,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from rollserve.cli.paths import output_dir, output_file
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -87,11 +89,11 @@ def add_bench_peer(bench_sub: Any) -> None:
         type=int,
         help="niceness of its control plane (default: --control-plane-nice)",
     )
-    p.add_argument("--run-dir", type=Path, help="keep every process's log here")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--run-dir", type=output_dir, help="keep every process's log here")
+    p.add_argument("--json", type=output_file)
     p.add_argument(
         "--trace",
-        type=Path,
+        type=output_file,
         help="write the measured workload (each group's response lengths) as a trace CSV "
         "that a scenario file replays in the simulator",
     )

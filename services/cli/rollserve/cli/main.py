@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from rich.console import Console
+from rollserve.cli.paths import output_dir, output_file
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", type=Path, help="model dir (default: the shipped trained reasoner)")
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
-    up.add_argument("--run-dir", type=Path, help="where the logs go (default: a temp dir)")
+    up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
     up.add_argument(
         "--engine-arg",
         action="append",
@@ -223,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=_positive, default=1024)
     demo.add_argument("--temperature", type=float, default=1.0)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", type=Path, help="also write the summary here")
+    demo.add_argument("--json", type=output_file, help="also write the summary here")
     demo.set_defaults(func=_cmd_demo)
 
     model = sub.add_parser("model", help="make models for development")
@@ -231,14 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = model_sub.add_parser(
         "tiny", help="a small random Llama with a locally trained tokenizer"
     )
-    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("dir", type=output_dir)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
 
     reasoner = model_sub.add_parser(
         "train-reasoner", help="train the small reasoning model on the workload's tasks (CPU)"
     )
-    reasoner.add_argument("dir", type=Path)
+    reasoner.add_argument("dir", type=output_dir)
     reasoner.add_argument("--seed", type=int, default=0)
     reasoner.add_argument(
         "--steps", type=_positive, help="optimiser steps (default: those of the shipped model)"
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     make = workload_sub.add_parser("make", help="write a seeded prompt set (JSON lines)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--size", type=_positive, default=1000)
-    make.add_argument("out", type=Path)
+    make.add_argument("out", type=output_file)
     make.set_defaults(func=_cmd_workload_make)
     shape = workload_sub.add_parser(
         "stats", help="length tail, predictability and accuracy of a model on a prompt set"
@@ -260,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--samples", type=_positive, default=8, help="samples per prompt")
     shape.add_argument("--prompts", type=_positive, help="use only the first N prompts")
     shape.add_argument(
-        "--out-dir", type=Path, default=Path("workload-stats"), help="where the PNGs go"
+        "--out-dir", type=output_dir, default=Path("workload-stats"), help="where the PNGs go"
     )
-    shape.add_argument("--json", type=Path)
+    shape.add_argument("--json", type=output_file)
     shape.add_argument(
         "--check", action="store_true", help="exit 1 when a figure misses its target"
     )
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument(
         "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
     )
-    overhead.add_argument("--json", type=Path)
+    overhead.add_argument("--json", type=output_file)
     overhead.set_defaults(func=_cmd_bench_overhead)
     policies = bench_sub.add_parser(
         "policies", help="scheduling policies side by side on simulated engines (virtual time)"
@@ -340,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="drafting time a sequence a pass, seconds (a model-free drafter's CPU lookups)",
     )
-    policies.add_argument("--out-dir", type=Path, default=Path("bench-policies"))
-    policies.add_argument("--json", type=Path)
+    policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
+    policies.add_argument("--json", type=output_file)
     policies.set_defaults(func=_cmd_bench_policies)
     from rollserve.cli.sim import add_bench_fleet
 
@@ -360,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_argument("--groups", type=_positive, default=128)
     decisions.add_argument("--n", type=_positive, default=8)
     decisions.add_argument("--repeats", type=_positive, default=5)
-    decisions.add_argument("--json", type=Path)
+    decisions.add_argument("--json", type=output_file)
     decisions.set_defaults(func=_cmd_bench_decisions)
     bound = bench_sub.add_parser(
         "bound",
@@ -382,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-passes", type=_positive, default=8, help="passes of the one-sample-move search"
     )
     bound.add_argument("--seed", type=int, default=0)
-    bound.add_argument("--json", type=Path)
+    bound.add_argument("--json", type=output_file)
     bound.set_defaults(func=_cmd_bench_bound)
 
     # The services themselves; their flags are their own.

@@ -8,8 +8,9 @@ several sizes (``rollserve.bench.fleet``). Both import their modules only when r
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
+
+from rollserve.cli.paths import output_dir, output_file
 
 
 def main(argv: list[str]) -> int:
@@ -95,8 +96,10 @@ def add_bench_fleet(bench_sub: Any) -> None:
         help=f"max_tokens of every group ({defaults.max_tokens})",
     )
     fleet.add_argument("--seed", type=int, default=defaults.seed)
-    fleet.add_argument("--json", type=Path, help="also write the results here")
-    fleet.add_argument("--run-dir", type=Path, help="keep the logs here (default: a temp dir)")
+    fleet.add_argument("--json", type=output_file, help="also write the results here")
+    fleet.add_argument(
+        "--run-dir", type=output_dir, help="keep the logs here (default: a temp dir)"
+    )
     fleet.set_defaults(func=_cmd_bench_fleet)
 
 

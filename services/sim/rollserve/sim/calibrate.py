@@ -79,6 +79,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import IO, Any
 
+from rollserve.cli.paths import output_file
 from rollserve.sim.profile import load_profile
 
 __all__ = [
@@ -1476,9 +1477,12 @@ def cli_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="prompts and sampling")
     parser.add_argument(
-        "--out", type=Path, default=defaults.out, help="profile TOML (default: the shipped one)"
+        "--out",
+        type=output_file,
+        default=defaults.out,
+        help="profile TOML (default: the shipped one)",
     )
-    parser.add_argument("--json", type=Path, help="also write settings, steps and fit here")
+    parser.add_argument("--json", type=output_file, help="also write settings, steps and fit here")
     parser.add_argument(
         "--refit",
         type=Path,
