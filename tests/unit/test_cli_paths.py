@@ -54,6 +54,7 @@ def test_a_benchmark_refuses_a_bad_json_path_before_it_runs(tmp_path: Path) -> N
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert proc.returncode == 2
     assert f"argument --json: {tmp_path} is a folder, not a file" in proc.stderr

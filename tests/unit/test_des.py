@@ -298,15 +298,44 @@ def test_a_policy_cannot_preempt_what_does_not_run_there() -> None:
 
 
 def test_rl_keeps_new_work_off_engines_running_carried_over_work() -> None:
-    # Over-sampled steps: carried-over groups run at their launch step's priority; rl then
-    # places the next step's groups elsewhere while it can. Tokens add up either way.
-    stream = [group(f"g{i}", (400 if i % 3 == 0 else 20,) * 2) for i in range(24)]
+    # Over-sampled steps: carried-over groups run at their launch step's priority, which the
+    # engines' views carry; rl then places the next step's groups elsewhere while it can.
+    stream = [group(f"g{i}", (400 if i % 3 == 0 else 20,) * 4) for i in range(24)]
+
+    class Watched(RLPolicy):
+        """rl, noting for each plan the engines it used while running urgent work."""
+
+        def __init__(self, settings: RLSettings) -> None:
+            super().__init__(settings)
+            self.urgent_plans = 0  # plans made while an engine ran urgent work
+            self.onto_urgent = 0  # samples placed on such an engine while another had room
+
+        def plan(self, snapshot: Snapshot) -> Plan:
+            plan = super().plan(snapshot)
+            first = min(g.priority for g in snapshot.queue)
+            urgent = {
+                e.engine_id
+                for e in snapshot.engines
+                if e.urgent_priority is not None and e.urgent_priority < first
+            }
+            room = any(e.free_samples > 0 for e in snapshot.engines if e.engine_id not in urgent)
+            if urgent and room:
+                self.urgent_plans += 1
+                self.onto_urgent += sum(
+                    len(a.samples) for a in plan.assignments if a.engine_id in urgent
+                )
+            return plan
+
+    watched = {}
     for isolate in (True, False):
-        policy = RLPolicy(RLSettings(isolate_priorities=isolate))
-        assert policy.moves_running == isolate
-        result = run_des_async(stream, policy, PROFILE, engines=4, batch=4, steps=4, oversample=0.5)
+        policy = Watched(RLSettings(isolate_priorities=isolate))
+        assert not policy.moves_running
+        result = run_des_async(stream, policy, PROFILE, engines=3, batch=4, steps=4, oversample=0.5)
         assert sum(s.groups for s in result.steps) == 16
         assert result.moves == 0
+        watched[isolate] = policy
+    assert watched[True].urgent_plans > 0 and watched[True].onto_urgent == 0
+    assert watched[False].onto_urgent > 0
 
 
 def test_a_run_is_the_same_in_every_process(tmp_path: Path) -> None:

@@ -181,25 +181,26 @@ def running(
 
 
 def test_new_work_stays_off_engines_running_more_urgent_work() -> None:
-    # e0 runs a sample carried over from the last step (priority 0); this step's group
-    # (priority 1) goes to the other engines while they have room.
-    carried = (running("old", 0, "e0", 5000),)
+    # e0 runs a sample carried over from the last step (priority 0, in its view); this
+    # step's group (priority 1) goes to the other engines while they have room.
     queue = (group("new", 100, n=4, priority=1),)
-    engines = (engine("e0", inflight_samples=1), engine("e1"), engine("e2"))
+    engines = (engine("e0", inflight_samples=1, urgent_priority=0), engine("e1"), engine("e2"))
     policy = RLPolicy()
-    assert policy.moves_running  # it reads the running samples
-    plan = policy.plan(Snapshot(queue, engines, running=carried))
+    assert not policy.moves_running  # the engines' views are enough
+    plan = policy.plan(Snapshot(queue, engines))
     assert "e0" not in placed(plan) and sum(len(s) for s in placed(plan).values()) == 4
     # Without another engine with room, the work is not held back.
-    full = (engine("e0", inflight_samples=1), engine("e1", capacity=1, inflight_samples=1))
-    plan = policy.plan(Snapshot(queue, full, running=carried))
+    full = (
+        engine("e0", inflight_samples=1, urgent_priority=0),
+        engine("e1", capacity=1, inflight_samples=1, urgent_priority=1),
+    )
+    plan = policy.plan(Snapshot(queue, full))
     assert [e for e in placed(plan)] == ["e0"]
     # Off, or with work of one priority, e0 is used like any engine.
     off = RLPolicy(RLSettings(isolate_priorities=False, move_running=False))
-    assert not off.moves_running
-    same = (running("old", 0, "e0", 5000, priority=1),)
-    for p, r in ((off, carried), (RLPolicy(), same)):
-        plan = p.plan(Snapshot((group("new", 100, n=12, priority=1),), engines, running=r))
+    same = (engine("e0", inflight_samples=1, urgent_priority=1), *engines[1:])
+    for p, views in ((off, engines), (RLPolicy(), same)):
+        plan = p.plan(Snapshot((group("new", 100, n=12, priority=1),), views))
         assert "e0" in placed(plan)
 
 

@@ -158,6 +158,21 @@ def test_running_sibling_progress_raises_the_prediction() -> None:
     assert p.predict("q", running_siblings_progress=[10**6]).mean < 1.2 * 10**6
 
 
+def test_a_fit_conditioned_on_progress_is_the_prediction() -> None:
+    # The scheduler fits a group once and conditions each running sample on its own
+    # progress; that must be exactly what predict gives, from the prior to far in the tail.
+    p = LengthPredictor()
+    for epoch in range(2):
+        for length in (120, 80, 300, 150):
+            p.observe("q", length, epoch=epoch, prompt_len=40)
+    for key, siblings in (("q", ()), ("q", (90, 400)), ("unseen", ()), ("unseen", (12,))):
+        fit = p.fit(key, 40, siblings)
+        for progress in (0, 1, 100, 2_000, 10**6):
+            pred = p.predict(key, 40, siblings, (progress,) if progress else ())
+            assert fit.mean_above(progress) == pred.mean
+            assert (fit.source, fit.confidence) == (pred.source, pred.confidence)
+
+
 # -- durability and bounds -----------------------------------------------------------
 
 

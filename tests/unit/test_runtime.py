@@ -452,7 +452,9 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
     runtime = await make_runtime(redis_url, [narrow], policy, capacity_factor=1.0)
     run = new_run()
     try:
-        await runtime.submit(run, specs(run, 1, n=4, max_tokens=8))
+        assert runtime.snapshot().engines[0].urgent_priority is None  # nothing runs
+        first_spec = dataclasses.replace(spec("g0", n=4, max_tokens=8, run_id=run), priority=3)
+        await runtime.submit(run, [first_spec])
 
         async def first_tokens() -> bool:  # the first chunk: 3 of 6 tokens per sample
             [view] = runtime.status().engines
@@ -482,6 +484,7 @@ async def test_partly_placed_groups_show_their_pending_samples_and_engines_count
     assert view.predicted_outstanding_tokens == pytest.approx(2 * left)
     [engine_view] = snapshot.engines
     assert engine_view.kv_used_tokens == 2 * (5 + 3)
+    assert engine_view.urgent_priority == 3  # what rl keeps new work away from
     assert engine_view.predicted_longest == pytest.approx(left)
 
 

@@ -37,6 +37,7 @@ class EngineLoad:
     predicted_outstanding: float = 0.0  # predicted length minus progress, at least 0
     predicted_longest: float = 0.0  # the most of that for one sample
     kv_used_tokens: int = 0  # prompt plus progress (shared prefixes counted per sample)
+    urgent_priority: int | None = None  # the lowest priority value of its running samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class EngineHandle:
             predicted_longest=load.predicted_longest,
             kv_capacity_tokens=self.info.kv_capacity_tokens if self.info is not None else 0,
             kv_used_tokens=load.kv_used_tokens,
+            urgent_priority=load.urgent_priority,
         )
 
     async def probe(self, timeout_s: float) -> None:

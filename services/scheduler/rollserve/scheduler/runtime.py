@@ -67,7 +67,7 @@ import grpc
 import redis.exceptions
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, first_non_finite
 from rollserve.scheduler.core.policy import Policy
-from rollserve.scheduler.core.predictor import LengthPredictor
+from rollserve.scheduler.core.predictor import LengthFit, LengthPredictor
 from rollserve.scheduler.core.snapshot import (
     Assign,
     Preempt,
@@ -203,6 +203,8 @@ class SchedulerRuntime:
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # Queued group key -> ((learned, finished siblings, furthest progress), prediction).
         self._predicted: dict[str, tuple[tuple[int, int, int], float]] = {}
+        # Running group key -> ((learned, its revision), its length fit).
+        self._fits: dict[str, tuple[tuple[int, int], LengthFit]] = {}
         # Queued group key -> (record, its revision, prediction, the view built from them):
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
@@ -434,7 +436,6 @@ class SchedulerRuntime:
         still to generate; without it the predicted fields stay 0 (unknown)."""
         loads = {engine_id: EngineLoad() for engine_id in self._engines}
         groups: dict[str, set[str]] = {engine_id: set() for engine_id in self._engines}
-        memo: dict[tuple[str, int], float] = {}
         for key, calls in self._calls.items():
             for call in calls.values():
                 load = loads.get(call.engine.engine_id)
@@ -443,13 +444,15 @@ class SchedulerRuntime:
                     continue
                 groups[call.engine.engine_id].add(key)
                 spec = call.record.spec
+                if load.urgent_priority is None or spec.priority < load.urgent_priority:
+                    load.urgent_priority = spec.priority
                 for index in running:
                     progress = len(call.record.samples[index].token_ids)
                     load.samples += 1
                     load.outstanding_tokens += max(0, spec.sampling.max_tokens - progress)
                     load.kv_used_tokens += len(spec.prompt_token_ids) + progress
                     if predict:
-                        predicted = self._predict_running(call.record, progress, memo)
+                        predicted = self._predict_running(call.record, progress)
                         left = max(0.0, predicted - progress)
                         load.predicted_outstanding += left
                         load.predicted_longest = max(load.predicted_longest, left)
@@ -457,21 +460,21 @@ class SchedulerRuntime:
             loads[engine_id].groups = len(keys)
         return loads
 
-    def _predict_running(
-        self, record: GroupRecord, progress: int, memo: dict[tuple[str, int], float]
-    ) -> float:
-        """Predicted length of a running sample that has generated ``progress`` tokens."""
-        memo_key = (record.spec.key, progress)
-        if memo_key not in memo:
-            spec = record.spec
-            prediction = self._predictor.predict(
-                spec.prompt_key,
-                len(spec.prompt_token_ids),
-                record.finished_lengths(),
-                (progress,) if progress else (),
+    def _predict_running(self, record: GroupRecord, progress: int) -> float:
+        """Predicted length of a running sample that has generated ``progress`` tokens.
+
+        Every plan predicts every running sample, whose progress moves between plans; the
+        group's fit (its prompt's history and finished siblings) is kept until the group
+        or the predictor changes, and only the cheap conditioning on progress is redone."""
+        spec = record.spec
+        stamp = (self._learned, record.revision)
+        cached = self._fits.get(spec.key)
+        if cached is None or cached[0] != stamp:
+            fit = self._predictor.fit(
+                spec.prompt_key, len(spec.prompt_token_ids), record.finished_lengths()
             )
-            memo[memo_key] = min(prediction.mean, float(spec.sampling.max_tokens))
-        return memo[memo_key]
+            cached = self._fits[spec.key] = (stamp, fit)
+        return min(cached[1].mean_above(progress), float(spec.sampling.max_tokens))
 
     def _predict_queued(self, record: GroupRecord) -> float:
         """Predicted length of a queued sample of the group, from its prompt's history, its
@@ -541,7 +544,6 @@ class SchedulerRuntime:
     def _running_samples(self, predict: bool) -> tuple[RunningSample, ...]:
         """Every running sample a policy may preempt (not those being preempted already);
         with ``predict``, with its predicted tokens left."""
-        memo: dict[tuple[str, int], float] = {}
         out: list[RunningSample] = []
         for key, calls in self._calls.items():
             for call in calls.values():
@@ -551,7 +553,7 @@ class SchedulerRuntime:
                         continue
                     sample = record.samples[index]
                     progress = len(sample.token_ids)
-                    predicted = self._predict_running(record, progress, memo) if predict else 0.0
+                    predicted = self._predict_running(record, progress) if predict else 0.0
                     out.append(
                         RunningSample(
                             group_key=key,
@@ -851,6 +853,7 @@ class SchedulerRuntime:
         del self._groups[key]
         self._queue.pop(key, None)
         self._predicted.pop(key, None)
+        self._fits.pop(key, None)
         self._views.pop(key, None)
         current = asyncio.current_task()
         for call in self._calls.pop(key, {}).values():

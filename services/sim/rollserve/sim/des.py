@@ -366,10 +366,13 @@ class _Fleet:
         for eid, sim in self.sims.items():
             outstanding = 0
             lefts = []
+            urgent: int | None = None
             for rid in self.per_engine[eid]:
                 r = self.running[rid]
                 outstanding += max(0, r.group.group.max_tokens - self._progress(rid, r))
                 lefts.append(self._remaining(rid, r))
+                if urgent is None or r.group.priority < urgent:
+                    urgent = r.group.priority
             # fsum: the same sum in any order (a set's order changes with the hash seed, and
             # a float sum with its order, which would make runs differ from one process to
             # the next).
@@ -386,6 +389,7 @@ class _Fleet:
                     predicted_longest=longest,
                     kv_capacity_tokens=sim.kv_capacity_tokens,
                     kv_used_tokens=sim.kv_used_tokens,
+                    urgent_priority=urgent,
                 )
             )
         return tuple(result)

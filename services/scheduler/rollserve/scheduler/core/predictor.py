@@ -171,6 +171,23 @@ class Prediction:
     confidence: float  # in [0, 1]: share of the estimate from this prompt's own evidence
 
 
+@dataclass(frozen=True, slots=True)
+class LengthFit:
+    """What the predictor believes of a remaining sample's length ``L`` before anything about
+    that sample itself is known: ``log(1 + L) ~ N(mu, var)``. Conditioning on the sample's
+    own progress is cheap (:meth:`mean_above`), so a caller that predicts every running
+    sample at every decision fits once per group and conditions per sample."""
+
+    mu: float
+    var: float
+    source: PredictionSource
+    confidence: float
+
+    def mean_above(self, floor: int) -> float:
+        """Expected ``L`` given ``L > floor`` (``floor`` <= 0: unconditioned)."""
+        return _lognormal_mean(self.mu, self.var, floor)
+
+
 @dataclass(slots=True)
 class _Moments:
     """Decayed weighted mean and sum of squared deviations (West's update)."""
@@ -342,11 +359,20 @@ class LengthPredictor:
         samples; the furthest one conditions the prediction on length > that progress.
         Reads only: predicting does not change the eviction order.
         """
+        for progress in running_siblings_progress:
+            _check_non_negative("running sibling progress", progress)
+        fit = self.fit(prompt_key, prompt_len, finished_siblings)
+        floor = max(running_siblings_progress, default=0)
+        mean, p90 = _lognormal_summary(fit.mu, fit.var, floor)
+        return Prediction(mean=mean, p90=p90, source=fit.source, confidence=fit.confidence)
+
+    def fit(
+        self, prompt_key: str, prompt_len: int = 0, finished_siblings: Sequence[int] = ()
+    ) -> LengthFit:
+        """The log-length distribution :meth:`predict` conditions on running progress."""
         _check_non_negative("prompt_len", prompt_len)
         for length in finished_siblings:
             _check_non_negative("finished sibling length", length)
-        for progress in running_siblings_progress:
-            _check_non_negative("running sibling progress", progress)
 
         prior_mu, prior_var = self._prior(prompt_len)
         stats = self._keys.get(prompt_key)
@@ -394,9 +420,7 @@ class LengthPredictor:
             source = "siblings" if sibling_weight >= history_weight else "history"
             confidence = evidence / (evidence + prior_weight)
 
-        floor = max(running_siblings_progress, default=0)
-        mean, p90 = _lognormal_summary(mu, max(var, _MIN_LOG_VAR), floor)
-        return Prediction(mean=mean, p90=p90, source=source, confidence=confidence)
+        return LengthFit(mu, max(var, _MIN_LOG_VAR), source, confidence)
 
     def _prior(self, prompt_len: int) -> tuple[float, float]:
         """Log-mean and log-variance for a prompt with no evidence of its own."""
@@ -504,23 +528,37 @@ def _survival(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def _lognormal_summary(mu: float, var: float, floor: int) -> tuple[float, float]:
-    """Mean and 90% quantile of ``L`` with ``log(1 + L) ~ N(mu, var)``, given ``L > floor``."""
-    sd = math.sqrt(var)
+def _lognormal_mean(mu: float, var: float, floor: int) -> float:
+    """Mean of ``L`` with ``log(1 + L) ~ N(mu, var)``, given ``L > floor``."""
     if floor <= 0:
-        return max(math.expm1(mu + var / 2), 0.0), max(math.expm1(mu + _Z_TAIL * sd), 0.0)
+        return max(math.expm1(mu + var / 2), 0.0)
+    sd = math.sqrt(var)
     cut = math.log1p(floor)
     alpha = (cut - mu) / sd
     if alpha > _ASYMPTOTIC_ALPHA:
         # Far out the truncated normal is an exponential of rate alpha / sd above the cut.
         rate = max(alpha / sd, 2.0)
         mean = math.exp(cut) * rate / (rate - 1.0) - 1.0
+    else:
+        mean = math.exp(mu + var / 2) * _survival(alpha - sd) / _survival(alpha) - 1.0
+    return max(mean, float(floor))
+
+
+def _lognormal_summary(mu: float, var: float, floor: int) -> tuple[float, float]:
+    """Mean and 90% quantile of ``L`` with ``log(1 + L) ~ N(mu, var)``, given ``L > floor``."""
+    mean = _lognormal_mean(mu, var, floor)
+    sd = math.sqrt(var)
+    if floor <= 0:
+        return mean, max(math.expm1(mu + _Z_TAIL * sd), 0.0)
+    cut = math.log1p(floor)
+    alpha = (cut - mu) / sd
+    if alpha > _ASYMPTOTIC_ALPHA:
+        rate = max(alpha / sd, 2.0)
         p90 = math.expm1(cut + math.log(1.0 / (1.0 - _TAIL_QUANTILE)) / rate)
     else:
         tail = _survival(alpha)
-        mean = math.exp(mu + var / 2) * _survival(alpha - sd) / tail - 1.0
         p90 = math.expm1(mu - sd * _STD_NORMAL.inv_cdf((1.0 - _TAIL_QUANTILE) * tail))
-    return max(mean, float(floor)), max(p90, float(floor))
+    return mean, max(p90, float(floor))
 
 
 # -- accuracy metrics ------------------------------------------------------------

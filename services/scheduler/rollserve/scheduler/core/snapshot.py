@@ -63,6 +63,8 @@ class EngineView:
     predicted_longest: float = 0.0  # of its running samples, the most predicted tokens left
     kv_capacity_tokens: int = 0  # KV cache size in tokens (0: unknown)
     kv_used_tokens: int = 0  # KV held by its running samples, tokens
+    # The most urgent (lowest) priority value among its running samples; None when none runs.
+    urgent_priority: int | None = None
 
     @property
     def free_samples(self) -> int:

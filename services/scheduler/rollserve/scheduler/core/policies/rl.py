@@ -190,7 +190,9 @@ class RLPolicy:
 
     def __init__(self, settings: RLSettings | None = None) -> None:
         self.settings = settings or RLSettings()
-        self.moves_running = self.settings.move_running or self.settings.isolate_priorities
+        # Deadlines need only each engine's most urgent running priority (in its view);
+        # the running samples themselves only to move them.
+        self.moves_running = self.settings.move_running
         # prompt key -> engines it was sent to, most recent last; least recently placed first.
         self._holders: OrderedDict[str, list[str]] = OrderedDict()
 
@@ -219,7 +221,7 @@ class RLPolicy:
         }
         if not snapshot.queue:
             return True
-        if cfg.isolate_priorities and snapshot.running:
+        if cfg.isolate_priorities:
             engines = _without_urgent_work(engines, snapshot)
         if not engines:
             return False
@@ -367,7 +369,11 @@ def _without_urgent_work(engines: dict[str, _Engine], snapshot: Snapshot) -> dic
     """``engines`` less those running work more urgent than anything queued, unless that
     leaves none."""
     first = min(group.priority for group in snapshot.queue)
-    urgent = {s.engine_id for s in snapshot.running if s.priority < first}
+    urgent = {
+        e.engine_id
+        for e in snapshot.engines
+        if e.urgent_priority is not None and e.urgent_priority < first
+    }
     rest = {engine_id: e for engine_id, e in engines.items() if engine_id not in urgent}
     return rest or engines
 
