@@ -3,6 +3,7 @@ the scheduler builds, the policy the real one."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import replace
 
@@ -178,6 +179,30 @@ def running(
         predicted_left=left,
         priority=priority,
     )
+
+
+def test_samples_predicted_short_do_not_pile_onto_a_few_engines() -> None:
+    # Six engines take one sample each of a group predicted long; by the cost model they are
+    # busy for its whole length, so the 64 samples predicted short would all go to the
+    # other two. The count cap keeps every engine within 1.25x of an even share.
+    engines = tuple(engine(f"e{i}") for i in range(8))
+    shorts = [group(f"s{i}", 200, n=4, prompt_len=100, seq=i + 1) for i in range(16)]
+    queue = (group("long", 5000, n=6, prompt_len=100), *shorts)
+
+    def counts(policy: RLPolicy) -> list[int]:
+        plan = policy.plan(Snapshot(queue, engines))
+        return sorted(len(s) for s in placed(plan).values())
+
+    assert counts(RLPolicy(RLSettings(count_slack=0))) == [1, 1, 1, 1, 1, 1, 32, 32]
+    capped = counts(RLPolicy())
+    assert sum(capped) == 70 and max(capped) == math.ceil(1.25 * 70 / 8) == 11
+    # Running samples count toward the share, and the cap never leaves work unplaced.
+    busy = (engine("e0", inflight_samples=40), *engines[1:])
+    plan = RLPolicy().plan(Snapshot(queue, busy))
+    assert sum(len(s) for s in placed(plan).values()) == 70
+    assert len(placed(plan).get("e0", [])) == 0  # 40 running already: above its share
+    with pytest.raises(ValueError, match="count_slack"):
+        RLSettings(count_slack=0.5)
 
 
 def test_new_work_stays_off_engines_running_more_urgent_work() -> None:

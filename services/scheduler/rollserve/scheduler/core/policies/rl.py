@@ -43,6 +43,14 @@ Algorithm
 5. A sample that fits nowhere stays queued, and so does everything after it of the same or
    a higher priority value (strict order: the longest work is never overtaken). With no
    free slot anywhere planning stops.
+6. Count cap: no engine ends a plan with more than ``count_slack`` times its share of the
+   samples (those running on the engines the plan may use, plus those it can place). The
+   cost model takes an engine's longest sample to be its longest *predicted mean*, but the
+   longest of many samples predicted alike lands far above their mean. Without the cap an
+   engine given one sample predicted long looks busy for its whole length, and the samples
+   predicted short pile onto the others (1 to 118 samples an engine were seen with the first
+   epoch's prompts partly known); the cap spreads them. It binds only when a plan fills
+   under about 1 / ``count_slack`` of the fleet's slots, and never below a whole group.
 
 Deadlines: a trainer that over-samples and carries its tail over (``StepBatcher``) submits
 each step's groups with the step as their priority, so running work of a lower priority
@@ -94,6 +102,7 @@ Settings (:class:`RLSettings`)
 - ``kv_headroom`` (1.0): share of an engine's KV capacity a plan may fill by prediction.
 - ``prefix_memory`` (65536): prompts whose engines are remembered, least recently placed
   forgotten first; ``prefix_engines`` (8): engines remembered per prompt.
+- ``count_slack`` (1.25): the count cap of step 6, over an even share; 0 turns it off.
 - ``isolate_priorities`` (True): keep new work off engines running more urgent work.
 - ``move_running`` (False): move running samples apart as above.
 - ``move_gain`` (0.05): the share of the greatest ``T`` a move must save.
@@ -131,6 +140,7 @@ class RLSettings:
     prefix_engines: int = 8
     isolate_priorities: bool = True
     move_running: bool = False
+    count_slack: float = 1.25
     move_gain: float = 0.05
     max_preemptions: int = 2
     moves_per_plan: int = 16
@@ -143,6 +153,8 @@ class RLSettings:
                 raise ValueError(f"{name} ({value}) must be a finite number of seconds >= 0")
         if self.default_len < 1:
             raise ValueError(f"default_len ({self.default_len}) must be >= 1 token")
+        if not (self.count_slack == 0 or 1 <= self.count_slack < math.inf):
+            raise ValueError(f"count_slack ({self.count_slack}) must be 0 (off) or a finite >= 1")
         if not 0 < self.kv_headroom <= 1:
             raise ValueError(f"kv_headroom ({self.kv_headroom}) must be in (0, 1]")
         if self.prefix_memory < 0 or self.prefix_engines < 1:
@@ -225,8 +237,17 @@ class RLPolicy:
             engines = _without_urgent_work(engines, snapshot)
         if not engines:
             return False
+        ordered = self._ordered(snapshot.queue)
+        if cfg.count_slack > 0:
+            views = {e.engine_id: e for e in snapshot.engines}
+            running = sum(views[engine_id].inflight_samples for engine_id in engines)
+            placeable = min(len(ordered), sum(e.free for e in engines.values()))
+            cap = math.ceil(cfg.count_slack * (running + placeable) / len(engines))
+            cap = max(cap, *(len(group.pending) for group in snapshot.queue))
+            for engine_id, engine in engines.items():
+                engine.free = min(engine.free, max(0, cap - views[engine_id].inflight_samples))
         heaps = _Heaps(engines, cfg.base_s)
-        for _priority, neg_len, _seq, index, group in self._ordered(snapshot.queue):
+        for _priority, neg_len, _seq, index, group in ordered:
             length = -neg_len
             target = self._choose(group, length, engines, heaps)
             if target is None:
