@@ -150,6 +150,8 @@ def test_sample_level_policies_deliver_every_group_once(
         assert all({s.engine_id for s in r.samples} == {"e0", "e1"} for r in results)
     assert status.groups_delivered == 8 and status.inflight_samples == 0
     assert status.predictor_keys == 8  # row-0 .. row-7, learnt from the delivered groups
+    # Every delivered sample was scored against what the predictor said before learning it.
+    assert status.predictor_scored_samples == 32 and status.HasField("predictor_mae_tokens")
 
 
 def test_dead_consumer_groups_are_redelivered_to_another(

@@ -11,6 +11,7 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
+from rollserve.client.types import SchedulerStatus
 from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream_key
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
@@ -580,11 +581,15 @@ async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> Non
         return check
 
     try:
+        assert runtime.status().predictor_scored_samples == 0
+        assert not runtime.status().HasField("predictor_mae_tokens")
+        prior = min(predictor.predict("row", 5).mean, 64.0)  # nothing learnt yet
         await runtime.submit(run, [group("first")])
         await eventually(learnt(0), "the first group's lengths")
         expected = predictor.predict("row", 5).mean
         await runtime.submit(run, [group("second")])  # no epoch: the next one of "row"
         await eventually(learnt(1), "the second group's lengths")
+        before_third = predictor.predict("row", 5).mean
         await runtime.submit(run, [group("blank", prompt_key=""), group("third", epoch=5)])
         await eventually(learnt(5), "the third group's lengths")
         results = await read_stream(redis_url, run, 4)
@@ -599,3 +604,18 @@ async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> Non
     assert predictor.epoch == 5 and status.predictor_epoch == 5
     assert "" not in predictor  # a group without prompt_key teaches nothing
     assert status.predictor_keys == len(predictor) >= 1
+    # Each delivered group with a prompt_key is scored before it is learnt: the first from
+    # the prior, the second and third from the history before them; "blank" is not.
+    lengths = (10, 20, 30, 40)
+    pairs = [(guess, length) for guess in (prior, expected, before_third) for length in lengths]
+    assert status.predictor_scored_samples == 12
+    assert status.predictor_mae_tokens == pytest.approx(
+        sum(abs(g - n) for g, n in pairs) / len(pairs)
+    )
+    assert status.HasField("predictor_tail_auc") and 0 <= status.predictor_tail_auc <= 1
+    typed = SchedulerStatus.from_proto(status)
+    assert (typed.predictor_keys, typed.predictor_epoch) == (status.predictor_keys, 5)
+    assert typed.predictor_scored_samples == 12
+    assert typed.predictor_mae_tokens == pytest.approx(status.predictor_mae_tokens)
+    assert typed.predictor_tail_auc == pytest.approx(status.predictor_tail_auc)
+    assert SchedulerStatus.from_proto(type(status)()).predictor_mae_tokens is None

@@ -198,6 +198,13 @@ class SchedulerStatus:
     engine_failures: int  # times an engine was marked unhealthy
     engines: tuple[EngineStatus, ...]
     samples_preempted: int = 0  # times a running sample was stopped, its tokens kept
+    predictor_keys: int = 0  # prompt keys with length history
+    predictor_epoch: int = 0  # the length predictor's newest epoch
+    # The predictor's accuracy over the latest delivered samples (up to 4096): each one's
+    # length as predicted from its prompt's history before it was learnt, against the truth.
+    predictor_scored_samples: int = 0
+    predictor_mae_tokens: float | None = None  # mean absolute error, tokens
+    predictor_tail_auc: float | None = None  # ranking of the longest 10% (1: perfect, 0.5: chance)
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -213,6 +220,15 @@ class SchedulerStatus:
             engine_failures=msg.engine_failures,
             engines=tuple(EngineStatus.from_proto(e) for e in msg.engines),
             samples_preempted=msg.samples_preempted,
+            predictor_keys=msg.predictor_keys,
+            predictor_epoch=msg.predictor_epoch,
+            predictor_scored_samples=msg.predictor_scored_samples,
+            predictor_mae_tokens=msg.predictor_mae_tokens
+            if msg.HasField("predictor_mae_tokens")
+            else None,
+            predictor_tail_auc=msg.predictor_tail_auc
+            if msg.HasField("predictor_tail_auc")
+            else None,
         )
 
     @property

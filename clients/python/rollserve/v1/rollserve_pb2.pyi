@@ -371,6 +371,9 @@ class StatusResponse(_message.Message):
     PREDICTOR_KEYS_FIELD_NUMBER: _builtins.int
     PREDICTOR_EPOCH_FIELD_NUMBER: _builtins.int
     SAMPLES_PREEMPTED_FIELD_NUMBER: _builtins.int
+    PREDICTOR_SCORED_SAMPLES_FIELD_NUMBER: _builtins.int
+    PREDICTOR_MAE_TOKENS_FIELD_NUMBER: _builtins.int
+    PREDICTOR_TAIL_AUC_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -389,6 +392,18 @@ class StatusResponse(_message.Message):
     """the length predictor's newest epoch"""
     samples_preempted: _builtins.int
     """times a running sample was stopped, its tokens kept"""
+    predictor_scored_samples: _builtins.int
+    """How well the length predictor knew the last delivered samples before they ran: for
+    each of up to 4096 of the latest samples (of groups with a prompt_key, ended at a stop
+    or max_tokens), the prediction from its prompt's history (or the prior) made just
+    before the group's lengths were learnt, against the length that came.
+    """
+    predictor_mae_tokens: _builtins.float
+    """mean absolute error, tokens"""
+    predictor_tail_auc: _builtins.float
+    """ROC AUC of the predictions as a score for "in the longest 10% of those samples"
+    (1: ranks every tail sample first, 0.5: chance); unset while undefined.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -407,12 +422,22 @@ class StatusResponse(_message.Message):
         predictor_keys: _builtins.int = ...,
         predictor_epoch: _builtins.int = ...,
         samples_preempted: _builtins.int = ...,
+        predictor_scored_samples: _builtins.int = ...,
+        predictor_mae_tokens: _builtins.float | None = ...,
+        predictor_tail_auc: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
+    _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__predictor_tail_auc: _TypeAlias = _typing.Literal["predictor_tail_auc"]  # noqa: Y015
+    _WhichOneofArgType__predictor_tail_auc: _TypeAlias = _typing.Literal["_predictor_tail_auc", b"_predictor_tail_auc"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__predictor_mae_tokens) -> _WhichOneofReturnType__predictor_mae_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__predictor_tail_auc) -> _WhichOneofReturnType__predictor_tail_auc | None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
 

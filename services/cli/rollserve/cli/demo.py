@@ -22,7 +22,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rollserve.cli.stack import DevStack, StackConfig
-from rollserve.client import GroupResult, PromptGroup, RolloutClient, SamplingParams
+from rollserve.client import (
+    GroupResult,
+    PromptGroup,
+    RolloutClient,
+    SamplingParams,
+    SchedulerStatus,
+)
 from rollserve.workload import PromptRow, read_prompt_set, score
 
 
@@ -55,6 +61,10 @@ class DemoSummary:
     mixed_group_share: float  # groups with both right and wrong samples: GRPO's signal
     steps: int
     engines: int
+    # The scheduler's length predictor over the run's delivered samples (Status).
+    predictor_scored_samples: int = 0
+    predictor_mae_tokens: float | None = None
+    predictor_tail_auc: float | None = None
 
 
 class Rewarder:
@@ -91,6 +101,8 @@ def summarize(
     wall_s: float,
     steps: int,
     engines: int,
+    *,
+    status: SchedulerStatus | None = None,
 ) -> DemoSummary:
     samples = [s for r in results for s in r.samples]
     output_tokens = sum(len(s.token_ids) for s in samples)
@@ -112,6 +124,9 @@ def summarize(
         ),
         steps=steps,
         engines=engines,
+        predictor_scored_samples=status.predictor_scored_samples if status else 0,
+        predictor_mae_tokens=status.predictor_mae_tokens if status else None,
+        predictor_tail_auc=status.predictor_tail_auc if status else None,
     )
 
 
@@ -189,6 +204,13 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
     table.add_row("group latency p99", f"{summary.group_latency_p99_s:.3f} s")
     table.add_row("mean reward", f"{summary.mean_reward:.3f}")
     table.add_row("groups with mixed rewards", f"{summary.mixed_group_share:.1%}")
+    if summary.predictor_mae_tokens is not None:
+        auc = summary.predictor_tail_auc
+        table.add_row(
+            "length predictor",
+            f"MAE {summary.predictor_mae_tokens:.0f} tokens, tail AUC "
+            f"{'-' if auc is None else f'{auc:.3f}'} ({summary.predictor_scored_samples} samples)",
+        )
     console.print(table)
 
 
@@ -207,7 +229,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoSummary:
         run_id = f"demo-{uuid.uuid4().hex[:8]}"
         with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
             results, rewards, wall_s = run_trainer_loop(client, cfg, rows, rewarder, console)
-    summary = summarize(results, rewards, wall_s, cfg.steps, cfg.engines)
+            status = client.status()
+    summary = summarize(results, rewards, wall_s, cfg.steps, cfg.engines, status=status)
     print_summary(summary, console)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(asdict(summary), indent=2) + "\n")

@@ -56,10 +56,12 @@ each engine. Its history is saved to Redis after each delivery and loaded at sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -67,7 +69,12 @@ import grpc
 import redis.exceptions
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, first_non_finite
 from rollserve.scheduler.core.policy import Policy
-from rollserve.scheduler.core.predictor import LengthFit, LengthPredictor
+from rollserve.scheduler.core.predictor import (
+    LengthFit,
+    LengthPredictor,
+    mean_absolute_error,
+    tail_auc,
+)
 from rollserve.scheduler.core.snapshot import (
     Assign,
     Preempt,
@@ -104,6 +111,8 @@ _REJECTIONS = frozenset(
     }
 )
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
+# The latest delivered samples the predictor's accuracy is reported over (Status).
+PREDICTOR_SCORE_WINDOW = 4096
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -201,6 +210,8 @@ class SchedulerRuntime:
         self.counters = Counters()
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
+        # (predicted before learning, true length) of the latest delivered samples.
+        self._scores: deque[tuple[float, int]] = deque(maxlen=PREDICTOR_SCORE_WINDOW)
         # Queued group key -> ((learned, finished siblings, furthest progress), prediction).
         self._predicted: dict[str, tuple[tuple[int, int, int], float]] = {}
         # Running group key -> ((learned, its revision), its length fit).
@@ -385,6 +396,7 @@ class SchedulerRuntime:
     def status(self) -> pb.StatusResponse:
         loads = self._loads()
         c = self.counters
+        scored, mae, auc = self._predictor_score()
         return pb.StatusResponse(
             queue_depth=len(self._queue),
             inflight_groups=len(self._calls),
@@ -398,6 +410,9 @@ class SchedulerRuntime:
             samples_preempted=c.samples_preempted,
             predictor_keys=len(self._predictor),
             predictor_epoch=self._predictor.epoch,
+            predictor_scored_samples=scored,
+            predictor_mae_tokens=mae,
+            predictor_tail_auc=auc,
             engines=[
                 pb.EngineStatus(
                     engine_id=e.engine_id,
@@ -915,17 +930,34 @@ class SchedulerRuntime:
     # ------------------------------------------------------------ length history
 
     def _learn(self, record: GroupRecord) -> None:
-        """Teaches the predictor the delivered group's lengths (not of aborted samples)."""
+        """Teaches the predictor the delivered group's lengths (not of aborted samples),
+        and scores what it predicted for them from the prompt's history before."""
         spec = record.spec
         if not spec.prompt_key:
             return
+        lengths = record.finished_lengths()
+        if lengths:
+            before = self._predictor.predict(spec.prompt_key, len(spec.prompt_token_ids)).mean
+            guess = min(before, float(spec.sampling.max_tokens))
+            self._scores.extend((guess, length) for length in lengths)
         epoch = self._predictor.epoch if spec.epoch is None else spec.epoch
-        for length in record.finished_lengths():
+        for length in lengths:
             self._predictor.observe(spec.prompt_key, length, epoch, len(spec.prompt_token_ids))
         self._learned += 1
         self._unsaved.pop(spec.prompt_key, None)
         self._unsaved[spec.prompt_key] = None
         self._globals_unsaved = True
+
+    def _predictor_score(self) -> tuple[int, float | None, float | None]:
+        """The predictor's error over the latest delivered samples: how many, their mean
+        absolute error and tail AUC (None while undefined)."""
+        if not self._scores:
+            return 0, None, None
+        predicted, actual = zip(*self._scores, strict=True)
+        auc = None
+        with contextlib.suppress(ValueError):  # every length alike: no tail to rank
+            auc = tail_auc(predicted, actual)
+        return len(actual), mean_absolute_error(predicted, actual), auc
 
     async def _load_history(self) -> None:
         history = await self._store.load_history()
