@@ -1,7 +1,9 @@
 """``rollserve bench fleet``: the real scheduler against fleets of simulated engines.
 
-One row per engine count E, side by side in one run. Each row starts the real scheduler
-process (``python -m rollserve.scheduler``, no engines at start) and one sim fleet process
+One row per engine count E and scheduler policy, side by side in one run. Each row starts
+the real scheduler process (``python -m rollserve.scheduler``, no engines at start, a length
+history of its own in Redis, empty: the first epoch of a run, whatever ran before it) and one
+sim fleet process
 (``python -m rollserve.sim fleet --engines E``) whose engines register with it, over one
 embedded Redis. Once the scheduler sees E healthy engines the bench measures the scheduler's
 idle CPU for a moment (it probes every engine's health each second), then submits
@@ -16,7 +18,8 @@ CPU share; the fleet process's CPU per group; the Chunk and Complete messages th
 per group; the engines' busy share (simulated busy seconds over E x simulated makespan); the
 fleet's start time and peak memory; and how far the fleet fell behind real time (a fleet that
 cannot keep up runs slower than the hardware it simulates, so its simulated rates are too low:
-the row says so). Ratios are against the first row.
+the row says so). Ratios are against the first row of the same policy (the smallest fleet)
+and, with several policies, against the first policy's row of the same fleet size.
 
 Engine time and everything the engines compute is simulated (the profile's hardware) and
 labelled so; the scheduler, Redis, the SDK and every message between them are real.
@@ -63,7 +66,7 @@ class FleetConfig:
     groups_per_engine: int = 2
     n: int = 4
     time_scale: float = 4.0
-    policy: str = "least_outstanding"
+    policies: tuple[str, ...] = ("least_outstanding",)
     profile: str = "gpu-h100-llama8b"
     response_median: float = 150.0
     max_tokens: int = 1024
@@ -74,6 +77,7 @@ class FleetConfig:
 
 @dataclass(frozen=True)
 class FleetRow:
+    policy: str
     engines: int
     groups: int
     samples: int
@@ -108,7 +112,8 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
     console.print(
         f"[bold]SIMULATED engines[/bold]: {profile.name} ({profile.simulated_hardware}); "
         f"time_scale {cfg.time_scale:g} (real s per simulated s). Real: scheduler "
-        f"({cfg.policy}), Redis, SDK.\n  {cfg.groups_per_engine} groups x {cfg.n} per engine, "
+        f"({', '.join(cfg.policies)}), Redis, SDK.\n  {cfg.groups_per_engine} groups x {cfg.n} "
+        "per engine, "
         f"response median {cfg.response_median:g} tokens, max_tokens {cfg.max_tokens}"
     )
     rows: list[FleetRow] = []
@@ -117,12 +122,15 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
         run_dir.mkdir(parents=True, exist_ok=True)
         with EmbeddedRedis() as redis_server:
             for engines in cfg.engines:
-                row = _run_row(cfg, engines, redis_server.url, run_dir / f"e{engines}")
-                rows.append(row)
-                console.print(
-                    f"  {engines} engines: {row.groups} groups in {row.makespan_wall_s:.1f} s "
-                    f"wall = {row.makespan_simulated_s:.1f} s simulated"
-                )
+                for policy in cfg.policies:
+                    log_dir = run_dir / f"e{engines}-{policy}"
+                    row = _run_row(cfg, policy, engines, redis_server.url, log_dir)
+                    rows.append(row)
+                    console.print(
+                        f"  {engines} engines, {policy}: {row.groups} groups in "
+                        f"{row.makespan_wall_s:.1f} s wall = {row.makespan_simulated_s:.1f} s "
+                        "simulated"
+                    )
                 if not row.fleet_kept_up:
                     console.print(
                         f"  [yellow]the fleet fell {row.fleet_behind_s:.1f} s behind real time: "
@@ -146,14 +154,21 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
 
 def _table(rows: list[FleetRow], profile: str) -> Table:
     table = Table(title=f"real scheduler on sim fleets ({profile}, SIMULATED engines, one run)")
-    base = rows[0] if rows else None
-    versus = f"vs {base.engines if base else '-'}"
+    smallest: dict[str, FleetRow] = {}  # policy -> its first row
+    first_policy: dict[int, FleetRow] = {}  # engines -> the first policy's row
+    for r in rows:
+        smallest.setdefault(r.policy, r)
+        first_policy.setdefault(r.engines, r)
+    several = len(smallest) > 1
+    versus = f"vs {rows[0].engines if rows else '-'}"
     columns = (
         "engines",
+        "policy",
         "groups",
         "makespan sim s",
         "groups/sim s",
         versus,
+        f"vs {rows[0].policy}" if several else "",
         "tokens/sim s",
         "sched CPU ms/group (net of idle)",
         versus,
@@ -165,15 +180,19 @@ def _table(rows: list[FleetRow], profile: str) -> Table:
         "fleet behind real s",
     )
     for column in columns:
-        table.add_column(column, justify="right")
+        if column:
+            table.add_column(column, justify="right")
     for r in rows:
-        assert base is not None
+        base = smallest[r.policy]
+        versus_policy = r.groups_per_simulated_s / first_policy[r.engines].groups_per_simulated_s
         table.add_row(
             str(r.engines),
+            r.policy,
             str(r.groups),
             f"{r.makespan_simulated_s:.1f}",
             f"{r.groups_per_simulated_s:.2f}",
             f"{r.groups_per_simulated_s / base.groups_per_simulated_s:.2f}x",
+            *([f"{versus_policy:.2f}x"] if several else []),
             f"{r.tokens_per_simulated_s:,.0f}",
             f"{r.scheduler_cpu_ms_per_group:.2f} ({r.scheduler_cpu_ms_per_group_net:.2f})",
             f"{r.scheduler_cpu_ms_per_group / base.scheduler_cpu_ms_per_group:.2f}x",
@@ -207,7 +226,9 @@ def _groups(cfg: FleetConfig, count: int) -> list[Any]:
     return groups
 
 
-def _run_row(cfg: FleetConfig, engines: int, redis_url: str, log_dir: Path) -> FleetRow:
+def _run_row(
+    cfg: FleetConfig, policy: str, engines: int, redis_url: str, log_dir: Path
+) -> FleetRow:
     import psutil
     from rollserve.cli.stack import ManagedProcess, free_port, wait_serving
     from rollserve.client import GroupStatus, RolloutClient
@@ -225,7 +246,9 @@ def _run_row(cfg: FleetConfig, engines: int, redis_url: str, log_dir: Path) -> F
             "--redis-url",
             redis_url,
             "--policy",
-            cfg.policy,
+            policy,
+            "--predictor-namespace",
+            f"bench-fleet-{uuid.uuid4().hex[:8]}",
             "--max-n",
             str(max(64, cfg.n)),
         ],
@@ -305,6 +328,7 @@ def _run_row(cfg: FleetConfig, engines: int, redis_url: str, log_dir: Path) -> F
     simulated_s = wall_s / cfg.time_scale
     behind_s = float(totals["behind_s_max"])
     return FleetRow(
+        policy=policy,
         engines=engines,
         groups=count,
         samples=samples,

@@ -32,6 +32,21 @@ def _engine_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _policies(text: str) -> tuple[str, ...]:
+    from rollserve.scheduler.core.policy import policy_names
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    known = policy_names()
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give scheduler policies from {', '.join(known)}, comma-separated"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names a policy twice")
+    return names
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -81,7 +96,13 @@ def add_bench_fleet(bench_sub: Any) -> None:
         default=defaults.time_scale,
         help=f"real seconds per simulated second ({defaults.time_scale})",
     )
-    fleet.add_argument("--policy", default=defaults.policy, help="scheduler placement policy")
+    fleet.add_argument(
+        "--policy",
+        type=_policies,
+        default=defaults.policies,
+        help="scheduler placement policies, comma-separated: a row each per engine count, "
+        f"side by side (default: {','.join(defaults.policies)})",
+    )
     fleet.add_argument("--profile", default=defaults.profile, help="sim cost profile")
     fleet.add_argument(
         "--median",
@@ -112,7 +133,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
             groups_per_engine=args.groups,
             n=args.n,
             time_scale=args.time_scale,
-            policy=args.policy,
+            policies=args.policy,
             profile=args.profile,
             response_median=args.median,
             max_tokens=args.max_tokens,
