@@ -172,11 +172,22 @@ class RLSettings:
 class _Engine:
     """One engine's predicted load while a plan is being made."""
 
-    __slots__ = ("engine_id", "free", "idle", "kv_budget", "kv_need", "longest", "rest", "version")
+    __slots__ = (
+        "engine_id",
+        "free",
+        "idle",
+        "inflight",
+        "kv_budget",
+        "kv_need",
+        "longest",
+        "rest",
+        "version",
+    )
 
     def __init__(self, view: EngineView, cfg: RLSettings) -> None:
         self.engine_id = view.engine_id
         self.free = view.free_samples
+        self.inflight = view.inflight_samples  # running when the plan began
         self.idle = view.inflight_samples == 0
         # Predicted tokens still to generate; the upper bound when the view has no prediction.
         tokens = view.predicted_outstanding or float(view.outstanding_tokens)
@@ -239,13 +250,12 @@ class RLPolicy:
             return False
         ordered = self._ordered(snapshot.queue)
         if cfg.count_slack > 0:
-            views = {e.engine_id: e for e in snapshot.engines}
-            running = sum(views[engine_id].inflight_samples for engine_id in engines)
+            running = sum(e.inflight for e in engines.values())
             placeable = min(len(ordered), sum(e.free for e in engines.values()))
             cap = math.ceil(cfg.count_slack * (running + placeable) / len(engines))
             cap = max(cap, *(len(group.pending) for group in snapshot.queue))
-            for engine_id, engine in engines.items():
-                engine.free = min(engine.free, max(0, cap - views[engine_id].inflight_samples))
+            for engine in engines.values():
+                engine.free = min(engine.free, max(0, cap - engine.inflight))
         heaps = _Heaps(engines, cfg.base_s)
         for _priority, neg_len, _seq, index, group in ordered:
             length = -neg_len
