@@ -109,12 +109,14 @@ class EngineSettings(BaseModel):
         ),
     )
     flush_interval_ms: float = Field(
-        500.0,
+        2000.0,
         ge=0,
-        le=1000,
+        le=60_000,
         description=(
             "How long new tokens are batched before a Chunk is sent; 0 sends at once. A "
-            "sample's end is sent at once, with the tokens batched so far."
+            "sample's end is sent at once, with the tokens batched so far. Each Chunk costs "
+            "the scheduler a wake-up (about 0.3-0.6 ms of CPU when messages come spaced out); "
+            "only progress waits for it."
         ),
     )
     scheduler_address: str | None = Field(

@@ -80,7 +80,7 @@ class SimSettings(BaseModel):
         32768, ge=16, le=16_777_216, description="Context length: prompt plus response tokens."
     )
     flush_interval_ms: float = Field(
-        500.0,
+        2000.0,
         gt=0,
         le=60_000,
         description=(
