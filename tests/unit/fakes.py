@@ -92,6 +92,11 @@ class FakeEngine:
     async def stop(self) -> None:
         await self._server.stop(None)
 
+    async def set_serving(self, serving: bool) -> None:
+        """What its health says from now on (a draining engine says NOT_SERVING)."""
+        status = health_pb2.HealthCheckResponse
+        await self._health.set("", status.SERVING if serving else status.NOT_SERVING)
+
     async def die(self, context: Any) -> None:
         if self.stays_down:
             await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -15,6 +15,7 @@ from rollserve.client.types import SchedulerStatus
 from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream_key
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
+from rollserve.scheduler.engines import EngineHandle
 from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
@@ -384,6 +385,81 @@ async def test_round_robin_spreads_groups_over_engines_and_delivers_each_once(
     assert all(0 < len(indices) < 4 for indices in asked)
     assert sum(len(indices) for indices in asked) == 24
     assert runtime.counters.samples_delivered == 24
+
+
+async def test_an_engine_that_drains_gets_no_new_work_and_finishes_what_it_runs(
+    redis_url: str,
+) -> None:
+    # Edges faked: both engines (FakeEngine over real gRPC, with the standard health
+    # service). "a" says NOT_SERVING while its call runs, as an engine does when it drains
+    # on SIGTERM: its health watch stops new work at once, and the call it runs finishes
+    # there. Probes alone (every 0.1 s here) would have taken it for failed after two and
+    # requeued the call (2 attempts), long before its second chunk comes (1 s).
+    a = await FakeEngine("a", step_s=1.0).start()
+    b = await FakeEngine("b").start()
+    runtime = await make_runtime(redis_url, [a, b])
+    run = new_run()
+    try:
+        await runtime.submit(run, [spec("first", n=2, max_tokens=8, run_id=run)])
+
+        async def running_on_a() -> bool:
+            return len(a.requests) == 1
+
+        await eventually(running_on_a, "the first group running on a")
+        await a.set_serving(False)
+
+        async def a_unhealthy() -> bool:
+            return not {e.engine_id: e.healthy for e in runtime.status().engines}["a"]
+
+        await eventually(a_unhealthy, "the scheduler to see a NOT_SERVING")
+        await runtime.submit(run, [spec("second", n=2, max_tokens=8, run_id=run)])
+        results = {r.group_id: r for r in await read_stream(redis_url, run, 2)}
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    first, second = results["first"], results["second"]
+    assert first.status == GroupStatus.DELIVERED and first.attempts == 1
+    assert {s.engine_id for s in first.samples} == {"a"}
+    assert [len(s.token_ids) for s in first.samples] == [6, 6]
+    assert second.status == GroupStatus.DELIVERED
+    assert {s.engine_id for s in second.samples} == {"b"}
+    assert len(a.requests) == 1 and status.engine_failures == 0
+
+
+async def test_watched_healthy_engines_are_probed_in_turn_every_few_rounds(
+    redis_url: str,
+) -> None:
+    # Edges faked: four engines (FakeEngine). Their handles' states are set by hand and
+    # the probes of six rounds recorded: the engine with no open watch and the unhealthy one
+    # every round, the two watched healthy ones once in three rounds, in different rounds.
+    names = ("w0", "w1", "unwatched", "unhealthy")
+    engines = [await FakeEngine(name).start() for name in names]
+    runtime = await make_runtime(redis_url, engines, health_interval_s=30.0, health_watched_every=3)
+    probed: list[list[str]] = []
+
+    async def record(engine: EngineHandle) -> None:
+        probed[-1].append(engine.engine_id)
+
+    try:
+        handles = runtime._engines
+        for handle in handles.values():
+            handle.watching = True
+        handles["unwatched"].watching = False
+        handles["unhealthy"].healthy = False
+        runtime._probe = record  # type: ignore[method-assign]
+        for _ in range(6):
+            probed.append([])
+            await runtime._probe_all()
+    finally:
+        await runtime.stop()
+        for e in engines:
+            await e.stop()
+    assert all({"unwatched", "unhealthy"} <= set(r) for r in probed)
+    rounds = {name: [k for k, r in enumerate(probed) if name in r] for name in ("w0", "w1")}
+    assert len(rounds["w0"]) == len(rounds["w1"]) == 2
+    assert rounds["w0"][1] - rounds["w0"][0] == 3 and rounds["w0"] != rounds["w1"]
 
 
 async def test_a_failed_call_requeues_only_its_unfinished_samples(redis_url: str) -> None:

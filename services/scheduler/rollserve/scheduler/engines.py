@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -70,6 +70,9 @@ class EngineHandle:
         self.last_error = ""
         self.last_heartbeat = 0.0
         self.registered = False  # came through RegisterEngine rather than settings
+        # A health watch is open: a change of its status arrives without a probe.
+        self.watching = False
+        self.probe_slot = 0  # which rounds probe it while it is watched
 
     @property
     def capacity_samples(self) -> int:
@@ -109,6 +112,13 @@ class EngineHandle:
                 stats.model,
                 stats.kv_capacity_tokens,
             )
+
+    async def watch(self) -> AsyncIterator[bool]:
+        """Its health as it changes (gRPC health Watch): True while SERVING. Ends or raises
+        grpc.aio.AioRpcError when the stream breaks."""
+        replies = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
+        async for reply in replies:
+            yield reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def stats(self, timeout_s: float) -> pb.StatsResponse:
         reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)

@@ -205,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument(
+        "--health-watched-every",
+        type=int,
+        default=5,
+        help="probe an engine whose health watch is open every this many health periods "
+        "(status changes and exits come through the watch at once; the probe finds hangs)",
+    )
+    p.add_argument(
         "--lease-ttl-s",
         type=float,
         default=10.0,
@@ -271,6 +278,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
+        health_watched_every=args.health_watched_every,
         lease_ttl_s=args.lease_ttl_s,
         lease_wait_s=args.lease_wait_s,
         nice=args.nice,

@@ -73,6 +73,14 @@ class SchedulerSettings(BaseModel):
     health_failures: int = Field(
         2, ge=1, le=100, description="consecutive failed probes that mark an engine unhealthy"
     )
+    health_watched_every: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="probe a healthy engine whose health watch is open every this many "
+        "periods (its status changes and its exit arrive through the watch at once; the "
+        "probe finds a hung engine)",
+    )
     heartbeat_interval_ms: int = Field(
         2000, ge=100, le=600_000, description="heartbeat period told to registering engines"
     )
