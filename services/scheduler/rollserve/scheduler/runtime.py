@@ -1096,11 +1096,11 @@ class SchedulerRuntime:
 
     async def _watch(self, engine: EngineHandle) -> None:
         """Follows the engine's health as it changes (gRPC health Watch), for as long as the
-        engine is known, reopening the watch a probe interval after it breaks. NOT_SERVING
-        (the engine drains or its core died) stops new work at once; the calls it runs go on
-        until they finish or their streams break (then they are requeued, as when a probe
-        finds the engine gone). SERVING again is checked by a probe, which also learns the
-        engine's limits."""
+        engine is known; when the watch breaks, probes the engine at once and reopens the
+        watch a probe interval later. NOT_SERVING (the engine drains or its core died) stops
+        new work at once; the calls it runs go on until they finish or their streams break
+        (then they are requeued, as when a probe finds the engine gone). SERVING again is
+        checked by a probe, which also learns the engine's limits."""
         while True:
             try:
                 async for serving in engine.watch():
@@ -1114,6 +1114,9 @@ class SchedulerRuntime:
                 pass
             finally:
                 engine.watching = False
+            # The watch broke (the engine exited, or the connection did): probe it now, so
+            # that an engine that is gone counts a failed probe at once.
+            await self._probe(engine)
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def _probe(self, engine: EngineHandle) -> None:
