@@ -506,12 +506,19 @@ Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    heartbeat_interval_ms: _builtins.int
+    """The period to heartbeat at from now on (0: keep the current one). It grows with the
+    fleet, so that the heartbeats of all engines stay within the scheduler's budget.
+    """
     def __init__(
         self,
+        *,
+        heartbeat_interval_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -262,9 +262,13 @@ async def stay_registered(scheduler_address: str, engine_id: str, address: str) 
                 retry_s = SCHEDULER_RETRY_MIN_S
                 while True:
                     await asyncio.sleep(interval_s)
-                    await stub.Heartbeat(
+                    beat = await stub.Heartbeat(
                         pb.HeartbeatRequest(engine_id=engine_id), timeout=SCHEDULER_RPC_TIMEOUT_S
                     )
+                    if beat.heartbeat_interval_ms > 0:  # a scheduler's fleet grew or shrank
+                        interval_s = max(
+                            beat.heartbeat_interval_ms / 1000, MIN_HEARTBEAT_INTERVAL_S
+                        )
             except grpc.aio.AioRpcError as exc:
                 logger.warning(
                     "scheduler %s: %s (%s); registering again in %.1f s",

@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -389,6 +390,15 @@ class SchedulerRuntime:
         engine.registered = True
         engine.heartbeat()
         await self._probe(engine)
+
+    def heartbeat_interval_ms(self) -> int:
+        """The period engines are told to heartbeat at: the setting, or longer on a fleet
+        whose heartbeats would pass ``max_heartbeats_per_s`` together (each is a call the
+        scheduler serves; 512 engines every 2 s were a tenth of its CPU)."""
+        s = self.settings
+        registered = sum(1 for e in self._engines.values() if e.registered)
+        spread = math.ceil(1000 * registered / s.max_heartbeats_per_s)
+        return min(600_000, max(s.heartbeat_interval_ms, spread))
 
     def heartbeat(self, engine_id: str) -> bool:
         engine = self._engines.get(engine_id)

@@ -89,7 +89,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             )
         await self._runtime.register_engine(request.engine_id, request.address)
         return pb.RegisterEngineResponse(
-            heartbeat_interval_ms=self._runtime.settings.heartbeat_interval_ms
+            heartbeat_interval_ms=self._runtime.heartbeat_interval_ms()
         )
 
     async def Heartbeat(
@@ -100,7 +100,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"engine_id {request.engine_id!r} is unknown: call RegisterEngine first",
             )
-        return pb.HeartbeatResponse()
+        return pb.HeartbeatResponse(heartbeat_interval_ms=self._runtime.heartbeat_interval_ms())
 
 
 def load_tokenizer(model_dir: str) -> Callable[[str], list[int]]:

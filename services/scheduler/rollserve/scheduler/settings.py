@@ -82,7 +82,18 @@ class SchedulerSettings(BaseModel):
         "probe finds a hung engine)",
     )
     heartbeat_interval_ms: int = Field(
-        2000, ge=100, le=600_000, description="heartbeat period told to registering engines"
+        2000,
+        ge=100,
+        le=600_000,
+        description="heartbeat period told to engines (the least; it grows with the fleet to "
+        "keep within max_heartbeats_per_s)",
+    )
+    max_heartbeats_per_s: float = Field(
+        50.0,
+        gt=0,
+        le=100_000,
+        description="heartbeats a second from all registered engines together, at most: the "
+        "period told to each engine is at least engines / this",
     )
     redis_max_connections: int = Field(
         64,
