@@ -431,9 +431,10 @@ async def test_an_engine_that_drains_gets_no_new_work_and_finishes_what_it_runs(
 async def test_watched_healthy_engines_are_probed_in_turn_every_few_rounds(
     redis_url: str,
 ) -> None:
-    # Edges faked: four engines (FakeEngine). Their handles' states are set by hand and
-    # the probes of six rounds recorded: the engine with no open watch and the unhealthy one
-    # every round, the two watched healthy ones once in three rounds, in different rounds.
+    # Edges faked: four engines (FakeEngine). With the health watches stopped, their
+    # handles' states are set by hand and the probes of six rounds recorded: the engine
+    # with no open watch and the unhealthy one every round, the two watched healthy ones
+    # once in three rounds, in different rounds.
     names = ("w0", "w1", "unwatched", "unhealthy")
     engines = [await FakeEngine(name).start() for name in names]
     runtime = await make_runtime(redis_url, engines, health_interval_s=30.0, health_watched_every=3)
@@ -443,6 +444,11 @@ async def test_watched_healthy_engines_are_probed_in_turn_every_few_rounds(
         probed[-1].append(engine.engine_id)
 
     try:
+        # The watches stopped first: they would set what this test sets by hand.
+        watches = list(runtime._watches.values())
+        for task in watches:
+            task.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
         handles = runtime._engines
         for handle in handles.values():
             handle.watching = True
