@@ -3,6 +3,7 @@ real scheduler process and the SDK. Nothing is faked."""
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -378,3 +379,46 @@ def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
     assert status.engine_failures >= 1
     engines = {e.engine_id: e for e in status.engines}
     assert not engines["doomed"].healthy
+
+
+def test_engine_that_drains_finishes_the_groups_it_runs(
+    redis_url: str, engine_address: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # SIGTERM: the engine says NOT_SERVING and gives its running calls the grace period. The
+    # scheduler's health watch stops new work there at once and lets those calls finish;
+    # probes alone took it for failed after two and requeued them (attempts 2).
+    draining = start_engine_process(tiny_model_dir, "draining", ["--shutdown-grace-s", "300"])
+    proc = start_scheduler(redis_url, [f"draining={draining.address}"], tmp_path)
+    try:
+        rid = run_id()
+        with RolloutClient(proc.address, redis_url, rid) as client:
+            client.submit(groups(8, n=4, max_tokens=1500))
+            # A sample has finished there: the engine runs the others (a call sent after the
+            # SIGTERM would be refused, and requeued).
+            deadline = time.monotonic() + 120
+            while client.status().tokens_generated == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            draining.proc.send_signal(signal.SIGTERM)
+            # An engine that takes what the draining one does not run (none, if all goes well).
+            with grpc.insecure_channel(proc.address) as channel:
+                pb_grpc.SchedulerStub(channel).RegisterEngine(
+                    pb.RegisterEngineRequest(engine_id="e0", address=engine_address), timeout=30
+                )
+            received = list(client.groups(limit=8, timeout_s=600))
+            for item in received:
+                item.done()
+            status = client.status()
+        # It exits once its calls are done, well within its grace: the scheduler's health
+        # watch, an open call too, does not hold it.
+        drained = draining.proc.wait(timeout=150)
+    finally:
+        proc.stop()
+        draining.stop()
+    assert sorted(i.group_id for i in received) == sorted(f"g{i}" for i in range(8))
+    assert all(i.result.status == GroupStatus.DELIVERED for i in received)
+    ran_there = [i for i in received if any(s.engine_id == "draining" for s in i.result.samples)]
+    assert ran_there, "no group ran on the engine that drained"
+    assert all(i.result.attempts == 1 for i in received), [i.result.attempts for i in received]
+    assert status.engine_failures == 0
+    assert drained == 0, draining.log_tail()

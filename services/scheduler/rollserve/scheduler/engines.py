@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -113,12 +113,15 @@ class EngineHandle:
                 stats.kv_capacity_tokens,
             )
 
-    async def watch(self) -> AsyncIterator[bool]:
+    async def watch(self) -> AsyncGenerator[bool, None]:
         """Its health as it changes (gRPC health Watch): True while SERVING. Ends or raises
         grpc.aio.AioRpcError when the stream breaks."""
         replies = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
-        async for reply in replies:
-            yield reply.status == health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for reply in replies:
+                yield reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            replies.cancel()
 
     async def stats(self, timeout_s: float) -> pb.StatsResponse:
         reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)

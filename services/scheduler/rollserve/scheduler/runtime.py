@@ -1113,13 +1113,17 @@ class SchedulerRuntime:
         checked by a probe, which also learns the engine's limits."""
         while True:
             try:
-                async for serving in engine.watch():
-                    engine.watching = True
-                    if not serving:
-                        if engine.mark(False, "health is NOT_SERVING"):
-                            self._wake.set()
-                    elif not engine.healthy:
-                        await self._probe(engine)
+                async with contextlib.aclosing(engine.watch()) as statuses:
+                    async for serving in statuses:
+                        engine.watching = True
+                        if not serving:
+                            if engine.mark(False, "health is NOT_SERVING"):
+                                self._wake.set()
+                            # A draining engine waits for every open call before it exits,
+                            # this watch too: close it (it is opened again later).
+                            break
+                        if not engine.healthy:
+                            await self._probe(engine)
             except grpc.aio.AioRpcError:
                 pass
             finally:
