@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -38,6 +38,21 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 def run_id() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def register_engine(scheduler_address: str, engine_id: str, engine_address: str) -> None:
+    """Announces an engine to the scheduler the way engines do (RegisterEngine)."""
+    with grpc.insecure_channel(scheduler_address) as channel:
+        pb_grpc.SchedulerStub(channel).RegisterEngine(
+            pb.RegisterEngineRequest(engine_id=engine_id, address=engine_address), timeout=30
+        )
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def groups(count: int, n: int = 4, max_tokens: int = 24, prefix: str = "g") -> list[PromptGroup]:
@@ -353,16 +368,10 @@ def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
         rid = run_id()
         with RolloutClient(proc.address, redis_url, rid) as client:
             client.submit(groups(6, n=4, max_tokens=1500))
-            deadline = time.monotonic() + 120
-            while client.status().inflight_groups == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: client.status().inflight_groups > 0)
             doomed.kill()
             # The healthy engine joins the way engines announce themselves.
-            with grpc.insecure_channel(proc.address) as channel:
-                pb_grpc.SchedulerStub(channel).RegisterEngine(
-                    pb.RegisterEngineRequest(engine_id="e0", address=engine_address), timeout=30
-                )
+            register_engine(proc.address, "e0", engine_address)
             received = list(client.groups(limit=6, timeout_s=600))
             for item in received:
                 item.done()
@@ -395,16 +404,10 @@ def test_engine_that_drains_finishes_the_groups_it_runs(
             client.submit(groups(8, n=4, max_tokens=1500))
             # A sample has finished there: the engine runs the others (a call sent after the
             # SIGTERM would be refused, and requeued).
-            deadline = time.monotonic() + 120
-            while client.status().tokens_generated == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: client.status().tokens_generated > 0)
             draining.proc.send_signal(signal.SIGTERM)
             # An engine that takes what the draining one does not run (none, if all goes well).
-            with grpc.insecure_channel(proc.address) as channel:
-                pb_grpc.SchedulerStub(channel).RegisterEngine(
-                    pb.RegisterEngineRequest(engine_id="e0", address=engine_address), timeout=30
-                )
+            register_engine(proc.address, "e0", engine_address)
             received = list(client.groups(limit=8, timeout_s=600))
             for item in received:
                 item.done()
