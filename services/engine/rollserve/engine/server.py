@@ -235,6 +235,12 @@ async def set_health(servicer: Any, status: health_pb2.HealthCheckResponse.Servi
         await servicer.set(service, status)
 
 
+def _heartbeat_period_s(told_ms: int, otherwise_s: float) -> float:
+    """The heartbeat period a scheduler told (at least MIN_HEARTBEAT_INTERVAL_S);
+    ``otherwise_s`` when it told none (0)."""
+    return max(told_ms / 1000, MIN_HEARTBEAT_INTERVAL_S) if told_ms > 0 else otherwise_s
+
+
 async def stay_registered(scheduler_address: str, engine_id: str, address: str) -> None:
     """Registers with the scheduler and heartbeats; on failure logs, backs off, registers again.
 
@@ -249,10 +255,8 @@ async def stay_registered(scheduler_address: str, engine_id: str, address: str) 
                     pb.RegisterEngineRequest(engine_id=engine_id, address=address),
                     timeout=SCHEDULER_RPC_TIMEOUT_S,
                 )
-                interval_s = (
-                    max(reply.heartbeat_interval_ms / 1000, MIN_HEARTBEAT_INTERVAL_S)
-                    if reply.heartbeat_interval_ms > 0
-                    else DEFAULT_HEARTBEAT_INTERVAL_S
+                interval_s = _heartbeat_period_s(
+                    reply.heartbeat_interval_ms, DEFAULT_HEARTBEAT_INTERVAL_S
                 )
                 logger.info(
                     "registered with scheduler %s; heartbeat every %.2f s",
@@ -265,10 +269,8 @@ async def stay_registered(scheduler_address: str, engine_id: str, address: str) 
                     beat = await stub.Heartbeat(
                         pb.HeartbeatRequest(engine_id=engine_id), timeout=SCHEDULER_RPC_TIMEOUT_S
                     )
-                    if beat.heartbeat_interval_ms > 0:  # a scheduler's fleet grew or shrank
-                        interval_s = max(
-                            beat.heartbeat_interval_ms / 1000, MIN_HEARTBEAT_INTERVAL_S
-                        )
+                    # The scheduler's fleet may have grown or shrunk since.
+                    interval_s = _heartbeat_period_s(beat.heartbeat_interval_ms, interval_s)
             except grpc.aio.AioRpcError as exc:
                 logger.warning(
                     "scheduler %s: %s (%s); registering again in %.1f s",
