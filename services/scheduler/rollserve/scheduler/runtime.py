@@ -1128,8 +1128,9 @@ class SchedulerRuntime:
                 pass
             finally:
                 engine.watching = False
-            # The watch broke (the engine exited, or the connection did): probe it now, so
-            # that an engine that is gone counts a failed probe at once.
+            # The watch ended: closed above on NOT_SERVING, or broken (the engine exited, or
+            # the connection did). Probe it now, so that an engine that is gone counts a
+            # failed probe at once.
             await self._probe(engine)
             await asyncio.sleep(self.settings.health_interval_s)
 
