@@ -298,6 +298,35 @@ def test_bad_groups_get_invalid_argument_naming_the_field(
     assert words in (error.details() or "")
 
 
+def test_published_policy_versions_label_the_tokens_and_only_go_up(
+    scheduler: ManagedProcess, scheduler_redis_url: str
+) -> None:
+    rid = run_id()
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
+        assert client.publish_version(2) == 2
+        client.submit(groups(2, n=2, max_tokens=8))
+        received = list(client.groups(limit=2, timeout_s=120))
+        for item in received:
+            item.done()
+        assert client.publish_version(2) == 2  # a retry
+        with pytest.raises(InvalidArgument, match=r"version \(1\) is below .*\(2\)"):
+            client.publish_version(1)
+        with pytest.raises(InvalidArgument, match=r"0\.\.2147483647"):
+            client.publish_version(-1)  # refused by the SDK before the call
+    for sample in (s for item in received for s in item.result.samples):
+        assert [(v.version, v.length) for v in sample.versions] == [(2, len(sample.token_ids))]
+    with grpc.insecure_channel(scheduler.address) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        for request, words in (
+            (pb.PublishVersionRequest(run_id=rid, version=-1), "version (-1) must be in 0.."),
+            (pb.PublishVersionRequest(run_id="", version=1), "run_id is empty"),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.PublishVersion(request, timeout=10)
+            assert _rpc_error(info.value).code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (_rpc_error(info.value).details() or "")
+
+
 def test_duplicate_group_id_in_a_run_and_unknown_engine(
     scheduler: ManagedProcess, scheduler_redis_url: str
 ) -> None:

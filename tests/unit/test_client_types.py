@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rollserve.client import InvalidArgument, PromptGroup
+from rollserve.client.types import publish_version_request
 
 
 def test_epoch_is_optional_and_goes_on_the_wire() -> None:
@@ -17,3 +18,24 @@ def test_epoch_is_optional_and_goes_on_the_wire() -> None:
 def test_a_negative_epoch_is_refused_with_its_value() -> None:
     with pytest.raises(InvalidArgument, match=r"epoch \(-1\) must be >= 0"):
         PromptGroup(group_id="g", prompt_token_ids=[1], n=1, epoch=-1)
+
+
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [
+        (-1, r"version \(-1\) must be in 0\.\.2147483647"),
+        (2**31, r"version \(2147483648\)"),
+        (True, "must be an int, got bool"),
+        (1.0, "must be an int, got float"),
+    ],
+)
+def test_a_policy_version_out_of_range_or_not_an_int_is_refused(
+    version: object, words: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        publish_version_request("run", version)  # type: ignore[arg-type]
+
+
+def test_a_policy_version_goes_on_the_wire_with_its_run() -> None:
+    request = publish_version_request("run-1", 12)
+    assert (request.run_id, request.version) == ("run-1", 12)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import cast
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
 from rollserve.client.types import SchedulerStatus
@@ -16,13 +17,15 @@ from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.engines import EngineHandle
-from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
+from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime, VersionBehind
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
 from rollserve.scheduler.store import DuplicateGroup, Store
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.unit.builders import spec
-from tests.unit.fakes import Behaviour, FakeEngine
+from tests.unit.fakes import AbortOutcome, Behaviour, FakeEngine
 
 WAIT_S = 30.0
 POLL_S = 0.01
@@ -701,3 +704,59 @@ async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> Non
     assert typed.predictor_mae_tokens == pytest.approx(status.predictor_mae_tokens)
     assert typed.predictor_tail_auc == pytest.approx(status.predictor_tail_auc)
     assert SchedulerStatus.from_proto(type(status)()).predictor_mae_tokens is None
+
+
+async def test_tokens_carry_the_policy_version_published_while_they_ran(redis_url: str) -> None:
+    # Sample 0 sends half its tokens and is held; the rest comes after version 7 is out.
+    held = await FakeEngine("held", holds=(0,), on_abort=AbortOutcome.ENDS_FULL).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+    try:
+        assert await runtime.publish_version(run, 6) == 6
+        await runtime.submit(run, specs(run, 1, n=2))
+
+        async def sample_1_done() -> bool:
+            record = next(iter(runtime._groups.values()), None)
+            return record is not None and record.samples[1].finish_reason is not None
+
+        await eventually(sample_1_done, "the free sample to finish")
+        assert await runtime.publish_version(run, 7) == 7
+        assert await runtime.publish_version(run, 7) == 7  # a retry is no change
+        with pytest.raises(VersionBehind, match=r"version \(5\) is below .* \(7\)"):
+            await runtime.publish_version(run, 5)
+        async with grpc.aio.insecure_channel(held.address) as channel:
+            await pb_grpc.EngineStub(channel).Abort(
+                pb.AbortRequest(request_id=held.requests[0].request_id)
+            )
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await held.stop()
+    first, second = result.samples
+    assert [(v.version, v.length) for v in first.versions] == [(6, 3), (7, 3)]
+    assert [(v.version, v.length) for v in second.versions] == [(6, 6)]
+
+
+async def test_a_restarted_scheduler_keeps_each_run_s_policy_version(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    hanging = await FakeEngine("slow", behaviour=Behaviour.HANG).start()
+    first = await make_runtime(redis_url, [hanging])
+    recovered, later = new_run(), new_run()
+    await first.publish_version(recovered, 4)
+    await first.publish_version(later, 9)
+    await first.submit(recovered, specs(recovered, 1))
+    await eventually(running(first, 1), "a running group")
+    await first.stop()  # as if the process died
+    await hanging.stop()
+    second = await make_runtime(redis_url, [engine])
+    try:
+        [result] = await read_stream(redis_url, recovered, 1)
+        await second.submit(later, specs(later, 1))
+        [other] = await read_stream(redis_url, later, 1)
+        with pytest.raises(VersionBehind):
+            await second.publish_version(later, 8)
+    finally:
+        await second.stop()
+    assert all([(v.version, v.length) for v in s.versions] == [(4, 6)] for s in result.samples)
+    assert all([(v.version, v.length) for v in s.versions] == [(9, 6)] for s in other.samples)

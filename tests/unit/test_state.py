@@ -187,3 +187,34 @@ def test_every_change_of_a_sample_state_bumps_the_revision_and_tokens_do_not() -
     assert changed()
     record.fail()  # nothing left to end: still counted as a change, never missed
     assert changed()
+
+
+def test_tokens_are_recorded_with_the_policy_version_they_arrived_under() -> None:
+    record = GroupRecord.new(spec(n=2, max_tokens=16), seq=1)
+    record.start([0, 1], "e0", now=1.0)
+    record.add_tokens(0, [1, 2], [-0.1, -0.2], version=3)
+    record.add_tokens(0, [3], [-0.3], version=3)
+    record.add_tokens(0, [], [], version=4)  # nothing new: no segment
+    record.add_tokens(0, [4, 5, 6], [-0.4, -0.5, -0.6], version=5)
+    record.add_tokens(1, [7], [-0.7], version=5)
+    record.preempt(1)  # kept tokens keep their versions
+    record.start([1], "e1", now=2.0)
+    record.add_tokens(1, [8], [-0.8], version=6)
+    for index in (0, 1):
+        record.finish_sample(index, FinishReason.STOP, 5, 0)
+    first, second = record.to_samples()
+    assert [(v.version, v.length) for v in first.versions] == [(3, 3), (5, 3)]
+    assert [(v.version, v.length) for v in second.versions] == [(5, 1), (6, 1)]
+
+
+def test_a_sample_started_over_forgets_the_versions_of_its_lost_tokens() -> None:
+    record = GroupRecord.new(spec(n=1, max_tokens=16), seq=1)
+    record.start([0], "e0", now=1.0)
+    record.add_tokens(0, [1, 2], [-0.1, -0.2], version=1)
+    record.requeue([0], "engine died")
+    record.start([0], "e1", now=2.0)
+    record.add_tokens(0, [3], [-0.3], version=2)
+    record.finish_sample(0, FinishReason.STOP, 5, 0)
+    [sample] = record.to_samples()
+    assert sample.token_ids == [3]
+    assert [(v.version, v.length) for v in sample.versions] == [(2, 1)]

@@ -18,6 +18,7 @@ from rollserve.client.wire import (
     ended_key,
     pending_key,
     stream_key,
+    version_key,
 )
 
 
@@ -127,6 +128,7 @@ def test_keys_of_a_run_share_a_hash_tag() -> None:
     assert stream_key("run-1") == "rollserve:{run-1}:groups"
     assert pending_key("run-1") == "rollserve:{run-1}:pending"
     assert ended_key("run-1") == "rollserve:{run-1}:ended"
+    assert version_key("run-1") == "rollserve:{run-1}:version"
 
 
 def test_derived_numbers() -> None:

@@ -61,6 +61,7 @@ from rollserve.client.types import (
     PromptGroup,
     SchedulerStatus,
     cancel_request,
+    publish_version_request,
     submit_request,
 )
 from rollserve.client.wire import GroupResult
@@ -166,6 +167,15 @@ class AsyncRolloutClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
+
+    async def publish_version(self, version: int) -> int:
+        """Tells the scheduler the run's policy version; see ``RolloutClient.publish_version``."""
+        request = publish_version_request(self.run_id, version)
+        try:
+            response = await self._stub.PublishVersion(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "PublishVersion") from exc
+        return response.version
 
     async def status(self) -> SchedulerStatus:
         try:

@@ -11,7 +11,8 @@ with RolloutClient("scheduler:50051", "redis://redis:6379/0", "grpo-7") as clien
     for step, batch in zip(range(steps), batcher):
         train_on([g.result for g in batch.groups])  # g.staleness: policy versions behind
         batcher.ack(batch)
-        publish_weights(step + 1)
+        load_weights_into_engines(step + 1)  # the trainer's own weight sync
+        client.publish_version(step + 1)  # tokens from now on are of version step + 1
     batcher.cancel_outstanding()
 ```
 

@@ -55,6 +55,7 @@ from rollserve.client.types import (
     PromptGroup,
     SchedulerStatus,
     cancel_request,
+    publish_version_request,
     submit_request,
 )
 from rollserve.client.wire import GroupResult
@@ -180,6 +181,18 @@ class RolloutClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
+
+    def publish_version(self, version: int) -> int:
+        """Tells the scheduler the run's policy version (call it once the engines run the new
+        weights): the tokens it receives from then on are recorded as of ``version``, in each
+        sample's ``versions``. Versions only go up (a lower one raises InvalidArgument);
+        publishing the current one again is a no-op. Returns the run's version."""
+        request = publish_version_request(self.run_id, version)
+        try:
+            response = self._stub.PublishVersion(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "PublishVersion") from exc
+        return response.version
 
     def status(self) -> SchedulerStatus:
         try:

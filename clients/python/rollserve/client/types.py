@@ -15,7 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollserve.client.errors import InvalidArgument
-from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, Sample
+from rollserve.client.wire import (
+    MAX_POLICY_VERSION,
+    FinishReason,
+    GroupResult,
+    GroupStatus,
+    Sample,
+)
 from rollserve.v1 import rollserve_pb2 as pb
 
 __all__ = [
@@ -246,6 +252,14 @@ def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitReque
             raise InvalidArgument(f"groups[{i}].group_id ({group.group_id!r}) repeats in the batch")
         seen.add(group.group_id)
     return pb.SubmitRequest(run_id=run_id, groups=[g.to_proto() for g in groups])
+
+
+def publish_version_request(run_id: str, version: int) -> pb.PublishVersionRequest:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InvalidArgument(f"version must be an int, got {type(version).__name__}")
+    if not 0 <= version <= MAX_POLICY_VERSION:
+        raise InvalidArgument(f"version ({version}) must be in 0..{MAX_POLICY_VERSION}")
+    return pb.PublishVersionRequest(run_id=run_id, version=version)
 
 
 def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:

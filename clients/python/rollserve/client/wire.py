@@ -30,6 +30,7 @@ KEY_PREFIX = "rollserve"
 RUNS_KEY = f"{KEY_PREFIX}:runs"  # set of run ids with state in Redis
 
 MAX_RUN_ID_LEN = 128
+MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
 RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -43,6 +44,11 @@ def pending_key(run_id: str) -> str:
 
 def ended_key(run_id: str) -> str:
     return f"{KEY_PREFIX}:{{{run_id}}}:ended"
+
+
+def version_key(run_id: str) -> str:
+    """The run's policy version (an integer; absent: 0), set by PublishVersion."""
+    return f"{KEY_PREFIX}:{{{run_id}}}:version"
 
 
 class FinishReason(str, enum.Enum):

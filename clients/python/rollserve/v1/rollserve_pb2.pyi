@@ -442,6 +442,49 @@ class StatusResponse(_message.Message):
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
 
 @_typing.final
+class PublishVersionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    version: _builtins.int
+    """>= 0, and >= the run's current version (0 until one is published)"""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishVersionRequest: _TypeAlias = PublishVersionRequest  # noqa: Y015
+
+@_typing.final
+class PublishVersionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """the run's policy version now"""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishVersionResponse: _TypeAlias = PublishVersionResponse  # noqa: Y015
+
+@_typing.final
 class RegisterEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

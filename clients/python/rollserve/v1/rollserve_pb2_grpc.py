@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=rollserve_dot_v1_dot_rollserve__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.PublishVersion = channel.unary_unary(
+                '/rollserve.v1.Scheduler/PublishVersion',
+                request_serializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -104,6 +109,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishVersion(self, request, context):
+        """Sets the run's policy version: the trainer calls it once the engines run new weights.
+        Every token the scheduler receives from then on is recorded as of that version (the
+        `versions` of a sample in the stream). Versions only go up: a lower one is refused
+        with INVALID_ARGUMENT, the current one again is accepted (a retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +146,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.HeartbeatRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollserve__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'PublishVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishVersion,
+                    request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +290,33 @@ class Scheduler:
             '/rollserve.v1.Scheduler/Heartbeat',
             rollserve_dot_v1_dot_rollserve__pb2.HeartbeatRequest.SerializeToString,
             rollserve_dot_v1_dot_rollserve__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Scheduler/PublishVersion',
+            rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

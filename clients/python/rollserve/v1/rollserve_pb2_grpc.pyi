@@ -48,6 +48,12 @@ class SchedulerStub:
     scheduler's settings) and then heartbeat within the returned interval.
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.HeartbeatRequest, _rollserve_pb2.HeartbeatResponse]
+    PublishVersion: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]
+    """Sets the run's policy version: the trainer calls it once the engines run new weights.
+    Every token the scheduler receives from then on is recorded as of that version (the
+    `versions` of a sample in the stream). Versions only go up: a lower one is refused
+    with INVALID_ARGUMENT, the current one again is accepted (a retry).
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -67,6 +73,12 @@ class SchedulerAsyncStub(SchedulerStub):
     scheduler's settings) and then heartbeat within the returned interval.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.HeartbeatRequest, _rollserve_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    PublishVersion: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]  # type: ignore[assignment]
+    """Sets the run's policy version: the trainer calls it once the engines run new weights.
+    Every token the scheduler receives from then on is recorded as of that version (the
+    `versions` of a sample in the stream). Versions only go up: a lower one is refused
+    with INVALID_ARGUMENT, the current one again is accepted (a retry).
+    """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- Scheduler"""
@@ -113,6 +125,18 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _rollserve_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollserve_pb2.HeartbeatResponse, _abc.Awaitable[_rollserve_pb2.HeartbeatResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PublishVersion(
+        self,
+        request: _rollserve_pb2.PublishVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollserve_pb2.PublishVersionResponse, _abc.Awaitable[_rollserve_pb2.PublishVersionResponse]]:
+        """Sets the run's policy version: the trainer calls it once the engines run new weights.
+        Every token the scheduler receives from then on is recorded as of that version (the
+        `versions` of a sample in the stream). Versions only go up: a lower one is refused
+        with INVALID_ARGUMENT, the current one again is accepted (a retry).
+        """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

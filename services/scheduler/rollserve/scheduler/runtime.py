@@ -126,6 +126,17 @@ class QueueFull(Exception):
     pass
 
 
+class VersionBehind(ValueError):
+    """A published policy version is lower than the run's current one."""
+
+    def __init__(self, run_id: str, version: int, current: int) -> None:
+        super().__init__(
+            f"version ({version}) is below run {run_id!r}'s policy version ({current}): "
+            "versions only go up"
+        )
+        self.current = current
+
+
 class _EngineFault(Exception):
     """The engine could not finish the call; another engine may."""
 
@@ -227,6 +238,9 @@ class SchedulerRuntime:
         self._unsaved: dict[str, None] = {}
         self._globals_unsaved = False
         self._save_lock = asyncio.Lock()
+        # Run id -> its policy version (PublishVersion; Redis has it), for every run with
+        # groups here or that published since the start.
+        self._versions: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -241,6 +255,9 @@ class SchedulerRuntime:
             self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
             await self._load_history()
             recovered = await self._store.load_pending()
+            self._versions.update(
+                await self._store.load_versions(sorted({spec.run_id for spec in recovered}))
+            )
             for spec in recovered:
                 self._enqueue(spec)
             if recovered:
@@ -359,6 +376,8 @@ class SchedulerRuntime:
                 f"(room for {max(0, room)}): retry later"
             )
         specs = [self._with_epoch(spec) for spec in specs]
+        if run_id not in self._versions:
+            self._versions.update(await self._store.load_versions([run_id]))
         await self._store.add_pending(run_id, specs)
         for spec in specs:
             self._enqueue(spec)
@@ -379,6 +398,20 @@ class SchedulerRuntime:
         if cancelled:
             self._wake.set()
         return cancelled, unknown
+
+    async def publish_version(self, run_id: str, version: int) -> int:
+        """Makes ``version`` the run's policy version (stored first): tokens received from
+        now on are recorded as of it. Raises VersionBehind if the run's is higher, and
+        LeaseLost if this scheduler is stopping."""
+        self._check_lease()
+        ok, current = await self._store.publish_version(run_id, version)
+        self._versions[run_id] = current
+        if not ok:
+            raise VersionBehind(run_id, version, current)
+        return current
+
+    def policy_version(self, run_id: str) -> int:
+        return self._versions.get(run_id, 0)
 
     async def register_engine(self, engine_id: str, address: str) -> None:
         engine = self._engines.get(engine_id)
@@ -791,18 +824,23 @@ class SchedulerRuntime:
 
     async def _consume(self, call: _Call, stream: AsyncIterable[pb.GenerateResponse]) -> None:
         record = call.record
+        run_id = record.spec.run_id
         async for message in stream:
             kind = message.WhichOneof("kind")
+            # Tokens count as of the run's policy version when they arrive.
+            version = self._versions.get(run_id, 0)
             if kind == "chunk":
                 for delta in message.chunk.deltas:
                     self._check_running(call, delta.index)
                     self._check_logprobs(call, delta.index, delta.logprobs)
-                    record.add_tokens(delta.index, list(delta.token_ids), list(delta.logprobs))
+                    record.add_tokens(
+                        delta.index, list(delta.token_ids), list(delta.logprobs), version
+                    )
             elif kind == "complete":
                 done = message.complete
                 self._check_running(call, done.index)
                 self._check_logprobs(call, done.index, done.logprobs)
-                record.add_tokens(done.index, list(done.token_ids), list(done.logprobs))
+                record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
                 record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its

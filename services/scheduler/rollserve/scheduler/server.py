@@ -17,12 +17,12 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.client.wire import stream_key
+from rollserve.client.wire import MAX_POLICY_VERSION, stream_key
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
-from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime
+from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime, VersionBehind
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import DuplicateGroup, Store
 from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
@@ -72,6 +72,28 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         return self._runtime.status()
+
+    async def PublishVersion(
+        self, request: pb.PublishVersionRequest, context: Context
+    ) -> pb.PublishVersionResponse:
+        try:
+            validate_run_id(request.run_id)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not 0 <= request.version <= MAX_POLICY_VERSION:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}",
+            )
+        try:
+            version = await self._runtime.publish_version(request.run_id, request.version)
+        except VersionBehind as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except LeaseLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except redis.exceptions.ConnectionError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
+        return pb.PublishVersionResponse(version=version)
 
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: Context

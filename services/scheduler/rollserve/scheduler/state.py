@@ -104,6 +104,9 @@ class SampleRecord:
     resuming: bool = False  # queued by a preemption: its next start resumes the run
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # The run's policy version when each token arrived, as [version, count] runs over
+    # token_ids in order (the stream's ``versions``).
+    versions: list[list[int]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -152,6 +155,7 @@ class SampleRecord:
         self._move(SampleState.QUEUED)
         self.token_ids.clear()
         self.logprobs.clear()
+        self.versions.clear()
         self.preemptions = 0
         self.resumed_tokens = 0
         self.spec_proposed_tokens = 0
@@ -250,10 +254,20 @@ class GroupRecord:
             s.end(SampleState.FAILED)
         self.revision += 1
 
-    def add_tokens(self, index: int, token_ids: list[int], logprobs: list[float]) -> None:
+    def add_tokens(
+        self, index: int, token_ids: list[int], logprobs: list[float], version: int = 0
+    ) -> None:
+        """New tokens of sample ``index``, received while the run's policy was ``version``."""
+        if not token_ids:
+            return
         sample = self.samples[index]
         sample.token_ids.extend(token_ids)
         sample.logprobs.extend(logprobs)
+        versions = sample.versions
+        if versions and versions[-1][0] == version:
+            versions[-1][1] += len(token_ids)
+        else:
+            versions.append([version, len(token_ids)])
 
     def add_spec(self, index: int, proposed: int, accepted: int) -> None:
         """Draft tokens an engine call proposed for sample ``index`` and accepted."""
@@ -286,8 +300,7 @@ class GroupRecord:
                     logprobs=list(s.logprobs),
                     finish_reason=s.finish_reason,
                     engine_id=s.engine_id,
-                    # Weight updates come later: every token is of policy version 0.
-                    versions=[VersionSegment(0, len(s.token_ids))] if s.token_ids else [],
+                    versions=[VersionSegment(v, n) for v, n in s.versions],
                     num_prompt_tokens=s.num_prompt_tokens,
                     cached_prompt_tokens=s.cached_prompt_tokens,
                     preemptions=s.preemptions,

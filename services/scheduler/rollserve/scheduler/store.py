@@ -17,6 +17,10 @@ predictor's clock). A save writes the keys a
 finished group touched and the globals in one script and trims the oldest keys beyond
 the predictor's ``max_keys``: its cost is bounded per finished group. History is a hint,
 not a delivery: a save lost in a crash loses one group's observations, never a sample.
+
+A run's policy version (``PublishVersion``) is one integer key, ``rollserve:{RUN}:version``,
+set by a script that refuses to lower it, so a late retry of an old publish cannot undo a
+newer one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rollserve.client.wire import (
     ended_key,
     pending_key,
     stream_key,
+    version_key,
 )
 from rollserve.scheduler.lease import SchedulerLease
 from rollserve.scheduler.state import GroupSpec
@@ -111,6 +116,18 @@ redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
 return excess
 """
 
+# KEYS: version. ARGV: the new version. Returns {1, version} when set (or already so),
+# {0, current} when the current version is higher.
+_PUBLISH_VERSION = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if current > wanted then
+  return {0, current}
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return {1, wanted}
+"""
+
 _HISTORY_BATCH = 1000  # prompt keys read per round trip when loading history
 
 _spec_encoder = msgspec.msgpack.Encoder()
@@ -160,6 +177,7 @@ class Store:
         self._deliver = client.register_script(_DELIVER)
         self._cancel = client.register_script(_CANCEL)
         self._save_history = client.register_script(_SAVE_HISTORY)
+        self._publish_version = client.register_script(_PUBLISH_VERSION)
 
     @classmethod
     def from_url(
@@ -227,6 +245,25 @@ class Store:
             specs += (_spec_decoder.decode(_raw(body)) for body in bodies.values())
         specs.sort(key=lambda s: s.submitted_at)
         return specs
+
+    async def publish_version(self, run_id: str, version: int) -> tuple[bool, int]:
+        """Sets the run's policy version unless it is higher already; returns whether it is
+        now ``version``, and the run's version."""
+        ok, current = await self._publish_version(keys=[version_key(run_id)], args=[version])
+        return bool(ok), int(current)
+
+    async def load_versions(self, run_ids: Sequence[str]) -> dict[str, int]:
+        """The policy version of each run (0 for one that never published)."""
+        if not run_ids:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for run_id in run_ids:
+                pipe.get(version_key(run_id))
+            values = await pipe.execute()
+        return {
+            run_id: 0 if value is None else int(value)
+            for run_id, value in zip(run_ids, values, strict=True)
+        }
 
     async def save_history(
         self, records: Mapping[str, bytes], globals_: bytes, max_keys: int
