@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import grpc
 import pytest
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rollserve.cli.stack import launch_engine
 from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
+from rollserve.engine.tiny_model import make_tiny_model
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -433,3 +434,53 @@ def test_engine_stopped_while_its_model_loads_exits_at_once_and_cleanly(
         assert engine.leftover_pids == [], log
     finally:
         engine.kill()
+
+
+async def test_weights_loaded_in_place_change_what_runs_and_what_comes_next(
+    engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Another tiny model of the same shape (other random weights) is the "trained" policy.
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    reference = (await generate(engine, request("w-ref", max_tokens=LONG, temperature=0))).sample(0)
+    short = (await generate(engine, request("w-before", max_tokens=32, temperature=0))).sample(0)
+    try:
+        # The same greedy sample as the reference; the weights change while it runs.
+        call = engine.Generate(request("w-run", max_tokens=LONG, temperature=0), timeout=120)
+        running = Result()
+        running.add(cast(pb.GenerateResponse, await call.read()))
+        made_before = running.tokens
+        load = await engine.UpdateWeights(
+            pb.UpdateWeightsRequest(weights_path=str(other), version=7), timeout=120
+        )
+        while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            running.add(cast(pb.GenerateResponse, message))
+        stats = await engine.Stats(pb.StatsRequest())
+        after = (await generate(engine, request("w-after", max_tokens=32, temperature=0))).sample(0)
+    finally:
+        await engine.UpdateWeights(
+            pb.UpdateWeightsRequest(weights_path=str(tiny_model_dir), version=0), timeout=120
+        )
+    back = (await generate(engine, request("w-back", max_tokens=32, temperature=0))).sample(0)
+    assert load.load_s > 0
+    assert (stats.weights_version, stats.weights_path) == (7, str(other))
+    sample = running.sample(0)
+    assert running.error is None and sample.complete is not None
+    assert 0 < made_before < len(reference.token_ids)
+    # Made under the old weights: the reference's; then the new weights took over.
+    assert sample.token_ids[:made_before] == reference.token_ids[:made_before]
+    assert sample.token_ids != reference.token_ids
+    assert after.token_ids != short.token_ids
+    assert back.token_ids == short.token_ids  # the original weights again, bit for bit
+    assert (await engine.Stats(pb.StatsRequest())).weights_version == 0
+
+
+async def test_weights_from_a_folder_the_engine_cannot_read_are_refused(
+    engine: pb_grpc.EngineAsyncStub, tmp_path: Path
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await engine.UpdateWeights(
+            pb.UpdateWeightsRequest(weights_path=str(tmp_path / "nope"), version=1), timeout=30
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a folder on this engine" in (info.value.details() or "")
+    assert (await engine.Stats(pb.StatsRequest())).weights_version == 0

@@ -303,12 +303,12 @@ def test_published_policy_versions_label_the_tokens_and_only_go_up(
 ) -> None:
     rid = run_id()
     with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
-        assert client.publish_version(2) == 2
+        assert client.publish_version(2).version == 2
         client.submit(groups(2, n=2, max_tokens=8))
         received = list(client.groups(limit=2, timeout_s=120))
         for item in received:
             item.done()
-        assert client.publish_version(2) == 2  # a retry
+        assert client.publish_version(2).version == 2  # a retry
         with pytest.raises(InvalidArgument, match=r"version \(1\) is below .*\(2\)"):
             client.publish_version(1)
         with pytest.raises(InvalidArgument, match=r"0\.\.2147483647"):
@@ -325,6 +325,25 @@ def test_published_policy_versions_label_the_tokens_and_only_go_up(
                 stub.PublishVersion(request, timeout=10)
             assert _rpc_error(info.value).code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in (_rpc_error(info.value).details() or "")
+
+
+def test_weights_published_through_the_scheduler_are_loaded_by_the_engine(
+    scheduler: ManagedProcess, scheduler_redis_url: str, engine_address: str, tiny_model_dir: Path
+) -> None:
+    # The engine's own checkpoint again: a real in-place reload that leaves the outputs as
+    # they were for the module's other tests.
+    rid = run_id()
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
+        published = client.publish_version(4, weights_path=str(tiny_model_dir))
+        client.submit(groups(1, n=2, max_tokens=8))
+        [item] = list(client.groups(limit=1, timeout_s=120))
+        item.done()
+    with grpc.insecure_channel(engine_address) as channel:
+        stats = pb_grpc.EngineStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    assert (published.version, published.engines_updated, published.engines_failed) == (4, 1, ())
+    assert (stats.weights_version, stats.weights_path) == (4, str(tiny_model_dir))
+    for sample in item.result.samples:
+        assert [(v.version, v.length) for v in sample.versions] == [(4, len(sample.token_ids))]
 
 
 def test_duplicate_group_id_in_a_run_and_unknown_engine(

@@ -73,6 +73,10 @@ class FakeEngine:
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
+    # UpdateWeights calls received; each is loaded (Stats says so) unless refuse_weights
+    weight_updates: list[pb.UpdateWeightsRequest] = field(default_factory=list)
+    refuse_weights: bool = False  # UpdateWeights fails with INVALID_ARGUMENT
+    weights: tuple[int, str] = (0, "")  # version and path it serves
     cancelled: int = 0
     hanging: int = 0  # HANG calls that reached their wait (so a cancel now is seen)
     _server: Any = None
@@ -227,4 +231,15 @@ class _Servicer(pb_grpc.EngineServicer):
             max_num_seqs=self._e.max_num_seqs,
             vocab_size=1000,
             kv_capacity_tokens=self._e.kv_capacity_tokens,
+            weights_version=self._e.weights[0],
+            weights_path=self._e.weights[1],
         )
+
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: Any
+    ) -> pb.UpdateWeightsResponse:
+        self._e.weight_updates.append(request)
+        if self._e.refuse_weights:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine cannot load it")
+        self._e.weights = (request.version, request.weights_path)
+        return pb.UpdateWeightsResponse(load_s=0.0)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from rollserve.client import InvalidArgument, PromptGroup
-from rollserve.client.types import publish_version_request
+from rollserve.client.types import (
+    WEIGHTS_TIMEOUT_S,
+    publish_timeout_s,
+    publish_version_request,
+)
 
 
 def test_epoch_is_optional_and_goes_on_the_wire() -> None:
@@ -39,3 +45,14 @@ def test_a_policy_version_out_of_range_or_not_an_int_is_refused(
 def test_a_policy_version_goes_on_the_wire_with_its_run() -> None:
     request = publish_version_request("run-1", 12)
     assert (request.run_id, request.version) == ("run-1", 12)
+
+
+def test_a_publish_that_loads_weights_waits_longer_than_other_calls() -> None:
+    assert publish_timeout_s(30.0, "", None) == 30.0
+    assert publish_timeout_s(30.0, "/ckpt/step-1", None) == WEIGHTS_TIMEOUT_S
+    assert publish_timeout_s(3600.0, "/ckpt/step-1", None) == 3600.0
+    assert publish_timeout_s(30.0, "/ckpt/step-1", 5.0) == 5.0
+    request = publish_version_request("run-1", 2, "/ckpt/step-2")
+    assert request.weights_path == "/ckpt/step-2"
+    with pytest.raises(InvalidArgument, match="weights_path must be a str, got PosixPath"):
+        publish_version_request("run-1", 2, Path("/ckpt"))  # type: ignore[arg-type]

@@ -4,13 +4,15 @@ are seeded and what it refuses. Faked: the backend (no vLLM); the servicer and g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import cast
 
 import grpc
 import pytest
 from rollserve.engine.service import (
+    BackendError,
     EngineCounters,
     EngineServicer,
     ModelInfo,
@@ -31,6 +33,8 @@ class ScriptedBackend:
 
     def __init__(self) -> None:
         self.requests: list[SampleRequest] = []
+        self.weights: list[str] = []  # the paths of its weight updates
+        self.fail_update = False
 
     @property
     def info(self) -> ModelInfo:
@@ -47,6 +51,13 @@ class ScriptedBackend:
 
     def counters(self) -> EngineCounters:
         return EngineCounters()
+
+    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+        paused()
+        await asyncio.sleep(0.05)  # a load takes a while; the flushed tokens go out meanwhile
+        if self.fail_update:
+            raise BackendError("loading failed half way", retryable=True)
+        self.weights.append(weights_path)
 
 
 class HoldingBackend(ScriptedBackend):
@@ -302,3 +313,71 @@ async def test_a_samples_speculation_counts_go_out_with_its_end() -> None:
         ]
     assert sorted(c.index for c in completes) == [0, 1]
     assert all((c.spec_draft_tokens, c.spec_accepted_tokens) == (8, 3) for c in completes)
+
+
+def checkpoint(folder: Path) -> Path:
+    """A folder that passes the engine's checks of a checkpoint (the fake loads nothing)."""
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+async def test_a_weight_update_first_sends_the_tokens_made_under_the_old_weights(
+    tmp_path: Path,
+) -> None:
+    backend = HoldingBackend()
+    async with served(backend, flush_interval_s=3600.0) as stub:
+        call = stub.Generate(request(n=2))
+        await asyncio.wait_for(backend.started(2), WAIT_S)
+        path = str(checkpoint(tmp_path / "step-3"))
+        update = stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=path, version=3))
+        # Without the update the tokens would wait an hour for the flush.
+        message = cast(pb.GenerateResponse, await asyncio.wait_for(call.read(), WAIT_S))
+        assert {d.index: list(d.token_ids) for d in message.chunk.deltas} == {0: [7], 1: [7]}
+        reply = await asyncio.wait_for(update, WAIT_S)
+        assert reply.load_s >= 0.05
+        stats = await stub.Stats(pb.StatsRequest())
+        await stub.Abort(pb.AbortRequest(request_id="r"))
+    assert backend.weights == [path]
+    assert (stats.weights_version, stats.weights_path) == (3, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "words"),
+    [
+        ("", 1, "weights_path is empty"),
+        ("missing", 1, "is not a folder on this engine"),
+        ("empty", 1, "holds no *.safetensors file"),
+        ("ok", -1, "version (-1) must be >= 0"),
+    ],
+)
+async def test_a_weight_update_the_engine_cannot_load_is_refused_before_it_pauses(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+    tmp_path: Path,
+    name: str,
+    version: int,
+    words: str,
+) -> None:
+    stub, backend = engine
+    (tmp_path / "empty").mkdir()
+    checkpoint(tmp_path / "ok")
+    path = str(tmp_path / name) if name else ""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=path, version=version))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (info.value.details() or "")
+    assert backend.weights == []
+    assert (await stub.Stats(pb.StatsRequest())).weights_version == 0
+
+
+async def test_a_weight_update_that_fails_part_way_is_an_internal_error(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    backend.fail_update = True
+    async with served(backend) as stub:
+        path = str(checkpoint(tmp_path / "step-1"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=path, version=1))
+        stats = await stub.Stats(pb.StatsRequest())
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "loading failed half way" in (info.value.details() or "")
+    assert stats.weights_version == 0

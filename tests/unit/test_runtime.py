@@ -443,7 +443,7 @@ async def test_watched_healthy_engines_are_probed_in_turn_every_few_rounds(
     runtime = await make_runtime(redis_url, engines, health_interval_s=30.0, health_watched_every=3)
     probed: list[list[str]] = []
 
-    async def record(engine: EngineHandle) -> None:
+    async def record(engine: EngineHandle, restarted: bool = False) -> None:
         probed[-1].append(engine.engine_id)
 
     try:
@@ -712,7 +712,7 @@ async def test_tokens_carry_the_policy_version_published_while_they_ran(redis_ur
     runtime = await make_runtime(redis_url, [held])
     run = new_run()
     try:
-        assert await runtime.publish_version(run, 6) == 6
+        assert (await runtime.publish_version(run, 6)).version == 6
         await runtime.submit(run, specs(run, 1, n=2))
 
         async def sample_1_done() -> bool:
@@ -720,8 +720,8 @@ async def test_tokens_carry_the_policy_version_published_while_they_ran(redis_ur
             return record is not None and record.samples[1].finish_reason is not None
 
         await eventually(sample_1_done, "the free sample to finish")
-        assert await runtime.publish_version(run, 7) == 7
-        assert await runtime.publish_version(run, 7) == 7  # a retry is no change
+        assert (await runtime.publish_version(run, 7)).version == 7
+        assert (await runtime.publish_version(run, 7)).version == 7  # a retry is no change
         with pytest.raises(VersionBehind, match=r"version \(5\) is below .* \(7\)"):
             await runtime.publish_version(run, 5)
         async with grpc.aio.insecure_channel(held.address) as channel:

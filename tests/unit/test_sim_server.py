@@ -446,6 +446,22 @@ async def test_invalid_requests_are_rejected_naming_the_field(
     assert re.search(words, info.value.details() or "")
 
 
+async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
+    async with sim_engine() as (_, stub):
+        before = await stub.Stats(pb.StatsRequest())
+        reply = await stub.UpdateWeights(
+            pb.UpdateWeightsRequest(weights_path="/ckpt/step-2", version=2)
+        )
+        after = await stub.Stats(pb.StatsRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path="", version=3))
+    assert (before.weights_version, before.weights_path) == (0, "")
+    assert reply.load_s == 0.0
+    assert (after.weights_version, after.weights_path) == (2, "/ckpt/step-2")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights_path is empty" in (info.value.details() or "")
+
+
 async def eventually(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(int(WAIT_S / POLL_S)):
         if predicate():

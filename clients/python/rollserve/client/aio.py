@@ -59,8 +59,10 @@ from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rp
 from rollserve.client.types import (
     CancelResult,
     PromptGroup,
+    PublishResult,
     SchedulerStatus,
     cancel_request,
+    publish_timeout_s,
     publish_version_request,
     submit_request,
 )
@@ -168,14 +170,18 @@ class AsyncRolloutClient:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
 
-    async def publish_version(self, version: int) -> int:
-        """Tells the scheduler the run's policy version; see ``RolloutClient.publish_version``."""
-        request = publish_version_request(self.run_id, version)
+    async def publish_version(
+        self, version: int, weights_path: str = "", *, timeout_s: float | None = None
+    ) -> PublishResult:
+        """Makes ``version`` the run's policy version, loading ``weights_path`` into every
+        engine first when given; see ``RolloutClient.publish_version``."""
+        request = publish_version_request(self.run_id, version, weights_path)
+        timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
         try:
-            response = await self._stub.PublishVersion(request, timeout=self._rpc_timeout_s)
+            response = await self._stub.PublishVersion(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "PublishVersion") from exc
-        return response.version
+        return PublishResult.from_proto(response)
 
     async def status(self) -> SchedulerStatus:
         try:

@@ -53,8 +53,10 @@ from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rp
 from rollserve.client.types import (
     CancelResult,
     PromptGroup,
+    PublishResult,
     SchedulerStatus,
     cancel_request,
+    publish_timeout_s,
     publish_version_request,
     submit_request,
 )
@@ -182,17 +184,29 @@ class RolloutClient:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
 
-    def publish_version(self, version: int) -> int:
-        """Tells the scheduler the run's policy version (call it once the engines run the new
-        weights): the tokens it receives from then on are recorded as of ``version``, in each
-        sample's ``versions``. Versions only go up (a lower one raises InvalidArgument);
-        publishing the current one again is a no-op. Returns the run's version."""
-        request = publish_version_request(self.run_id, version)
+    def publish_version(
+        self, version: int, weights_path: str = "", *, timeout_s: float | None = None
+    ) -> PublishResult:
+        """Makes ``version`` the run's policy version: the tokens the scheduler receives from
+        then on are recorded as of it, in each sample's ``versions``.
+
+        weights_path: a checkpoint folder (Hugging Face layout, safetensors) every engine can
+            read; the scheduler has every engine load it first (running samples go on under
+            it), and engines that join later load it too. Empty: the engines already run
+            the new weights (the trainer updated them its own way).
+        timeout_s: deadline of the call (default: the client's, or ``WEIGHTS_TIMEOUT_S`` at
+            least with ``weights_path``).
+
+        Versions only go up (a lower one raises InvalidArgument); publishing the current one
+        again is a no-op. When no engine could load the weights, nothing changes and the
+        error's ``code`` is FAILED_PRECONDITION."""
+        request = publish_version_request(self.run_id, version, weights_path)
+        timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
         try:
-            response = self._stub.PublishVersion(request, timeout=self._rpc_timeout_s)
+            response = self._stub.PublishVersion(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "PublishVersion") from exc
-        return response.version
+        return PublishResult.from_proto(response)
 
     def status(self) -> SchedulerStatus:
         try:

@@ -167,6 +167,17 @@ class CancelResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PublishResult:
+    version: int  # the run's policy version now
+    engines_updated: int  # engines that loaded the weights (0 without weights_path)
+    engines_failed: tuple[str, ...]  # "engine_id: reason"; out of service until they load them
+
+    @classmethod
+    def from_proto(cls, msg: pb.PublishVersionResponse) -> PublishResult:
+        return cls(msg.version, msg.engines_updated, tuple(msg.engines_failed))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatus:
     engine_id: str
     address: str
@@ -254,12 +265,27 @@ def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitReque
     return pb.SubmitRequest(run_id=run_id, groups=[g.to_proto() for g in groups])
 
 
-def publish_version_request(run_id: str, version: int) -> pb.PublishVersionRequest:
+def publish_version_request(
+    run_id: str, version: int, weights_path: str = ""
+) -> pb.PublishVersionRequest:
     if isinstance(version, bool) or not isinstance(version, int):
         raise InvalidArgument(f"version must be an int, got {type(version).__name__}")
     if not 0 <= version <= MAX_POLICY_VERSION:
         raise InvalidArgument(f"version ({version}) must be in 0..{MAX_POLICY_VERSION}")
-    return pb.PublishVersionRequest(run_id=run_id, version=version)
+    if not isinstance(weights_path, str):
+        raise InvalidArgument(f"weights_path must be a str, got {type(weights_path).__name__}")
+    return pb.PublishVersionRequest(run_id=run_id, version=version, weights_path=weights_path)
+
+
+WEIGHTS_TIMEOUT_S = 900.0  # a PublishVersion that loads weights into the engines
+
+
+def publish_timeout_s(rpc_timeout_s: float, weights_path: str, timeout_s: float | None) -> float:
+    """The deadline of a PublishVersion call: the caller's, or the client's, or at least
+    ``WEIGHTS_TIMEOUT_S`` when the engines load weights."""
+    if timeout_s is not None:
+        return timeout_s
+    return max(rpc_timeout_s, WEIGHTS_TIMEOUT_S) if weights_path else rpc_timeout_s
 
 
 def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:

@@ -447,18 +447,24 @@ class PublishVersionRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     version: _builtins.int
     """>= 0, and >= the run's current version (0 until one is published)"""
+    weights_path: _builtins.str
+    """A checkpoint folder (Hugging Face layout, safetensors, the served model's architecture)
+    that every engine can read at this path; empty: the trainer updated the engines itself.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         version: _builtins.int = ...,
+        weights_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "version", b"version", "weights_path", b"weights_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -469,16 +475,28 @@ class PublishVersionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VERSION_FIELD_NUMBER: _builtins.int
+    ENGINES_UPDATED_FIELD_NUMBER: _builtins.int
+    ENGINES_FAILED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """the run's policy version now"""
+    engines_updated: _builtins.int
+    """engines that loaded weights_path"""
+    @_builtins.property
+    def engines_failed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"engine_id: reason" of each healthy engine that failed to load it; those are taken out
+        of service (their work requeued) until they load it.
+        """
+
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
+        engines_updated: _builtins.int = ...,
+        engines_failed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines_failed", b"engines_failed", "engines_updated", b"engines_updated", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -566,6 +584,52 @@ class HeartbeatResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    weights_path: _builtins.str
+    """A checkpoint folder of the served model's architecture (config.json and *.safetensors),
+    as this engine's filesystem sees it.
+    """
+    version: _builtins.int
+    """what Stats reports from now on (the caller's numbering, >= 0)"""
+    def __init__(
+        self,
+        *,
+        weights_path: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version", "weights_path", b"weights_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_S_FIELD_NUMBER: _builtins.int
+    load_s: _builtins.float
+    """time generation was paused"""
+    def __init__(
+        self,
+        *,
+        load_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_s", b"load_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
@@ -851,6 +915,8 @@ class StatsResponse(_message.Message):
     SPEC_DRAFTS_FIELD_NUMBER: _builtins.int
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -879,6 +945,11 @@ class StatsResponse(_message.Message):
     """draft tokens proposed"""
     spec_accepted_tokens: _builtins.int
     """of those, accepted (never more than proposed)"""
+    weights_version: _builtins.int
+    """The weights it serves: those of the last UpdateWeights (0 and "" for the weights it
+    started with).
+    """
+    weights_path: _builtins.str
     def __init__(
         self,
         *,
@@ -899,10 +970,12 @@ class StatsResponse(_message.Message):
         spec_drafts: _builtins.int = ...,
         spec_draft_tokens: _builtins.int = ...,
         spec_accepted_tokens: _builtins.int = ...,
+        weights_version: _builtins.int = ...,
+        weights_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

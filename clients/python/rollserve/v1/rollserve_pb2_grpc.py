@@ -110,10 +110,12 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PublishVersion(self, request, context):
-        """Sets the run's policy version: the trainer calls it once the engines run new weights.
-        Every token the scheduler receives from then on is recorded as of that version (the
-        `versions` of a sample in the stream). Versions only go up: a lower one is refused
-        with INVALID_ARGUMENT, the current one again is accepted (a retry).
+        """Sets the run's policy version, and with `weights_path` first loads those weights into
+        every healthy engine (UpdateWeights); engines that join or come back later load them
+        before they get work. Every token the scheduler receives from then on is recorded as
+        of that version (the `versions` of a sample in the stream). Versions only go up: a
+        lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
+        retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -354,6 +356,11 @@ class EngineStub:
                 request_serializer=rollserve_dot_v1_dot_rollserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/rollserve.v1.Engine/UpdateWeights',
+                request_serializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -384,6 +391,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Loads new weights into the served model in place. Generation pauses meanwhile; samples
+        that were running first send the tokens they made so far, then go on under the new
+        weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -401,6 +417,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.StatsRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +507,33 @@ class Engine:
             '/rollserve.v1.Engine/Stats',
             rollserve_dot_v1_dot_rollserve__pb2.StatsRequest.SerializeToString,
             rollserve_dot_v1_dot_rollserve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Engine/UpdateWeights',
+            rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

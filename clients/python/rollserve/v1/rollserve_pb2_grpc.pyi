@@ -49,10 +49,12 @@ class SchedulerStub:
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.HeartbeatRequest, _rollserve_pb2.HeartbeatResponse]
     PublishVersion: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]
-    """Sets the run's policy version: the trainer calls it once the engines run new weights.
-    Every token the scheduler receives from then on is recorded as of that version (the
-    `versions` of a sample in the stream). Versions only go up: a lower one is refused
-    with INVALID_ARGUMENT, the current one again is accepted (a retry).
+    """Sets the run's policy version, and with `weights_path` first loads those weights into
+    every healthy engine (UpdateWeights); engines that join or come back later load them
+    before they get work. Every token the scheduler receives from then on is recorded as
+    of that version (the `versions` of a sample in the stream). Versions only go up: a
+    lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
+    retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
 
 @_typing.type_check_only
@@ -74,10 +76,12 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.HeartbeatRequest, _rollserve_pb2.HeartbeatResponse]  # type: ignore[assignment]
     PublishVersion: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]  # type: ignore[assignment]
-    """Sets the run's policy version: the trainer calls it once the engines run new weights.
-    Every token the scheduler receives from then on is recorded as of that version (the
-    `versions` of a sample in the stream). Versions only go up: a lower one is refused
-    with INVALID_ARGUMENT, the current one again is accepted (a retry).
+    """Sets the run's policy version, and with `weights_path` first loads those weights into
+    every healthy engine (UpdateWeights); engines that join or come back later load them
+    before they get work. Every token the scheduler receives from then on is recorded as
+    of that version (the `versions` of a sample in the stream). Versions only go up: a
+    lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
+    retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -132,10 +136,12 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _rollserve_pb2.PublishVersionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollserve_pb2.PublishVersionResponse, _abc.Awaitable[_rollserve_pb2.PublishVersionResponse]]:
-        """Sets the run's policy version: the trainer calls it once the engines run new weights.
-        Every token the scheduler receives from then on is recorded as of that version (the
-        `versions` of a sample in the stream). Versions only go up: a lower one is refused
-        with INVALID_ARGUMENT, the current one again is accepted (a retry).
+        """Sets the run's policy version, and with `weights_path` first loads those weights into
+        every healthy engine (UpdateWeights); engines that join or come back later load them
+        before they get work. Every token the scheduler receives from then on is recorded as
+        of that version (the `versions` of a sample in the stream). Versions only go up: a
+        lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
+        retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
@@ -157,6 +163,11 @@ class EngineStub:
     with FINISH_REASON_ABORT and the tokens produced so far.
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.StatsRequest, _rollserve_pb2.StatsResponse]
+    UpdateWeights: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.UpdateWeightsRequest, _rollserve_pb2.UpdateWeightsResponse]
+    """Loads new weights into the served model in place. Generation pauses meanwhile; samples
+    that were running first send the tokens they made so far, then go on under the new
+    weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+    """
 
 @_typing.type_check_only
 class EngineAsyncStub(EngineStub):
@@ -173,6 +184,11 @@ class EngineAsyncStub(EngineStub):
     with FINISH_REASON_ABORT and the tokens produced so far.
     """
     Stats: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.StatsRequest, _rollserve_pb2.StatsResponse]  # type: ignore[assignment]
+    UpdateWeights: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.UpdateWeightsRequest, _rollserve_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    """Loads new weights into the served model in place. Generation pauses meanwhile; samples
+    that were running first send the tokens they made so far, then go on under the new
+    weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+    """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- Engine"""
@@ -204,5 +220,16 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         request: _rollserve_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollserve_pb2.StatsResponse, _abc.Awaitable[_rollserve_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateWeights(
+        self,
+        request: _rollserve_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollserve_pb2.UpdateWeightsResponse, _abc.Awaitable[_rollserve_pb2.UpdateWeightsResponse]]:
+        """Loads new weights into the served model in place. Generation pauses meanwhile; samples
+        that were running first send the tokens they made so far, then go on under the new
+        weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+        """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

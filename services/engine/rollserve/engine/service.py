@@ -24,8 +24,10 @@ import gc
 import importlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import grpc
@@ -55,6 +57,7 @@ logger = logging.getLogger(__name__)
 VllmFinishReason = Literal["stop", "length", "abort"]
 
 MAX_SAMPLES_PER_REQUEST = 1024
+MAX_WEIGHTS_PATH_LEN = 4096
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
 
 WARMUP_PROMPT_TOKENS = 8
@@ -155,6 +158,12 @@ class GenerationBackend(Protocol):
 
     def counters(self) -> EngineCounters: ...
 
+    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+        """Loads the checkpoint at ``weights_path`` into the model in place; running requests
+        go on under it. Calls ``paused`` once generation has stopped and every output made
+        under the old weights has been handed out. BackendError if it cannot be loaded."""
+        ...
+
 
 # ---------------------------------------------------------------- vLLM
 
@@ -182,6 +191,7 @@ class VllmBackend:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._cached_tokens = 0
+        self._broken = False  # a weight update failed part way
 
     @classmethod
     def create(cls, settings: EngineSettings, device: Device) -> VllmBackend:
@@ -280,6 +290,28 @@ class VllmBackend:
         if request_ids:
             await self._llm.abort(list(request_ids))
 
+    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+        """vLLM's in-place reload: generation paused with its requests kept, the weights read
+        from ``weights_path`` by the workers, then every cached block (the running requests'
+        too) dropped, so that KV made under the old weights is recomputed under the new."""
+        llm = self._llm
+        # Returns once the outputs of the last steps have reached their requests' streams.
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        paused()
+        try:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        except Exception as exc:  # the worker's error, whatever its type, comes back here
+            # Some tensors may hold the new weights and some the old: this engine must not
+            # generate again (``dead``: the service stops, and a restart loads the model).
+            self._broken = True
+            raise BackendError(
+                f"loading weights_path {weights_path!r} failed, the engine stops: {exc}",
+                retryable=True,
+            ) from exc
+        if not await llm.reset_prefix_cache(reset_running_requests=True):
+            logger.warning("vLLM kept its prefix cache after a weight update")
+        await llm.resume_generation()
+
     def counters(self) -> EngineCounters:
         """Totals from vLLM's in-process Prometheus metrics; own counts where one is missing."""
         totals: dict[str, int] = {}
@@ -299,8 +331,9 @@ class VllmBackend:
 
     @property
     def dead(self) -> bool:
-        """Whether vLLM's engine core has died: nothing will be generated here again."""
-        return self._llm is not None and bool(self._llm.errored)
+        """Whether vLLM's engine core has died (or a weight update failed part way): nothing
+        will be generated here again."""
+        return self._llm is not None and (self._broken or bool(self._llm.errored))
 
     def shutdown(self) -> None:
         """Stops the engine core (its child process) and the output handler, and lets go
@@ -515,6 +548,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._flush_interval_s = flush_interval_s
         self._backend: GenerationBackend | None = None
         self._runs: dict[str, _Run] = {}
+        self._weights_lock = asyncio.Lock()
+        self._weights_version = 0  # of the last UpdateWeights
+        self._weights_path = ""
 
     def attach(self, backend: GenerationBackend) -> None:
         """Starts serving on `backend` (after it is loaded and warmed up)."""
@@ -614,6 +650,30 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
         return pb.AbortResponse(found=True)
 
+    async def UpdateWeights(
+        self,
+        request: pb.UpdateWeightsRequest,
+        context: grpc.aio.ServicerContext[pb.UpdateWeightsRequest, pb.UpdateWeightsResponse],
+    ) -> pb.UpdateWeightsResponse:
+        backend = await self._require_backend(context)
+        problem = weights_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        async with self._weights_lock:
+            start = time.perf_counter()
+            try:
+                await backend.update_weights(request.weights_path, self._flush_all)
+            except BackendError as exc:
+                await context.abort(grpc.StatusCode.INTERNAL, exc.message)
+            self._weights_version, self._weights_path = request.version, request.weights_path
+            return pb.UpdateWeightsResponse(load_s=time.perf_counter() - start)
+
+    def _flush_all(self) -> None:
+        """Sends every run's buffered tokens now (those made under the weights being
+        replaced reach the scheduler before any made under the new ones)."""
+        for run in self._runs.values():
+            run.flush_now()
+
     async def Stats(
         self,
         request: pb.StatsRequest,
@@ -640,7 +700,26 @@ class EngineServicer(pb_grpc.EngineServicer):
             spec_drafts=counters.spec_drafts,
             spec_draft_tokens=counters.spec_draft_tokens,
             spec_accepted_tokens=counters.spec_accepted_tokens,
+            weights_version=self._weights_version,
+            weights_path=self._weights_path,
         )
+
+
+def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
+    """What is wrong with an UpdateWeights request, checked before the engine pauses."""
+    path = request.weights_path
+    if not path:
+        return "weights_path is empty; give a checkpoint folder"
+    if len(path) > MAX_WEIGHTS_PATH_LEN:
+        return f"weights_path is {len(path)} characters; the limit is {MAX_WEIGHTS_PATH_LEN}"
+    if request.version < 0:
+        return f"version ({request.version}) must be >= 0"
+    folder = Path(path)
+    if not folder.is_dir():
+        return f"weights_path {path!r} is not a folder on this engine"
+    if not any(folder.glob("*.safetensors")):
+        return f"weights_path {path!r} holds no *.safetensors file"
+    return None
 
 
 async def _pump(

@@ -73,6 +73,7 @@ class EngineHandle:
         # A health watch is open: a change of its status arrives without a probe.
         self.watching = False
         self.probe_slot = 0  # which rounds probe it while it is watched
+        self.loading_weights = False  # the scheduler has it load the fleet's weights now
 
     @property
     def capacity_samples(self) -> int:
@@ -122,6 +123,11 @@ class EngineHandle:
                 yield reply.status == health_pb2.HealthCheckResponse.SERVING
         finally:
             replies.cancel()
+
+    async def update_weights(self, path: str, version: int, timeout_s: float) -> None:
+        """Has the engine load the checkpoint at ``path`` as weights ``version``."""
+        request = pb.UpdateWeightsRequest(weights_path=path, version=version)
+        await self._stub.UpdateWeights(request, timeout=timeout_s)
 
     async def stats(self, timeout_s: float) -> pb.StatsResponse:
         reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)

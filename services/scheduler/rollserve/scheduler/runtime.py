@@ -126,6 +126,23 @@ class QueueFull(Exception):
     pass
 
 
+class WeightsNotLoaded(Exception):
+    """No engine could load the weights a PublishVersion gave (nothing changed)."""
+
+    def __init__(self, path: str, failed: Sequence[str]) -> None:
+        listed = "; ".join(failed) if failed else "no engine is healthy"
+        super().__init__(f"weights_path {path!r} was loaded by no engine: {listed}")
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What a PublishVersion did."""
+
+    version: int  # the run's policy version now
+    engines_updated: int = 0  # engines that loaded its weights
+    engines_failed: tuple[str, ...] = ()  # "engine_id: reason", taken out of service
+
+
 class VersionBehind(ValueError):
     """A published policy version is lower than the run's current one."""
 
@@ -241,6 +258,10 @@ class SchedulerRuntime:
         # Run id -> its policy version (PublishVersion; Redis has it), for every run with
         # groups here or that published since the start.
         self._versions: dict[str, int] = {}
+        # The fleet's weights (path, version) from the last PublishVersion with a path: an
+        # engine serves only with them loaded. None: engines keep the weights they have.
+        self._weights: tuple[str, int] | None = None
+        self._weights_lock = asyncio.Lock()  # one fleet update at a time
 
     # ------------------------------------------------------------ lifecycle
 
@@ -254,6 +275,7 @@ class SchedulerRuntime:
             self._lease = lease
             self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
             await self._load_history()
+            self._weights = await self._store.load_weights()
             recovered = await self._store.load_pending()
             self._versions.update(
                 await self._store.load_versions(sorted({spec.run_id for spec in recovered}))
@@ -399,16 +421,83 @@ class SchedulerRuntime:
             self._wake.set()
         return cancelled, unknown
 
-    async def publish_version(self, run_id: str, version: int) -> int:
+    async def publish_version(self, run_id: str, version: int, weights_path: str = "") -> Published:
         """Makes ``version`` the run's policy version (stored first): tokens received from
-        now on are recorded as of it. Raises VersionBehind if the run's is higher, and
-        LeaseLost if this scheduler is stopping."""
+        now on are recorded as of it. With ``weights_path``, every healthy engine loads those
+        weights first; those that fail are taken out of service until they load them, and
+        if none could, nothing changes (WeightsNotLoaded). Raises VersionBehind if the run's
+        version is higher, and LeaseLost if this scheduler is stopping."""
         self._check_lease()
+        if run_id not in self._versions:
+            self._versions.update(await self._store.load_versions([run_id]))
+        if version < self._versions[run_id]:
+            raise VersionBehind(run_id, version, self._versions[run_id])
+        published = Published(version)
+        if weights_path:
+            updated, failed = await self._update_fleet(weights_path, version)
+            published = Published(version, updated, failed)
         ok, current = await self._store.publish_version(run_id, version)
         self._versions[run_id] = current
         if not ok:
             raise VersionBehind(run_id, version, current)
-        return current
+        return published
+
+    async def _update_fleet(self, path: str, version: int) -> tuple[int, tuple[str, ...]]:
+        """Loads the weights into every healthy engine and makes them the fleet's; returns
+        how many engines loaded them and why the others did not."""
+        async with self._weights_lock:
+            engines = [e for e in self._engines.values() if e.healthy]
+            results = await asyncio.gather(*(self._load_weights(e, path, version) for e in engines))
+            failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
+            if len(failed) == len(engines):
+                raise WeightsNotLoaded(path, [f"{e.engine_id}: {why}" for e, why in failed])
+            await self._store.save_weights(path, version)
+            self._weights = (path, version)
+            for engine, why in failed:
+                await self._engine_down(engine, f"weights not loaded: {why}")
+            # Engines that came into service while the others loaded had the old weights.
+            for engine in [e for e in self._engines.values() if e.healthy and e not in engines]:
+                await self._has_fleet_weights(engine)
+            return len(engines) - len(failed), tuple(f"{e.engine_id}: {w}" for e, w in failed)
+
+    async def _load_weights(self, engine: EngineHandle, path: str, version: int) -> str:
+        """Has the engine load the weights; returns why it could not ("" when it did)."""
+        try:
+            await engine.update_weights(path, version, self.settings.weights_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        log.info("engine %s loaded weights %s (version %d)", engine.engine_id, path, version)
+        return ""
+
+    async def _has_fleet_weights(self, engine: EngineHandle) -> bool:
+        """Whether the engine serves the fleet's weights, loading them into it if not (an
+        engine that joins, comes back or restarted starts with those it was launched with);
+        one that served with other weights is taken out of service first."""
+        if engine.loading_weights:
+            return False  # a load is under way (a probe round is shorter than a load)
+        engine.loading_weights = True
+        try:
+            while self._weights is not None:
+                path, version = self._weights
+                stats = await engine.stats(self.settings.health_timeout_s)
+                if (stats.weights_path, stats.weights_version) == (path, version):
+                    return True
+                if engine.healthy:  # it restarted: no work for it until it has them
+                    await self._engine_down(engine, "restarted without the fleet's weights")
+                why = await self._load_weights(engine, path, version)
+                if why:
+                    engine.last_error = f"weights not loaded: {why}"
+                    return False
+                # Loaded; the fleet's may have moved on meanwhile: look again.
+            return True
+        except grpc.aio.AioRpcError as exc:
+            reason = f"its weights are unknown: Stats failed: {exc.details()}"
+            if engine.healthy:
+                await self._engine_down(engine, reason)
+            engine.last_error = reason
+            return False
+        finally:
+            engine.loading_weights = False
 
     def policy_version(self, run_id: str) -> int:
         return self._versions.get(run_id, 0)
@@ -422,7 +511,7 @@ class SchedulerRuntime:
             engine = self._add_engine(engine_id, address)
         engine.registered = True
         engine.heartbeat()
-        await self._probe(engine)
+        await self._probe(engine, restarted=True)  # it may have restarted since it was seen
 
     def heartbeat_interval_ms(self) -> int:
         """The period engines are told to heartbeat at: the setting, or longer on a fleet
@@ -1168,11 +1257,13 @@ class SchedulerRuntime:
                 engine.watching = False
             # The watch ended: closed above on NOT_SERVING, or broken (the engine exited, or
             # the connection did). Probe it now, so that an engine that is gone counts a
-            # failed probe at once.
-            await self._probe(engine)
+            # failed probe at once (and one that restarted loads the fleet's weights).
+            await self._probe(engine, restarted=True)
             await asyncio.sleep(self.settings.health_interval_s)
 
-    async def _probe(self, engine: EngineHandle) -> None:
+    async def _probe(self, engine: EngineHandle, restarted: bool = False) -> None:
+        """Checks the engine's health. Before an engine serves (again), or when it may have
+        restarted, it must serve the fleet's weights: it loads them or stays out."""
         try:
             await engine.probe(self.settings.health_timeout_s)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
@@ -1184,5 +1275,7 @@ class SchedulerRuntime:
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
+        if (restarted or not engine.healthy) and not await self._has_fleet_weights(engine):
+            return  # out of service until it serves the fleet's weights
         if engine.mark(True):
             self._wake.set()

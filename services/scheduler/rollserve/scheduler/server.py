@@ -22,7 +22,12 @@ from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
-from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime, VersionBehind
+from rollserve.scheduler.runtime import (
+    QueueFull,
+    SchedulerRuntime,
+    VersionBehind,
+    WeightsNotLoaded,
+)
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import DuplicateGroup, Store
 from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 _MAX_ENGINE_ID_LEN = 128
+MAX_WEIGHTS_PATH_LEN = 4096  # as the engines' limit
 _PREDICTOR_DEFAULTS = PredictorSettings()
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -85,15 +91,29 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}",
             )
+        if len(request.weights_path) > MAX_WEIGHTS_PATH_LEN:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"weights_path is {len(request.weights_path)} characters; "
+                f"the limit is {MAX_WEIGHTS_PATH_LEN}",
+            )
         try:
-            version = await self._runtime.publish_version(request.run_id, request.version)
+            published = await self._runtime.publish_version(
+                request.run_id, request.version, request.weights_path
+            )
         except VersionBehind as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except WeightsNotLoaded as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except LeaseLost as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except redis.exceptions.ConnectionError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
-        return pb.PublishVersionResponse(version=version)
+        return pb.PublishVersionResponse(
+            version=published.version,
+            engines_updated=published.engines_updated,
+            engines_failed=published.engines_failed,
+        )
 
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: Context
@@ -234,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(status changes and exits come through the watch at once; the probe finds hangs)",
     )
     p.add_argument(
+        "--weights-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one engine's weight update (PublishVersion with a weights_path)",
+    )
+    p.add_argument(
         "--lease-ttl-s",
         type=float,
         default=10.0,
@@ -301,6 +327,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
         health_watched_every=args.health_watched_every,
+        weights_timeout_s=args.weights_timeout_s,
         lease_ttl_s=args.lease_ttl_s,
         lease_wait_s=args.lease_wait_s,
         nice=args.nice,

@@ -81,6 +81,13 @@ class SchedulerSettings(BaseModel):
         "periods (its status changes and its exit arrive through the watch at once; the "
         "probe finds a hung engine)",
     )
+    weights_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="deadline of one engine's weight update (UpdateWeights: a checkpoint read "
+        "from disk into the running model)",
+    )
     heartbeat_interval_ms: int = Field(
         2000,
         ge=100,

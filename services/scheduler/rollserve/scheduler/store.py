@@ -20,7 +20,8 @@ not a delivery: a save lost in a crash loses one group's observations, never a s
 
 A run's policy version (``PublishVersion``) is one integer key, ``rollserve:{RUN}:version``,
 set by a script that refuses to lower it, so a late retry of an old publish cannot undo a
-newer one.
+newer one. The fleet's weights (the last ``PublishVersion`` that gave a ``weights_path``)
+are the hash ``rollserve:weights`` (``path``, ``version``): engines that join later load them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import redis.asyncio as aioredis
 from rollserve.client.wire import (
     KEY_PREFIX,
     RUNS_KEY,
+    WEIGHTS_KEY,
     GroupResult,
     encode_entry,
     ended_key,
@@ -264,6 +266,16 @@ class Store:
             run_id: 0 if value is None else int(value)
             for run_id, value in zip(run_ids, values, strict=True)
         }
+
+    async def save_weights(self, path: str, version: int) -> None:
+        await self._redis.hset(WEIGHTS_KEY, mapping={"path": path, "version": version})
+
+    async def load_weights(self) -> tuple[str, int] | None:
+        """The fleet's weights (path, version), or None while none were published."""
+        saved = cast(dict[bytes, bytes], await self._redis.hgetall(WEIGHTS_KEY))
+        if not saved:
+            return None
+        return _text(saved[b"path"]), int(saved[b"version"])
 
     async def save_history(
         self, records: Mapping[str, bytes], globals_: bytes, max_keys: int

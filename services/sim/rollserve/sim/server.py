@@ -168,6 +168,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         self._flush_interval_s = flush_interval_s
         self._runs: dict[str, _Run] = {}
         self.totals = totals or FleetTotals()
+        self._weights: tuple[int, str] = (0, "")  # version and path of the last UpdateWeights
 
     @property
     def running_requests(self) -> int:
@@ -225,6 +226,26 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         run.wakeup.set()
         return pb.AbortResponse(found=True)
 
+    async def UpdateWeights(
+        self,
+        request: pb.UpdateWeightsRequest,
+        context: grpc.aio.ServicerContext[pb.UpdateWeightsRequest, pb.UpdateWeightsResponse],
+    ) -> pb.UpdateWeightsResponse:
+        """Takes the version and path as the weights it serves (Stats says them), so that a
+        scheduler's weight updates run against a simulated fleet. Simulated: no file is read,
+        the load takes no time, and the prefix cache and running samples are left as they
+        are (a vLLM engine drops the cache and recomputes the running samples' KV)."""
+        if not request.weights_path:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "weights_path is empty; give a checkpoint folder"
+            )
+        if request.version < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"version ({request.version}) must be >= 0"
+            )
+        self._weights = (request.version, request.weights_path)
+        return pb.UpdateWeightsResponse(load_s=0.0)
+
     async def Stats(
         self,
         request: pb.StatsRequest,
@@ -251,6 +272,8 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             spec_drafts=drafts,
             spec_draft_tokens=draft_tokens,
             spec_accepted_tokens=accepted,
+            weights_version=self._weights[0],
+            weights_path=self._weights[1],
         )
 
     def _plan(self, request: pb.GenerateRequest) -> tuple[_Run, list[SimRequest]]:
