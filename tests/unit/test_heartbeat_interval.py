@@ -43,12 +43,16 @@ async def test_the_scheduler_lengthens_the_period_as_engines_register(redis_url:
         for e in engines:
             await runtime.register_engine(e.engine_id, e.address)
             periods.append(runtime.heartbeat_interval_ms())
+        # Registering again, at the same address or a new one, is still one engine.
+        await runtime.register_engine("e0", engines[0].address)
+        await runtime.register_engine("e1", engines[2].address)
+        periods.append(runtime.heartbeat_interval_ms())
     finally:
         await runtime.stop()
         for e in engines:
             await e.stop()
     # 1 heartbeat a second for the fleet: 2 s (the least) up to 2 engines, then 1 s each.
-    assert periods == [2000, 2000, 2000, 3000]
+    assert periods == [2000, 2000, 2000, 3000, 3000]
 
 
 class _Scheduler(pb_grpc.SchedulerServicer):

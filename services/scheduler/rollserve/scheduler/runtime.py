@@ -230,6 +230,7 @@ class SchedulerRuntime:
         self._engines: dict[str, EngineHandle] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}  # engine id -> its health watch
         self._engines_added = 0
+        self._registered = 0  # engines that came through RegisterEngine (heartbeat budget)
         self._probe_round = 0
         self._wake = asyncio.Event()
         self._seq = 0
@@ -509,7 +510,9 @@ class SchedulerRuntime:
             engine = None
         if engine is None:
             engine = self._add_engine(engine_id, address)
-        engine.registered = True
+        if not engine.registered:
+            engine.registered = True
+            self._registered += 1
         engine.heartbeat()
         await self._probe(engine, restarted=True)  # it may have restarted since it was seen
 
@@ -518,8 +521,7 @@ class SchedulerRuntime:
         whose heartbeats would pass ``max_heartbeats_per_s`` together (each is a call the
         scheduler serves; 512 engines every 2 s were a tenth of its CPU)."""
         s = self.settings
-        registered = sum(1 for e in self._engines.values() if e.registered)
-        spread = math.ceil(1000 * registered / s.max_heartbeats_per_s)
+        spread = math.ceil(1000 * self._registered / s.max_heartbeats_per_s)
         return min(600_000, max(s.heartbeat_interval_ms, spread))
 
     def heartbeat(self, engine_id: str) -> bool:
@@ -1160,6 +1162,8 @@ class SchedulerRuntime:
     async def _remove_engine(self, engine: EngineHandle, reason: str) -> None:
         await self._engine_down(engine, reason)
         del self._engines[engine.engine_id]
+        if engine.registered:
+            self._registered -= 1
         watch = self._watches.pop(engine.engine_id, None)
         if watch is not None:
             watch.cancel()
