@@ -51,14 +51,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             specs = validate_submit(request, self._runtime.limits(), self._runtime.tokenize)
             await self._runtime.submit(request.run_id, specs)
-        except (ValidationError, DuplicateGroup) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except LeaseLost as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except redis.exceptions.ConnectionError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
+        except _REFUSALS as exc:
+            await context.abort(*_refusal(exc))
         return pb.SubmitResponse(accepted=len(specs), stream=stream_key(request.run_id))
 
     async def Cancel(self, request: pb.CancelRequest, context: Context) -> pb.CancelResponse:
@@ -72,8 +66,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
         try:
             cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
-        except LeaseLost as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except _REFUSALS as exc:
+            await context.abort(*_refusal(exc))
         return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
@@ -101,14 +95,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             published = await self._runtime.publish_version(
                 request.run_id, request.version, request.weights_path
             )
-        except VersionBehind as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except WeightsNotLoaded as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except LeaseLost as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except redis.exceptions.ConnectionError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
+        except _REFUSALS as exc:
+            await context.abort(*_refusal(exc))
         return pb.PublishVersionResponse(
             version=published.version,
             engines_updated=published.engines_updated,
@@ -143,6 +131,31 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 f"engine_id {request.engine_id!r} is unknown: call RegisterEngine first",
             )
         return pb.HeartbeatResponse(heartbeat_interval_ms=self._runtime.heartbeat_interval_ms())
+
+
+# What the runtime raises for a call it refuses (or cannot carry out now), and the status each
+# gets; nothing of the call was done.
+_REFUSALS = (
+    ValidationError,
+    DuplicateGroup,
+    VersionBehind,
+    QueueFull,
+    WeightsNotLoaded,
+    LeaseLost,
+    redis.exceptions.ConnectionError,
+)
+
+
+def _refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, WeightsNotLoaded):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, LeaseLost):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}"
+    return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
 
 
 def load_tokenizer(model_dir: str) -> Callable[[str], list[int]]:

@@ -1,0 +1,36 @@
+"""The status each refusal of the scheduler's gRPC edge gets (nothing faked: the mapping)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import redis.exceptions
+from rollserve.scheduler.lease import LeaseLost
+from rollserve.scheduler.runtime import QueueFull, VersionBehind, WeightsNotLoaded
+from rollserve.scheduler.server import _REFUSALS, _refusal
+from rollserve.scheduler.store import DuplicateGroup
+from rollserve.scheduler.validation import ValidationError
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "words"),
+    [
+        (ValidationError("n (0) must be >= 1"), grpc.StatusCode.INVALID_ARGUMENT, "n (0)"),
+        (DuplicateGroup("r", "g"), grpc.StatusCode.INVALID_ARGUMENT, "already submitted"),
+        (VersionBehind("r", 1, 2), grpc.StatusCode.INVALID_ARGUMENT, "versions only go up"),
+        (QueueFull("the queue holds 9"), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue holds"),
+        (WeightsNotLoaded("/c", ["e0: no"]), grpc.StatusCode.FAILED_PRECONDITION, "e0: no"),
+        (LeaseLost("lease lost"), grpc.StatusCode.UNAVAILABLE, "lease lost"),
+        (
+            redis.exceptions.ConnectionError("refused"),
+            grpc.StatusCode.UNAVAILABLE,
+            "Redis is unreachable: refused",
+        ),
+    ],
+)
+def test_each_refusal_gets_its_status_and_keeps_its_message(
+    exc: Exception, code: grpc.StatusCode, words: str
+) -> None:
+    assert isinstance(exc, _REFUSALS)
+    got_code, message = _refusal(exc)
+    assert got_code == code and words in message
