@@ -21,6 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from rollserve.assets import reasoner_dir
 from rollserve.cli.stack import launch_engine
 from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
 from rollserve.engine.tiny_model import make_tiny_model
@@ -484,3 +485,28 @@ async def test_weights_from_a_folder_the_engine_cannot_read_are_refused(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "is not a folder on this engine" in (info.value.details() or "")
     assert (await engine.Stats(pb.StatsRequest())).weights_version == 0
+
+
+def test_weights_that_do_not_fit_the_model_stop_the_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint of another shape fails part way in vLLM's reload, after some tensors may
+    have changed: the call fails with INTERNAL and the engine exits for a supervisor to
+    restart it, rather than serve a model in an unknown state."""
+    engine = start_engine_process(
+        tiny_model_dir, "engine-misfit", ["--omp-num-threads", "1"], log_dir=tmp_path
+    )
+    try:
+        with grpc.insecure_channel(engine.address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.UpdateWeights(
+                    pb.UpdateWeightsRequest(weights_path=str(reasoner_dir()), version=1),
+                    timeout=120,
+                )
+        assert cast(grpc.Call, info.value).code() == grpc.StatusCode.INTERNAL
+        assert "failed, the engine stops" in (cast(grpc.Call, info.value).details() or "")
+        code = engine.proc.wait(timeout=STOP_TIMEOUT_S)
+        assert code == ENGINE_DIED_EXIT_CODE, engine.log_tail()
+    finally:
+        engine.kill()
