@@ -20,6 +20,7 @@ async def test_every_engine_loads_the_weights_before_the_version_is_published(
     run = new_run()
     try:
         published = await runtime.publish_version(run, 3, "/ckpt/step-3")
+        retried = await runtime.publish_version(run, 3, "/ckpt/step-3")  # loads nothing again
         await runtime.submit(run, specs(run, 2))
         results = await read_stream(other_redis_url, run, 2)
     finally:
@@ -27,6 +28,7 @@ async def test_every_engine_loads_the_weights_before_the_version_is_published(
         for e in engines:
             await e.stop()
     assert (published.version, published.engines_updated, published.engines_failed) == (3, 2, ())
+    assert retried == published
     for e in engines:
         assert [(u.weights_path, u.version) for u in e.weight_updates] == [("/ckpt/step-3", 3)]
     for sample in (s for r in results for s in r.samples):

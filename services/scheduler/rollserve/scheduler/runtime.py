@@ -462,8 +462,13 @@ class SchedulerRuntime:
             return len(engines) - len(failed), tuple(f"{e.engine_id}: {w}" for e, w in failed)
 
     async def _load_weights(self, engine: EngineHandle, path: str, version: int) -> str:
-        """Has the engine load the weights; returns why it could not ("" when it did)."""
+        """Has the engine load the weights unless it serves them already (a retried publish
+        loads nothing again); returns why it could not ("" when it has them)."""
+        timeout_s = self.settings.health_timeout_s
         try:
+            stats = await engine.stats(timeout_s)
+            if (stats.weights_path, stats.weights_version) == (path, version):
+                return ""
             await engine.update_weights(path, version, self.settings.weights_timeout_s)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
