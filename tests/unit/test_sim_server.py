@@ -312,7 +312,7 @@ async def sim_engine(
             yield servicer, pb_grpc.EngineStub(channel)
     finally:
         await server.stop(0)
-        servicer.engine.close()
+        servicer.close()
 
 
 def generate_request(

@@ -128,6 +128,10 @@ class _Run:
     def all_reported(self) -> bool:
         return all(s.reported for s in self.samples)
 
+    def sends_tokens(self) -> bool:
+        """Whether a flush would carry new tokens (a sample still runs)."""
+        return self.running > 0
+
 
 @dataclass(slots=True)
 class FleetTotals:
@@ -169,6 +173,22 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         self._runs: dict[str, _Run] = {}
         self.totals = totals or FleetTotals()
         self._weights: tuple[int, str] = (0, "")  # version and path of the last UpdateWeights
+        # The next flush of every call's new tokens (from the first call on, as the engine
+        # service's ticks run from its start): the engine's messages go out together.
+        self._tick: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        """Stops the engine's flush ticks and its stepping."""
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self.engine.close()
+
+    def _flush_tick(self) -> None:
+        self._tick = asyncio.get_running_loop().call_later(self._flush_interval_s, self._flush_tick)
+        for run in self._runs.values():
+            if run.sends_tokens():
+                run.wakeup.set()
 
     @property
     def running_requests(self) -> int:
@@ -183,7 +203,10 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         run, sim_requests = self._plan(request)
         self._runs[run.request_id] = run
         self.totals.generate_calls += 1
-        loop = asyncio.get_running_loop()
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(
+                self._flush_interval_s, self._flush_tick
+            )
         try:
             try:
                 for sample, sim_request in zip(run.samples, sim_requests, strict=True):
@@ -191,12 +214,9 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             except ValueError as exc:  # an id of a call that just ended, still in its last step
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             while True:
+                # Woken by a sample's end (sent at once) or the engine's flush tick.
                 if not run.all_finished():
-                    timer = loop.call_later(self._flush_interval_s, run.wakeup.set)
-                    try:
-                        await run.wakeup.wait()
-                    finally:
-                        timer.cancel()
+                    await run.wakeup.wait()
                 run.wakeup.clear()
                 for message in self._drain(run):
                     yield message
@@ -472,7 +492,7 @@ async def serve(
         await asyncio.gather(*links, return_exceptions=True)
         await asyncio.gather(*(one.server.stop(settings.shutdown_grace_s) for one in served))
         for one in served:
-            one.engine.close()
+            one.servicer.close()
         parts.clock.close()
         if own_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
