@@ -135,3 +135,5 @@ def test_derived_numbers() -> None:
     result = make_result(n=3)
     assert result.num_output_tokens == 6
     assert result.latency_s == pytest.approx(2.5)
+    assert result.oldest_version == 3
+    assert make_result(n=0).oldest_version is None

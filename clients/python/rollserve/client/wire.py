@@ -109,6 +109,12 @@ class GroupResult(msgspec.Struct, frozen=True, kw_only=True):
     def num_output_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version any of its tokens was made under (None without tokens):
+        a trainer at version ``v`` learns from tokens ``v - oldest_version`` versions old."""
+        return min((seg.version for s in self.samples for seg in s.versions), default=None)
+
 
 def first_non_finite(logprobs: Sequence[float]) -> int | None:
     """Index of the first logprob that is NaN or infinite, None if all are finite. Such a
