@@ -113,10 +113,11 @@ class EngineSettings(BaseModel):
         ge=0,
         le=60_000,
         description=(
-            "How long new tokens are batched before a Chunk is sent; 0 sends at once. A "
-            "sample's end is sent at once, with the tokens batched so far. Each Chunk costs "
-            "the scheduler a wake-up (about 0.3-0.6 ms of CPU when messages come spaced out); "
-            "only progress waits for it."
+            "Period of the engine's flush tick: at each, every call sends the tokens it made "
+            "since (one Chunk); 0 sends at once. A sample's end is sent at once, with the "
+            "tokens batched so far. Each Chunk costs the scheduler a wake-up (about 0.3-0.6 ms "
+            "of CPU when messages come spaced out, a third of that back to back, as one tick "
+            "sends them); only progress waits for it."
         ),
     )
     scheduler_address: str | None = Field(

@@ -84,8 +84,9 @@ class SimSettings(BaseModel):
         gt=0,
         le=60_000,
         description=(
-            "Simulated ms new tokens are batched before a Chunk is sent (x time_scale); a "
-            "sample's end is sent at once, as the real engine service does."
+            "Simulated ms between an engine's flush ticks (x time_scale), at which every call "
+            "sends its new tokens; a sample's end is sent at once, as the real engine service "
+            "does."
         ),
     )
     shutdown_grace_s: float = Field(
