@@ -32,6 +32,7 @@ WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, versio
 
 MAX_RUN_ID_LEN = 128
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
+MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)
 RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import grpc
+from rollserve.client.wire import MAX_WEIGHTS_PATH_LEN
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 VllmFinishReason = Literal["stop", "length", "abort"]
 
 MAX_SAMPLES_PER_REQUEST = 1024
-MAX_WEIGHTS_PATH_LEN = 4096
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
 
 WARMUP_PROMPT_TOKENS = 8
@@ -577,9 +577,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         all the engine's calls reach the scheduler back to back, which costs its gRPC client
         a third of what messages spread out in time do."""
         self._tick = asyncio.get_running_loop().call_later(self._flush_interval_s, self._flush_tick)
-        for run in self._runs.values():
-            if run.has_new_tokens():
-                run.flush_now()
+        self._flush_all()
 
     @property
     def running_requests(self) -> int:
@@ -681,10 +679,11 @@ class EngineServicer(pb_grpc.EngineServicer):
             return pb.UpdateWeightsResponse(load_s=time.perf_counter() - start)
 
     def _flush_all(self) -> None:
-        """Sends every run's buffered tokens now (those made under the weights being
-        replaced reach the scheduler before any made under the new ones)."""
+        """Has every call send its buffered tokens now (at a flush tick, and before new
+        weights load, so that tokens made under the old ones reach the scheduler first)."""
         for run in self._runs.values():
-            run.flush_now()
+            if run.has_new_tokens():
+                run.flush_now()
 
     async def Stats(
         self,

@@ -17,7 +17,7 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.client.wire import MAX_POLICY_VERSION, stream_key
+from rollserve.client.wire import MAX_POLICY_VERSION, MAX_WEIGHTS_PATH_LEN, stream_key
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 _MAX_ENGINE_ID_LEN = 128
-MAX_WEIGHTS_PATH_LEN = 4096  # as the engines' limit
 _PREDICTOR_DEFAULTS = PredictorSettings()
 Context = grpc.aio.ServicerContext[Any, Any]
 
