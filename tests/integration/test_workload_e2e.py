@@ -80,3 +80,31 @@ def test_demo_runs_the_trained_model_and_reports_reward(tmp_path: Path) -> None:
     assert summary["output_tokens_per_s"] > 0
     assert 0.0 < summary["mean_reward"] < 1.0
     assert 0.0 <= summary["prefix_cache_hit_rate"] <= 1.0
+
+
+@pytest.mark.timeout(600)
+def test_demo_that_trains_publishes_each_update_and_the_next_step_runs_it(tmp_path: Path) -> None:
+    from rollserve.assets import reasoner_dir
+    from safetensors.numpy import load_file
+
+    summary_path = tmp_path / "demo.json"
+    checkpoints = tmp_path / "ckpt"
+    _run(
+        [
+            "demo", "--steps", "2", "--groups", "6", "--n", "4", "--train", "--lr", "1e-4",
+            "--checkpoints", str(checkpoints), "--json", str(summary_path),
+        ],
+        tmp_path,
+        timeout=540,
+    )  # fmt: skip
+    summary = json.loads(summary_path.read_text())
+    # Step 1 ran the shipped weights (version 0), step 2 the first update (version 1).
+    assert summary["versions_per_step"] == [[0], [1]]
+    assert summary["policy_version"] == 2
+    assert summary["samples"] == 48 and summary["train_s"] > 0
+    for step in (1, 2):
+        assert (checkpoints / f"step-{step}" / "tokenizer.json").is_file()
+    shipped = load_file(reasoner_dir() / "model.safetensors")
+    trained = load_file(checkpoints / "step-2" / "model.safetensors")
+    assert set(trained) == set(shipped)
+    assert any((trained[name] != shipped[name]).any() for name in shipped)

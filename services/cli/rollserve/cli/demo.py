@@ -6,16 +6,22 @@ samples, waits for all of them on the run's Redis stream, scores every sample wi
 workload's verifier (the reward), acknowledges each group (as a trainer does after using
 it) and moves on. The model is the shipped trained reasoner unless ``--model`` says
 otherwise. The summary is computed from what the trainer received, not from server counters.
+
+With ``--train`` the loop also learns: after each step a GRPO update
+(:mod:`rollserve.training.grpo`) on the step's groups, the new weights written as a checkpoint
+and published as the next policy version (``publish_version(step + 1, weights_path=...)``):
+the engines load them before the next step's groups, whose tokens carry that version.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -45,6 +51,9 @@ class DemoConfig:
     seed: int = 0
     redis_url: str | None = None
     json_path: Path | None = None
+    train: bool = False  # a GRPO update after each step, published to the engines
+    lr: float = 2e-5
+    checkpoints: Path | None = None  # where --train writes them (default: a temp folder)
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,10 @@ class DemoSummary:
     predictor_scored_samples: int = 0
     predictor_mae_tokens: float | None = None
     predictor_tail_auc: float | None = None
+    # --train: the policy version each step's tokens were made under, and the last published
+    versions_per_step: tuple[tuple[int, ...], ...] = ()
+    policy_version: int = 0
+    train_s: float = 0.0  # learning and publishing (left out of wall_s)
 
 
 class Rewarder:
@@ -130,13 +143,55 @@ def summarize(
     )
 
 
+class Learner:
+    """``--train``: a GRPO update after each step, written as a checkpoint and published to
+    the engines as the next policy version."""
+
+    def __init__(self, client: RolloutClient, model: Path, cfg: DemoConfig, folder: Path) -> None:
+        from rollserve.training.grpo import GrpoConfig, GrpoTrainer
+
+        self._client = client
+        self._trainer = GrpoTrainer(model, GrpoConfig(lr=cfg.lr))
+        self._folder = folder
+        self.version = 0
+        self.seconds = 0.0  # spent learning and publishing, not rolling out
+
+    def after_step(
+        self, step: int, results: Sequence[GroupResult], rewards: Sequence[Sequence[float]]
+    ) -> str:
+        start = time.perf_counter()
+        update = self._trainer.step(results, rewards)
+        path = self._trainer.save(self._folder / f"step-{step + 1}")
+        published = self._client.publish_version(step + 1, weights_path=str(path))
+        self.version = published.version
+        self.seconds += time.perf_counter() - start
+        failed = (
+            f", failed: {'; '.join(published.engines_failed)}" if published.engines_failed else ""
+        )
+        return (
+            f"  update: loss {update.loss:+.4f} over {update.tokens} tokens of "
+            f"{update.groups_used} groups with a reward spread, {update.clipped_share:.1%} "
+            f"clipped, logprobs within {update.max_logprob_gap:.1e} of the engine's; version "
+            f"{published.version} loaded by {published.engines_updated} engine(s){failed}"
+        )
+
+
+def step_versions(results: Sequence[GroupResult]) -> tuple[int, ...]:
+    """The policy versions the tokens of these groups were made under."""
+    return tuple(sorted({seg.version for r in results for s in r.samples for seg in s.versions}))
+
+
 def run_trainer_loop(
     client: RolloutClient,
     cfg: DemoConfig,
     rows: Sequence[PromptRow],
     rewarder: Rewarder,
     console: Console,
+    *,
+    learner: Learner | None = None,
 ) -> tuple[list[GroupResult], list[list[float]], float]:
+    """Runs the steps; returns every group, its rewards, and the seconds spent rolling out
+    (the learner's time left out)."""
     results: list[GroupResult] = []
     rewards: list[list[float]] = []
     by_key = {row.prompt_key: row for row in rows}
@@ -172,19 +227,18 @@ def run_trainer_loop(
                 for i, row in enumerate(batch)
             ]
             client.submit(groups)
-            step_rewards: list[float] = []
+            first = len(results)
             for received in client.groups(limit=cfg.groups_per_step, timeout_s=600):
                 result = received.result
-                group_rewards = rewarder.rewards(by_key[result.prompt_key], result)
                 results.append(result)
-                rewards.append(group_rewards)
-                step_rewards.extend(group_rewards)
+                rewards.append(rewarder.rewards(by_key[result.prompt_key], result))
                 received.done()  # the trainer has used the group: acknowledge it
                 progress.advance(bar)
-            progress.console.print(
-                f"step {step + 1}/{cfg.steps}: mean reward {statistics.fmean(step_rewards):.3f}"
-            )
-        wall_s = time.perf_counter() - start
+            mean = statistics.fmean(r for g in rewards[first:] for r in g)
+            progress.console.print(f"step {step + 1}/{cfg.steps}: mean reward {mean:.3f}")
+            if learner is not None:
+                progress.console.print(learner.after_step(step, results[first:], rewards[first:]))
+        wall_s = time.perf_counter() - start - (learner.seconds if learner else 0.0)
     return results, rewards, wall_s
 
 
@@ -204,6 +258,12 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
     table.add_row("group latency p99", f"{summary.group_latency_p99_s:.3f} s")
     table.add_row("mean reward", f"{summary.mean_reward:.3f}")
     table.add_row("groups with mixed rewards", f"{summary.mixed_group_share:.1%}")
+    if summary.versions_per_step:
+        table.add_row(
+            "policy versions by step",
+            " ".join("/".join(map(str, v)) for v in summary.versions_per_step),
+        )
+        table.add_row("learning + publishing", f"{summary.train_s:.2f} s (not in wall time)")
     if summary.predictor_mae_tokens is not None:
         auc = summary.predictor_tail_auc
         table.add_row(
@@ -227,10 +287,31 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoSummary:
         for name, where in stack.describe():
             console.print(f"  {name:<10} {where}")
         run_id = f"demo-{uuid.uuid4().hex[:8]}"
-        with RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client:
-            results, rewards, wall_s = run_trainer_loop(client, cfg, rows, rewarder, console)
+        with (
+            RolloutClient(stack.scheduler_address, stack.redis_url, run_id) as client,
+            tempfile.TemporaryDirectory(prefix="rollserve-ckpt-") as scratch,
+        ):
+            learner = None
+            if cfg.train:
+                folder = cfg.checkpoints or Path(scratch)
+                console.print(f"training: GRPO, lr {cfg.lr}, checkpoints in {folder}")
+                learner = Learner(client, model, cfg, folder)
+            results, rewards, wall_s = run_trainer_loop(
+                client, cfg, rows, rewarder, console, learner=learner
+            )
             status = client.status()
     summary = summarize(results, rewards, wall_s, cfg.steps, cfg.engines, status=status)
+    if learner is not None:
+        per_step = [
+            step_versions(results[i : i + cfg.groups_per_step])
+            for i in range(0, len(results), cfg.groups_per_step)
+        ]
+        summary = replace(
+            summary,
+            versions_per_step=tuple(per_step),
+            policy_version=learner.version,
+            train_s=learner.seconds,
+        )
     print_summary(summary, console)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(asdict(summary), indent=2) + "\n")

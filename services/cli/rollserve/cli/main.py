@@ -55,6 +55,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             redis_url=args.redis_url,
             json_path=args.json,
+            train=args.train,
+            lr=args.lr,
+            checkpoints=args.checkpoints,
         )
     )
     return 0
@@ -225,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--temperature", type=float, default=1.0)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", type=output_file, help="also write the summary here")
+    demo.add_argument(
+        "--train",
+        action="store_true",
+        help="learn: a GRPO update after each step, published to the engines as the next "
+        "policy version",
+    )
+    demo.add_argument("--lr", type=float, default=2e-5, help="--train's learning rate")
+    demo.add_argument("--checkpoints", type=output_dir, help="where --train writes them")
     demo.set_defaults(func=_cmd_demo)
 
     model = sub.add_parser("model", help="make models for development")
