@@ -93,16 +93,26 @@ class HoldingBackend(ScriptedBackend):
 async def served(
     backend: ScriptedBackend, flush_interval_s: float = 0.0
 ) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    async with served_servicer(backend, flush_interval_s) as (stub, _):
+        yield stub
+
+
+@asynccontextmanager
+async def served_servicer(
+    backend: ScriptedBackend, flush_interval_s: float
+) -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, EngineServicer]]:
     servicer = EngineServicer("scripted", flush_interval_s=flush_interval_s)
     servicer.attach(backend)
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb_grpc.EngineStub(channel)
-    await server.stop(None)
-    servicer.detach()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.EngineStub(channel), servicer
+    finally:
+        await server.stop(None)
+        servicer.detach()
 
 
 @pytest.fixture
@@ -387,29 +397,17 @@ async def test_a_weight_update_that_fails_part_way_is_an_internal_error(tmp_path
 async def test_one_flush_tick_sends_the_new_tokens_of_every_call() -> None:
     # The tick is driven by hand here (the interval is an hour): one tick, both calls' tokens.
     backend = HoldingBackend()
-    servicer = EngineServicer("scripted", flush_interval_s=3600.0)
-    servicer.attach(backend)
-    server = grpc.aio.server()
-    pb_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.EngineStub(channel)
-            requests = [request(n=2) for _ in "ab"]
-            for rid, req in zip("ab", requests, strict=True):
-                req.request_id = rid
-            calls = [stub.Generate(req) for req in requests]
-            await asyncio.wait_for(backend.started(4), WAIT_S)
-            servicer._flush_tick()
-            firsts = [
-                cast(pb.GenerateResponse, await asyncio.wait_for(call.read(), WAIT_S))
-                for call in calls
-            ]
-            for rid in "ab":
-                await stub.Abort(pb.AbortRequest(request_id=rid))
-    finally:
-        await server.stop(None)
-        servicer.detach()
+    async with served_servicer(backend, flush_interval_s=3600.0) as (stub, servicer):
+        requests = [request(n=2) for _ in "ab"]
+        for rid, req in zip("ab", requests, strict=True):
+            req.request_id = rid
+        calls = [stub.Generate(req) for req in requests]
+        await asyncio.wait_for(backend.started(4), WAIT_S)
+        servicer._flush_tick()
+        firsts = [
+            cast(pb.GenerateResponse, await asyncio.wait_for(call.read(), WAIT_S)) for call in calls
+        ]
+        for rid in "ab":
+            await stub.Abort(pb.AbortRequest(request_id=rid))
     for first in firsts:
         assert {d.index: list(d.token_ids) for d in first.chunk.deltas} == {0: [7], 1: [7]}
