@@ -716,8 +716,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
 
 
-def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
-    """What is wrong with an UpdateWeights request, checked before the engine pauses."""
+def weights_request_problem(request: pb.UpdateWeightsRequest) -> str | None:
+    """What is wrong with an UpdateWeights request in itself (the sim engine checks this
+    much; it reads no file)."""
     path = request.weights_path
     if not path:
         return "weights_path is empty; give a checkpoint folder"
@@ -725,6 +726,15 @@ def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
         return f"weights_path is {len(path)} characters; the limit is {MAX_WEIGHTS_PATH_LEN}"
     if request.version < 0:
         return f"version ({request.version}) must be >= 0"
+    return None
+
+
+def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
+    """What is wrong with an UpdateWeights request, checked before the engine pauses."""
+    problem = weights_request_problem(request)
+    if problem is not None:
+        return problem
+    path = request.weights_path
     folder = Path(path)
     if not folder.is_dir():
         return f"weights_path {path!r} is not a folder on this engine"

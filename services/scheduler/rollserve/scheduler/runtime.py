@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import redis.exceptions
+from rollserve.client.types import PublishResult
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, first_non_finite
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import (
@@ -132,15 +133,6 @@ class WeightsNotLoaded(Exception):
     def __init__(self, path: str, failed: Sequence[str]) -> None:
         listed = "; ".join(failed) if failed else "no engine is healthy"
         super().__init__(f"weights_path {path!r} was loaded by no engine: {listed}")
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """What a PublishVersion did."""
-
-    version: int  # the run's policy version now
-    engines_updated: int = 0  # engines that loaded its weights
-    engines_failed: tuple[str, ...] = ()  # "engine_id: reason", taken out of service
 
 
 class VersionBehind(ValueError):
@@ -422,7 +414,9 @@ class SchedulerRuntime:
             self._wake.set()
         return cancelled, unknown
 
-    async def publish_version(self, run_id: str, version: int, weights_path: str = "") -> Published:
+    async def publish_version(
+        self, run_id: str, version: int, weights_path: str = ""
+    ) -> PublishResult:
         """Makes ``version`` the run's policy version (stored first): tokens received from
         now on are recorded as of it. With ``weights_path``, every healthy engine loads those
         weights first; those that fail are taken out of service until they load them, and
@@ -433,25 +427,28 @@ class SchedulerRuntime:
             self._versions.update(await self._store.load_versions([run_id]))
         if version < self._versions[run_id]:
             raise VersionBehind(run_id, version, self._versions[run_id])
-        published = Published(version)
+        updated = 0
+        failed: tuple[str, ...] = ()
         if weights_path:
             updated, failed = await self._update_fleet(weights_path, version)
-            published = Published(version, updated, failed)
         ok, current = await self._store.publish_version(run_id, version)
         self._versions[run_id] = current
         if not ok:
             raise VersionBehind(run_id, version, current)
-        return published
+        return PublishResult(current, updated, failed)
 
     async def _update_fleet(self, path: str, version: int) -> tuple[int, tuple[str, ...]]:
         """Loads the weights into every healthy engine and makes them the fleet's; returns
         how many engines loaded them and why the others did not."""
         async with self._weights_lock:
             engines = [e for e in self._engines.values() if e.healthy]
-            results = await asyncio.gather(*(self._load_weights(e, path, version) for e in engines))
+            results = await asyncio.gather(
+                *(self._load_missing_weights(e, path, version) for e in engines)
+            )
             failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
+            reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
             if len(failed) == len(engines):
-                raise WeightsNotLoaded(path, [f"{e.engine_id}: {why}" for e, why in failed])
+                raise WeightsNotLoaded(path, reasons)
             await self._store.save_weights(path, version)
             self._weights = (path, version)
             for engine, why in failed:
@@ -459,16 +456,22 @@ class SchedulerRuntime:
             # Engines that came into service while the others loaded had the old weights.
             for engine in [e for e in self._engines.values() if e.healthy and e not in engines]:
                 await self._has_fleet_weights(engine)
-            return len(engines) - len(failed), tuple(f"{e.engine_id}: {w}" for e, w in failed)
+            return len(engines) - len(failed), reasons
 
-    async def _load_weights(self, engine: EngineHandle, path: str, version: int) -> str:
+    async def _load_missing_weights(self, engine: EngineHandle, path: str, version: int) -> str:
         """Has the engine load the weights unless it serves them already (a retried publish
         loads nothing again); returns why it could not ("" when it has them)."""
-        timeout_s = self.settings.health_timeout_s
         try:
-            stats = await engine.stats(timeout_s)
-            if (stats.weights_path, stats.weights_version) == (path, version):
-                return ""
+            stats = await engine.stats(self.settings.health_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        if (stats.weights_path, stats.weights_version) == (path, version):
+            return ""
+        return await self._load_weights(engine, path, version)
+
+    async def _load_weights(self, engine: EngineHandle, path: str, version: int) -> str:
+        """Has the engine load the weights; returns why it could not ("" when it did)."""
+        try:
             await engine.update_weights(path, version, self.settings.weights_timeout_s)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"

@@ -56,6 +56,7 @@ from rollserve.engine.service import (
     ModelInfo,
     refuse_bad_abort,
     refuse_bad_generate,
+    weights_request_problem,
 )
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest
 from rollserve.sim.profile import CostProfile
@@ -255,14 +256,9 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         scheduler's weight updates run against a simulated fleet. Simulated: no file is read,
         the load takes no time, and the prefix cache and running samples are left as they
         are (a vLLM engine drops the cache and recomputes the running samples' KV)."""
-        if not request.weights_path:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "weights_path is empty; give a checkpoint folder"
-            )
-        if request.version < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"version ({request.version}) must be >= 0"
-            )
+        problem = weights_request_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         self._weights = (request.version, request.weights_path)
         return pb.UpdateWeightsResponse(load_s=0.0)
 
