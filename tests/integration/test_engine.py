@@ -47,6 +47,7 @@ WAIT_S = 30.0
 class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights_version of each token
     complete: pb.Complete | None = None
 
 
@@ -70,11 +71,14 @@ class Result:
                 assert sample.complete is None, f"chunk for sample {delta.index} after complete"
                 sample.token_ids.extend(delta.token_ids)
                 sample.logprobs.extend(delta.logprobs)
+                sample.versions.extend([delta.weights_version] * len(delta.token_ids))
         elif kind == "complete":
-            sample = self.sample(message.complete.index)
-            assert sample.complete is None, f"two completes for sample {message.complete.index}"
-            sample.token_ids.extend(message.complete.token_ids)
-            sample.logprobs.extend(message.complete.logprobs)
+            done = message.complete
+            sample = self.sample(done.index)
+            assert sample.complete is None, f"two completes for sample {done.index}"
+            sample.token_ids.extend(done.token_ids)
+            sample.logprobs.extend(done.logprobs)
+            sample.versions.extend([done.weights_version] * len(done.token_ids))
             sample.complete = message.complete
         else:
             self.error = message.error
@@ -457,6 +461,9 @@ async def test_weights_loaded_in_place_change_what_runs_and_what_comes_next(
             running.add(cast(pb.GenerateResponse, message))
         stats = await engine.Stats(pb.StatsRequest())
         after = (await generate(engine, request("w-after", max_tokens=32, temperature=0))).sample(0)
+        old_part = running.sample(0).token_ids[: running.sample(0).versions.count(0)]
+        go_on = request("w-go-on", max_tokens=8, temperature=0, prompt=PROMPT + old_part)
+        continued = (await generate(engine, go_on)).sample(0)
     finally:
         await engine.UpdateWeights(
             pb.UpdateWeightsRequest(weights_path=str(tiny_model_dir), version=0), timeout=120
@@ -467,9 +474,14 @@ async def test_weights_loaded_in_place_change_what_runs_and_what_comes_next(
     sample = running.sample(0)
     assert running.error is None and sample.complete is not None
     assert 0 < made_before < len(reference.token_ids)
-    # Made under the old weights: the reference's; then the new weights took over.
-    assert sample.token_ids[:made_before] == reference.token_ids[:made_before]
+    # Labelled with the weights that made them: the old ones' (the reference's), then the
+    # new ones', which continue the text as a fresh greedy request under them does.
+    old = sample.versions.count(0)
+    assert sample.versions == [0] * old + [7] * (len(sample.versions) - old)
+    assert made_before <= old < len(sample.token_ids)
+    assert sample.token_ids[:old] == reference.token_ids[:old]
     assert sample.token_ids != reference.token_ids
+    assert continued.token_ids == sample.token_ids[old : old + len(continued.token_ids)]
     assert after.token_ids != short.token_ids
     assert back.token_ids == short.token_ids  # the original weights again, bit for bit
     assert (await engine.Stats(pb.StatsRequest())).weights_version == 0

@@ -76,7 +76,9 @@ class FakeEngine:
     # UpdateWeights calls received; each is loaded (Stats says so) unless refuse_weights
     weight_updates: list[pb.UpdateWeightsRequest] = field(default_factory=list)
     refuse_weights: bool = False  # UpdateWeights fails with INVALID_ARGUMENT
-    weights: tuple[int, str] = (0, "")  # version and path it serves
+    load_s: float = 0.0  # how long UpdateWeights takes (generation goes on meanwhile)
+    # version and path it serves; tokens are labelled with the version when they are sent
+    weights: tuple[int, str] = (0, "")
     cancelled: int = 0
     hanging: int = 0  # HANG calls that reached their wait (so a cancel now is seen)
     _server: Any = None
@@ -193,6 +195,7 @@ class _Servicer(pb_grpc.EngineServicer):
                     index=i,
                     token_ids=[self._e.first_token + t for t in range(start, stop)],
                     logprobs=[self._e.logprob] * (stop - start),
+                    weights_version=self._e.weights[0],
                 )
             )
         return pb.Chunk(deltas=deltas)
@@ -211,6 +214,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 num_cached_tokens=0,
                 spec_draft_tokens=self._e.spec[0],
                 spec_accepted_tokens=self._e.spec[1],
+                weights_version=self._e.weights[0],
             )
         )
 
@@ -241,5 +245,6 @@ class _Servicer(pb_grpc.EngineServicer):
         self._e.weight_updates.append(request)
         if self._e.refuse_weights:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine cannot load it")
+        await asyncio.sleep(self._e.load_s)
         self._e.weights = (request.version, request.weights_path)
         return pb.UpdateWeightsResponse(load_s=0.0)

@@ -4,10 +4,10 @@ are seeded and what it refuses. Faked: the backend (no vLLM); the servicer and g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import grpc
 import pytest
@@ -52,12 +52,70 @@ class ScriptedBackend:
     def counters(self) -> EngineCounters:
         return EngineCounters()
 
-    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+    async def update_weights(
+        self,
+        weights_path: str,
+        paused: Callable[[], None],
+        loaded: Callable[[Mapping[str, int]], None],
+    ) -> None:
         paused()
+        await self.while_paused()
         await asyncio.sleep(0.05)  # a load takes a while; the flushed tokens go out meanwhile
         if self.fail_update:
             raise BackendError("loading failed half way", retryable=True)
         self.weights.append(weights_path)
+        loaded(self.made())
+
+    async def while_paused(self) -> None:
+        """What happens between the pause and the load (nothing here)."""
+
+    def made(self) -> dict[str, int]:
+        """Tokens made by each request, where it holds some back (none here)."""
+        return {}
+
+
+class SteppedBackend(ScriptedBackend):
+    """One sample, request id ``r/0``: token 7 at once, then token 8, made under the weights
+    of before an update, then token 9 and the end once ``resume`` is set (after the update).
+    Token 8 comes ``late`` (handed over between the pause and the load, as an output that
+    reached its stream after the pause), or is ``held`` back until 9 comes (as vLLM holds
+    tokens between two stream intervals) and counted in ``made``."""
+
+    def __init__(self, token_8: Literal["late", "held"]) -> None:
+        super().__init__()
+        self.token_8 = token_8
+        self.late = asyncio.Event()
+        self.resume = asyncio.Event()
+        self.handed: list[int] = []  # tokens handed to the servicer
+        self._handed_one = asyncio.Event()
+
+    async def handed_out(self, token: int) -> None:
+        """Returns once ``token`` has been handed to the servicer."""
+        while token not in self.handed:
+            await self._handed_one.wait()
+            self._handed_one.clear()
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        prompt_len = len(request.prompt_token_ids)
+        outputs = [([7], None), ([8], self.late), ([9], self.resume)]
+        if self.token_8 == "held":
+            outputs = [([7], None), ([8, 9], self.resume)]
+        for tokens, gate in outputs:
+            if gate is not None:
+                await gate.wait()
+            self.handed += tokens
+            self._handed_one.set()
+            end: Literal["length"] | None = "length" if 9 in tokens else None
+            yield SampleOutput(tokens, [-0.5] * len(tokens), end, prompt_len, 0)
+
+    async def while_paused(self) -> None:
+        if self.token_8 == "late":
+            self.late.set()
+            await self.handed_out(8)
+
+    def made(self) -> dict[str, int]:
+        return {"r/0": 2} if self.token_8 == "held" else {}
 
 
 class HoldingBackend(ScriptedBackend):
@@ -351,6 +409,28 @@ async def test_a_weight_update_first_sends_the_tokens_made_under_the_old_weights
         await stub.Abort(pb.AbortRequest(request_id="r"))
     assert backend.weights == [path]
     assert (stats.weights_version, stats.weights_path) == (3, path)
+
+
+@pytest.mark.parametrize("token_8", ["late", "held"])
+async def test_tokens_carry_the_version_of_the_weights_that_made_them(
+    tmp_path: Path, token_8: Literal["late", "held"]
+) -> None:
+    backend = SteppedBackend(token_8)
+    async with served(backend, flush_interval_s=3600.0) as stub:
+        call = stub.Generate(request(n=1))
+        path = str(checkpoint(tmp_path / "step-3"))
+        await asyncio.wait_for(backend.handed_out(7), WAIT_S)
+        await asyncio.wait_for(
+            stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=path, version=3)), WAIT_S
+        )
+        backend.resume.set()
+        messages = [m async for m in call]
+    deltas = [(list(d.token_ids), d.weights_version) for m in messages for d in m.chunk.deltas]
+    ends = [(list(m.complete.token_ids), m.complete.weights_version) for m in messages[-1:]]
+    # 7 went out at the pause; 8 is the old weights' though it was handed over after the
+    # pause (late) or after the load (held); 9 is the new weights'.
+    assert deltas == [([7], 0), ([8], 0)]
+    assert ends == [([9], 3)]
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,12 @@ the request and serves the version it names); Redis is real, a database of each 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from rollserve.scheduler.runtime import WeightsNotLoaded
 
+from tests.unit.builders import spec
 from tests.unit.fakes import FakeEngine
 from tests.unit.test_runtime import eventually, make_runtime, new_run, read_stream, specs
 
@@ -114,3 +117,60 @@ async def test_an_engine_that_joins_or_restarts_loads_the_fleet_s_weights_first(
     assert failures == 1  # taken out of service while it loaded
     assert [(u.weights_path, u.version) for u in first.weight_updates][-1] == ("/ckpt/step-5", 5)
     assert first.weights == (5, "/ckpt/step-5")
+
+
+async def test_tokens_count_as_the_weights_that_made_them_while_the_fleet_loads(
+    other_redis_url: str,
+) -> None:
+    # Each engine sends half of a sample's tokens at once and the rest a second later; a
+    # publish comes between. "fast" has loaded the new weights by its second half, "slow"
+    # (two seconds a load) has not: the run's version changes once both have.
+    fast = await FakeEngine("fast", step_s=1.0).start()
+    slow = await FakeEngine("slow", step_s=1.0, load_s=2.0).start()
+    runtime = await make_runtime(other_redis_url, [fast, slow], policy="round_robin")
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 1)  # no weights: the engines serve their own
+
+        async def both_started() -> bool:
+            return bool(fast.requests and slow.requests)
+
+        await runtime.submit(run, specs(run, 1, n=2))
+        await eventually(both_started, "a sample on each engine")
+        await asyncio.sleep(0.1)  # their first halves are out
+        published = await runtime.publish_version(run, 2, "/ckpt/step-2")
+        results = await read_stream(other_redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await fast.stop()
+        await slow.stop()
+    assert published.engines_updated == 2
+    samples = results[0].samples
+    versions = {s.engine_id: [(v.version, v.length) for v in s.versions] for s in samples}
+    # The first halves were made with the engines' launch weights, before the run published
+    # any: they count as the run's version then.
+    assert versions == {"fast": [(1, 3), (2, 3)], "slow": [(1, 6)]}
+
+
+async def test_tokens_keep_the_weights_version_when_the_run_moves_on_without_weights(
+    other_redis_url: str,
+) -> None:
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 3, "/ckpt/step-3")
+        await runtime.publish_version(run, 4)  # the engines still serve step 3's weights
+        await runtime.submit(run, specs(run, 1))
+        before = await read_stream(other_redis_url, run, 1)
+    finally:
+        await runtime.stop()
+    second = await make_runtime(other_redis_url, [engine])  # reads the fleet's from Redis
+    try:
+        await second.submit(run, [spec("after", n=2, max_tokens=8, run_id=run)])
+        after = await read_stream(other_redis_url, run, 2)
+    finally:
+        await second.stop()
+        await engine.stop()
+    for sample in (s for r in before + after for s in r.samples):
+        assert [(v.version, v.length) for v in sample.versions] == [(3, 6)]

@@ -462,6 +462,42 @@ async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
     assert "weights_path is empty" in (info.value.details() or "")
 
 
+async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None:
+    # Real time, samples of thousands of steps; a flush every 200 ms.
+    async with sim_engine(
+        time_scale=1.0,
+        response_median=100_000,
+        prompt_sigma=0,
+        within_sigma=0,
+        flush_interval_ms=200,
+    ) as (_, stub):
+        call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
+        messages = [cast(pb.GenerateResponse, await call.read())]
+        await asyncio.sleep(0.1)  # tokens made after the flush, before the update
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path="/ckpt/step-2", version=2))
+        messages.append(cast(pb.GenerateResponse, await call.read()))
+        messages.append(cast(pb.GenerateResponse, await call.read()))
+        await stub.Abort(pb.AbortRequest(request_id="long"))
+        while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            messages.append(cast(pb.GenerateResponse, message))
+    labels: dict[int, list[int]] = {}
+    for message in messages:
+        for delta in message.chunk.deltas:
+            made = [delta.weights_version] * len(delta.token_ids)
+            labels.setdefault(delta.index, []).extend(made)
+        if message.WhichOneof("kind") == "complete":
+            done = message.complete
+            labels.setdefault(done.index, []).extend([done.weights_version] * len(done.token_ids))
+    first = {d.index: len(d.token_ids) for d in messages[0].chunk.deltas}
+    for index, versions in labels.items():
+        # The old version until the update (past the first chunk: it came between flushes),
+        # the new one after.
+        old = versions.count(0)
+        assert old > first[index]
+        assert versions == [0] * old + [2] * (len(versions) - old)
+        assert len(versions) > old
+
+
 async def eventually(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(int(WAIT_S / POLL_S)):
         if predicate():

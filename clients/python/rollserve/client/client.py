@@ -187,13 +187,15 @@ class RolloutClient:
     def publish_version(
         self, version: int, weights_path: str = "", *, timeout_s: float | None = None
     ) -> PublishResult:
-        """Makes ``version`` the run's policy version: the tokens the scheduler receives from
-        then on are recorded as of it, in each sample's ``versions``.
+        """Makes ``version`` the run's policy version, which labels tokens in each sample's
+        ``versions``.
 
         weights_path: a checkpoint folder (Hugging Face layout, safetensors) every engine can
             read; the scheduler has every engine load it first (running samples go on under
-            it), and engines that join later load it too. Empty: the engines already run
-            the new weights (the trainer updated them its own way).
+            it), and engines that join later load it too. Each token is then labelled with
+            the version of the weights that made it. Empty: the engines already run the new
+            weights (the trainer updated them its own way), and the tokens the scheduler
+            receives from then on are labelled ``version``.
         timeout_s: deadline of the call (default: the client's, or ``WEIGHTS_TIMEOUT_S`` at
             least with ``weights_path``).
 

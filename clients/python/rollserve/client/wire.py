@@ -28,7 +28,7 @@ import msgspec
 SCHEMA_VERSION = "1"
 KEY_PREFIX = "rollserve"
 RUNS_KEY = f"{KEY_PREFIX}:runs"  # set of run ids with state in Redis
-WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, version)
+WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, version, run, since)
 
 MAX_RUN_ID_LEN = 128
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)

@@ -683,8 +683,14 @@ class TokenDelta(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """sample index within the group, 0..n-1"""
+    weights_version: _builtins.int
+    """The version of the weights that made these tokens (Stats' weights_version then; 0 for
+    the weights the engine was launched with). A sample's tokens of two versions (a weight
+    update fell between them) come as two deltas, the older first.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -697,10 +703,11 @@ class TokenDelta(_message.Message):
         index: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        weights_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -744,6 +751,7 @@ class Complete(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     num_prompt_tokens: _builtins.int
@@ -754,6 +762,8 @@ class Complete(_message.Message):
     and of those, accepted (never more than proposed).
     """
     spec_accepted_tokens: _builtins.int
+    weights_version: _builtins.int
+    """of the weights that made token_ids, as in TokenDelta"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -769,10 +779,11 @@ class Complete(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         spec_draft_tokens: _builtins.int = ...,
         spec_accepted_tokens: _builtins.int = ...,
+        weights_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -112,8 +112,10 @@ class SchedulerServicer:
     def PublishVersion(self, request, context):
         """Sets the run's policy version, and with `weights_path` first loads those weights into
         every healthy engine (UpdateWeights); engines that join or come back later load them
-        before they get work. Every token the scheduler receives from then on is recorded as
-        of that version (the `versions` of a sample in the stream). Versions only go up: a
+        before they get work. Tokens are labelled with it (the `versions` of a sample in the
+        stream): those the engines make under these weights (each engine labels its tokens
+        with the weights_version it serves); without weights_path, those the scheduler
+        receives from then on, unless the run has published weights. Versions only go up: a
         lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
         retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
         """
@@ -395,6 +397,7 @@ class EngineServicer:
         """Loads new weights into the served model in place. Generation pauses meanwhile; samples
         that were running first send the tokens they made so far, then go on under the new
         weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+        Tokens carry the version of the weights that made them (TokenDelta.weights_version).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,8 +51,10 @@ class SchedulerStub:
     PublishVersion: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]
     """Sets the run's policy version, and with `weights_path` first loads those weights into
     every healthy engine (UpdateWeights); engines that join or come back later load them
-    before they get work. Every token the scheduler receives from then on is recorded as
-    of that version (the `versions` of a sample in the stream). Versions only go up: a
+    before they get work. Tokens are labelled with it (the `versions` of a sample in the
+    stream): those the engines make under these weights (each engine labels its tokens
+    with the weights_version it serves); without weights_path, those the scheduler
+    receives from then on, unless the run has published weights. Versions only go up: a
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
@@ -78,8 +80,10 @@ class SchedulerAsyncStub(SchedulerStub):
     PublishVersion: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.PublishVersionRequest, _rollserve_pb2.PublishVersionResponse]  # type: ignore[assignment]
     """Sets the run's policy version, and with `weights_path` first loads those weights into
     every healthy engine (UpdateWeights); engines that join or come back later load them
-    before they get work. Every token the scheduler receives from then on is recorded as
-    of that version (the `versions` of a sample in the stream). Versions only go up: a
+    before they get work. Tokens are labelled with it (the `versions` of a sample in the
+    stream): those the engines make under these weights (each engine labels its tokens
+    with the weights_version it serves); without weights_path, those the scheduler
+    receives from then on, unless the run has published weights. Versions only go up: a
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
@@ -138,8 +142,10 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollserve_pb2.PublishVersionResponse, _abc.Awaitable[_rollserve_pb2.PublishVersionResponse]]:
         """Sets the run's policy version, and with `weights_path` first loads those weights into
         every healthy engine (UpdateWeights); engines that join or come back later load them
-        before they get work. Every token the scheduler receives from then on is recorded as
-        of that version (the `versions` of a sample in the stream). Versions only go up: a
+        before they get work. Tokens are labelled with it (the `versions` of a sample in the
+        stream): those the engines make under these weights (each engine labels its tokens
+        with the weights_version it serves); without weights_path, those the scheduler
+        receives from then on, unless the run has published weights. Versions only go up: a
         lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
         retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
         """
@@ -167,6 +173,7 @@ class EngineStub:
     """Loads new weights into the served model in place. Generation pauses meanwhile; samples
     that were running first send the tokens they made so far, then go on under the new
     weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+    Tokens carry the version of the weights that made them (TokenDelta.weights_version).
     """
 
 @_typing.type_check_only
@@ -188,6 +195,7 @@ class EngineAsyncStub(EngineStub):
     """Loads new weights into the served model in place. Generation pauses meanwhile; samples
     that were running first send the tokens they made so far, then go on under the new
     weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+    Tokens carry the version of the weights that made them (TokenDelta.weights_version).
     """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
@@ -230,6 +238,7 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         """Loads new weights into the served model in place. Generation pauses meanwhile; samples
         that were running first send the tokens they made so far, then go on under the new
         weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
+        Tokens carry the version of the weights that made them (TokenDelta.weights_version).
         """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,7 +25,7 @@ import importlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -158,10 +158,18 @@ class GenerationBackend(Protocol):
 
     def counters(self) -> EngineCounters: ...
 
-    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+    async def update_weights(
+        self,
+        weights_path: str,
+        paused: Callable[[], None],
+        loaded: Callable[[Mapping[str, int]], None],
+    ) -> None:
         """Loads the checkpoint at ``weights_path`` into the model in place; running requests
-        go on under it. Calls ``paused`` once generation has stopped and every output made
-        under the old weights has been handed out. BackendError if it cannot be loaded."""
+        go on under it. Calls ``paused`` once generation has stopped and the outputs made
+        under the old weights have been handed out, and ``loaded`` once the new weights are
+        in, before generation resumes, with the number of tokens each running request (by
+        id) has made so far where the backend holds some back from its stream (those are
+        the old weights' too). BackendError if it cannot be loaded."""
         ...
 
 
@@ -290,12 +298,23 @@ class VllmBackend:
         if request_ids:
             await self._llm.abort(list(request_ids))
 
-    async def update_weights(self, weights_path: str, paused: Callable[[], None]) -> None:
+    async def update_weights(
+        self,
+        weights_path: str,
+        paused: Callable[[], None],
+        loaded: Callable[[Mapping[str, int]], None],
+    ) -> None:
         """vLLM's in-place reload: generation paused with its requests kept, the weights read
         from ``weights_path`` by the workers, then every cached block (the running requests'
-        too) dropped, so that KV made under the old weights is recomputed under the new."""
+        too) dropped, so that KV made under the old weights is recomputed under the new.
+
+        vLLM holds up to ``stream_interval - 1`` tokens of a request back from its stream:
+        ``loaded`` gets every request's count of tokens made, read after the reload, when
+        the outputs of the steps before the pause have long been processed (vLLM's pause
+        waits 20 ms for them; the reload takes 50 ms for the shipped model, seconds for a
+        large one)."""
         llm = self._llm
-        # Returns once the outputs of the last steps have reached their requests' streams.
+        # Waits 20 ms for the outputs of the last steps to reach their requests' streams.
         await llm.pause_generation(mode="keep", clear_cache=False)
         paused()
         try:
@@ -310,7 +329,18 @@ class VllmBackend:
             ) from exc
         if not await llm.reset_prefix_cache(reset_running_requests=True):
             logger.warning("vLLM kept its prefix cache after a weight update")
+        loaded(self._tokens_made())
         await llm.resume_generation()
+
+    def _tokens_made(self) -> dict[str, int]:
+        """Tokens each running request has made, those held back from its stream included
+        (from vLLM's output processor, which has no public call for it)."""
+        try:
+            states = list(self._llm.output_processor.request_states.values())
+            return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
+        except AttributeError as exc:  # another vLLM: tokens are labelled as they come
+            logger.warning("cannot count the tokens vLLM holds back (%s)", exc)
+            return {}
 
     def counters(self) -> EngineCounters:
         """Totals from vLLM's in-process Prometheus metrics; own counts where one is missing."""
@@ -474,6 +504,49 @@ class _Sample:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     reported: bool = False
+    received: int = 0  # tokens the backend has handed over
+    # Tokens of earlier weights not sent yet (a weight update came between their output and
+    # the next flush); token_ids are those of the weights served now.
+    earlier: list[pb.TokenDelta] = field(default_factory=list)
+    # (version, end): the tokens before position ``end`` were made under that version's
+    # weights, and the backend has not handed all of them over yet.
+    held: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Buffers tokens the backend handed over; those of earlier weights are set apart."""
+        taken = 0
+        while self.held and taken < len(token_ids):
+            version, end = self.held[0]
+            count = min(len(token_ids) - taken, end - (self.received + taken))
+            if count > 0:
+                stop = taken + count
+                self._set_apart(version, token_ids[taken:stop], logprobs[taken:stop])
+                taken += count
+            if self.received + taken >= end:
+                del self.held[0]
+        self.token_ids.extend(token_ids[taken:])
+        self.logprobs.extend(logprobs[taken:])
+        self.received += len(token_ids)
+
+    def new_weights(self, old_version: int, made: int | None) -> None:
+        """New weights are in: the tokens buffered, and the first ``made`` of the sample
+        (where the backend counts them), were made under those of ``old_version``."""
+        if self.token_ids:
+            self._set_apart(old_version, self.token_ids, self.logprobs)
+            self.token_ids = []
+            self.logprobs = []
+        if made is not None and made > self.received:
+            self.held.append((old_version, made))
+
+    def _set_apart(self, version: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if self.earlier and self.earlier[-1].weights_version == version:
+            self.earlier[-1].token_ids.extend(token_ids)
+            self.earlier[-1].logprobs.extend(logprobs)
+            return
+        delta = pb.TokenDelta(
+            index=self.index, token_ids=token_ids, logprobs=logprobs, weights_version=version
+        )
+        self.earlier.append(delta)
 
 
 @dataclass(slots=True, eq=False)
@@ -492,7 +565,7 @@ class _Run:
         self.wakeup.set()
 
     def has_new_tokens(self) -> bool:
-        return any(s.token_ids and not s.reported for s in self.samples)
+        return any((s.token_ids or s.earlier) and not s.reported for s in self.samples)
 
     def unfinished_ids(self) -> list[str]:
         return [s.request_id for s in self.samples if s.finish_reason is None]
@@ -504,13 +577,17 @@ class _Run:
         """Whether a sample has finished and its Complete is not sent yet."""
         return any(s.finish_reason is not None and not s.reported for s in self.samples)
 
-    def drain(self) -> list[pb.GenerateResponse]:
-        """Messages for everything buffered: one Chunk, then one Complete per finished sample."""
+    def drain(self, weights_version: int) -> list[pb.GenerateResponse]:
+        """Messages for everything buffered: one Chunk, then one Complete per finished sample;
+        tokens are labelled ``weights_version`` (the weights served now) unless set apart as
+        made under earlier ones."""
         deltas: list[pb.TokenDelta] = []
         completes: list[pb.GenerateResponse] = []
         for s in self.samples:
             if s.reported:
                 continue
+            deltas += s.earlier
+            s.earlier = []
             if s.finish_reason is not None:
                 completes.append(
                     pb.GenerateResponse(
@@ -523,12 +600,18 @@ class _Run:
                             num_cached_tokens=s.num_cached_tokens,
                             spec_draft_tokens=s.spec_draft_tokens,
                             spec_accepted_tokens=s.spec_accepted_tokens,
+                            weights_version=weights_version,
                         )
                     )
                 )
                 s.reported = True
             elif s.token_ids:
-                delta = pb.TokenDelta(index=s.index, token_ids=s.token_ids, logprobs=s.logprobs)
+                delta = pb.TokenDelta(
+                    index=s.index,
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    weights_version=weights_version,
+                )
                 deltas.append(delta)
             else:
                 continue
@@ -627,7 +710,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                         error=pb.Error(message=run.error.message, retryable=run.error.retryable)
                     )
                     return
-                for message in run.drain():
+                for message in run.drain(self._weights_version):
                     yield message
                 if run.all_reported():
                     return
@@ -672,11 +755,22 @@ class EngineServicer(pb_grpc.EngineServicer):
         async with self._weights_lock:
             start = time.perf_counter()
             try:
-                await backend.update_weights(request.weights_path, self._flush_all)
+                await backend.update_weights(
+                    request.weights_path,
+                    self._flush_all,
+                    lambda made: self._serve_weights(request, made),
+                )
             except BackendError as exc:
                 await context.abort(grpc.StatusCode.INTERNAL, exc.message)
-            self._weights_version, self._weights_path = request.version, request.weights_path
             return pb.UpdateWeightsResponse(load_s=time.perf_counter() - start)
+
+    def _serve_weights(self, request: pb.UpdateWeightsRequest, made: Mapping[str, int]) -> None:
+        """The new weights are in: tokens handed over until now, and those ``made`` says the
+        backend holds back, were made under the old ones."""
+        for run in self._runs.values():
+            for sample in run.samples:
+                sample.new_weights(self._weights_version, made.get(sample.request_id))
+        self._weights_version, self._weights_path = request.version, request.weights_path
 
     def _flush_all(self) -> None:
         """Has every call send its buffered tokens now (at a flush tick, and before new
@@ -749,9 +843,8 @@ async def _pump(
     """Moves one sample's outputs into its buffer and wakes the call's handler."""
     try:
         async for out in backend.generate(request):
-            check_logprobs(request.request_id, len(sample.token_ids), out.logprobs)
-            sample.token_ids.extend(out.token_ids)
-            sample.logprobs.extend(out.logprobs)
+            check_logprobs(request.request_id, sample.received, out.logprobs)
+            sample.add(out.token_ids, out.logprobs)
             if out.finish_reason is not None:
                 sample.num_prompt_tokens = out.num_prompt_tokens
                 sample.num_cached_tokens = out.num_cached_tokens

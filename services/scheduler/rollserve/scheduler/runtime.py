@@ -88,7 +88,7 @@ from rollserve.scheduler.engines import EngineHandle, EngineLoad
 from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, SampleState, group_key
-from rollserve.scheduler.store import Store
+from rollserve.scheduler.store import FleetWeights, Store
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -251,9 +251,12 @@ class SchedulerRuntime:
         # Run id -> its policy version (PublishVersion; Redis has it), for every run with
         # groups here or that published since the start.
         self._versions: dict[str, int] = {}
-        # The fleet's weights (path, version) from the last PublishVersion with a path: an
-        # engine serves only with them loaded. None: engines keep the weights they have.
-        self._weights: tuple[str, int] | None = None
+        # The fleet's weights from the last PublishVersion with a path: an engine serves
+        # only with them loaded. None: engines keep the weights they have.
+        self._weights: FleetWeights | None = None
+        # (run id, since): engines label tokens with their weights' version, and for this
+        # run those of versions >= since are its own (set as soon as a load starts).
+        self._stamping: tuple[str, int] | None = None
         self._weights_lock = asyncio.Lock()  # one fleet update at a time
 
     # ------------------------------------------------------------ lifecycle
@@ -269,6 +272,8 @@ class SchedulerRuntime:
             self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
             await self._load_history()
             self._weights = await self._store.load_weights()
+            if self._weights is not None:
+                self._stamping = (self._weights.run_id, self._weights.since)
             recovered = await self._store.load_pending()
             self._versions.update(
                 await self._store.load_versions(sorted({spec.run_id for spec in recovered}))
@@ -417,8 +422,8 @@ class SchedulerRuntime:
     async def publish_version(
         self, run_id: str, version: int, weights_path: str = ""
     ) -> PublishResult:
-        """Makes ``version`` the run's policy version (stored first): tokens received from
-        now on are recorded as of it. With ``weights_path``, every healthy engine loads those
+        """Makes ``version`` the run's policy version (stored first), which labels tokens as
+        ``_token_version`` says. With ``weights_path``, every healthy engine loads those
         weights first; those that fail are taken out of service until they load them, and
         if none could, nothing changes (WeightsNotLoaded). Raises VersionBehind if the run's
         version is higher, and LeaseLost if this scheduler is stopping."""
@@ -430,17 +435,24 @@ class SchedulerRuntime:
         updated = 0
         failed: tuple[str, ...] = ()
         if weights_path:
-            updated, failed = await self._update_fleet(weights_path, version)
+            updated, failed = await self._update_fleet(run_id, weights_path, version)
         ok, current = await self._store.publish_version(run_id, version)
         self._versions[run_id] = current
         if not ok:
             raise VersionBehind(run_id, version, current)
         return PublishResult(current, updated, failed)
 
-    async def _update_fleet(self, path: str, version: int) -> tuple[int, tuple[str, ...]]:
+    async def _update_fleet(
+        self, run_id: str, path: str, version: int
+    ) -> tuple[int, tuple[str, ...]]:
         """Loads the weights into every healthy engine and makes them the fleet's; returns
         how many engines loaded them and why the others did not."""
         async with self._weights_lock:
+            before = self._stamping
+            since = before[1] if before is not None and before[0] == run_id else version
+            # An engine that has loaded them makes tokens of this version while the others
+            # still load: they count as it from now on.
+            self._stamping = (run_id, since)
             engines = [e for e in self._engines.values() if e.healthy]
             results = await asyncio.gather(
                 *(self._load_missing_weights(e, path, version) for e in engines)
@@ -448,9 +460,11 @@ class SchedulerRuntime:
             failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
             reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
             if len(failed) == len(engines):
+                self._stamping = before
                 raise WeightsNotLoaded(path, reasons)
-            await self._store.save_weights(path, version)
-            self._weights = (path, version)
+            weights = FleetWeights(path, version, run_id, since)
+            await self._store.save_weights(weights)
+            self._weights = weights
             for engine, why in failed:
                 await self._engine_down(engine, f"weights not loaded: {why}")
             # Engines that came into service while the others loaded had the old weights.
@@ -487,7 +501,7 @@ class SchedulerRuntime:
         engine.loading_weights = True
         try:
             while self._weights is not None:
-                path, version = self._weights
+                path, version = self._weights.path, self._weights.version
                 stats = await engine.stats(self.settings.health_timeout_s)
                 if (stats.weights_path, stats.weights_version) == (path, version):
                     return True
@@ -921,17 +935,26 @@ class SchedulerRuntime:
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
 
+    def _token_version(self, run_id: str, weights_version: int) -> int:
+        """The policy version of tokens an engine made with weights of ``weights_version``:
+        that version where the run publishes the fleet's weights and the engine serves some
+        it published, else the run's version when the tokens arrive (the trainer updates the
+        engines itself, or they serve weights from before the run published any)."""
+        stamping = self._stamping
+        if stamping is not None and stamping[0] == run_id and weights_version >= stamping[1]:
+            return weights_version
+        return self._versions.get(run_id, 0)
+
     async def _consume(self, call: _Call, stream: AsyncIterable[pb.GenerateResponse]) -> None:
         record = call.record
         run_id = record.spec.run_id
         async for message in stream:
             kind = message.WhichOneof("kind")
-            # Tokens count as of the run's policy version when they arrive.
-            version = self._versions.get(run_id, 0)
             if kind == "chunk":
                 for delta in message.chunk.deltas:
                     self._check_running(call, delta.index)
                     self._check_logprobs(call, delta.index, delta.logprobs)
+                    version = self._token_version(run_id, delta.weights_version)
                     record.add_tokens(
                         delta.index, list(delta.token_ids), list(delta.logprobs), version
                     )
@@ -939,6 +962,7 @@ class SchedulerRuntime:
                 done = message.complete
                 self._check_running(call, done.index)
                 self._check_logprobs(call, done.index, done.logprobs)
+                version = self._token_version(run_id, done.weights_version)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
                 record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)

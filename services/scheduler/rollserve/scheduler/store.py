@@ -21,7 +21,9 @@ not a delivery: a save lost in a crash loses one group's observations, never a s
 A run's policy version (``PublishVersion``) is one integer key, ``rollserve:{RUN}:version``,
 set by a script that refuses to lower it, so a late retry of an old publish cannot undo a
 newer one. The fleet's weights (the last ``PublishVersion`` that gave a ``weights_path``)
-are the hash ``rollserve:weights`` (``path``, ``version``): engines that join later load them.
+are the hash ``rollserve:weights`` (``path``, ``version``, and ``run``, ``since``: the run
+whose versions the engines' weights carry, from which of its versions): engines that join
+later load them.
 """
 
 from __future__ import annotations
@@ -154,6 +156,18 @@ class DuplicateGroup(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class FleetWeights:
+    """The weights every engine serves: the last ``PublishVersion`` with a ``weights_path``.
+    Engines label tokens with the version of the weights that made them, in the numbering
+    of ``run_id``, which has published weights since its version ``since``."""
+
+    path: str
+    version: int
+    run_id: str
+    since: int
+
+
+@dataclass(frozen=True, slots=True)
 class History:
     """The length predictor's saved state: key records oldest-used first, and the globals."""
 
@@ -267,15 +281,26 @@ class Store:
             for run_id, value in zip(run_ids, values, strict=True)
         }
 
-    async def save_weights(self, path: str, version: int) -> None:
-        await self._redis.hset(WEIGHTS_KEY, mapping={"path": path, "version": version})
+    async def save_weights(self, weights: FleetWeights) -> None:
+        mapping = {
+            "path": weights.path,
+            "version": weights.version,
+            "run": weights.run_id,
+            "since": weights.since,
+        }
+        await self._redis.hset(WEIGHTS_KEY, mapping=mapping)  # type: ignore[arg-type]
 
-    async def load_weights(self) -> tuple[str, int] | None:
-        """The fleet's weights (path, version), or None while none were published."""
+    async def load_weights(self) -> FleetWeights | None:
+        """The fleet's weights, or None while none were published."""
         saved = cast(dict[bytes, bytes], await self._redis.hgetall(WEIGHTS_KEY))
         if not saved:
             return None
-        return _text(saved[b"path"]), int(saved[b"version"])
+        return FleetWeights(
+            _text(saved[b"path"]),
+            int(saved[b"version"]),
+            _text(saved.get(b"run", b"")),
+            int(saved.get(b"since", saved[b"version"])),
+        )
 
     async def save_history(
         self, records: Mapping[str, bytes], globals_: bytes, max_keys: int

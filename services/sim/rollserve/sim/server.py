@@ -104,6 +104,8 @@ class _Sample:
     sent: int = 0
     finished: Finished | None = None
     reported: bool = False
+    # Tokens made under earlier weights and not sent yet (an UpdateWeights came between).
+    earlier: list[pb.TokenDelta] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -255,10 +257,14 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         """Takes the version and path as the weights it serves (Stats says them), so that a
         scheduler's weight updates run against a simulated fleet. Simulated: no file is read,
         the load takes no time, and the prefix cache and running samples are left as they
-        are (a vLLM engine drops the cache and recomputes the running samples' KV)."""
+        are (a vLLM engine drops the cache and recomputes the running samples' KV). Tokens
+        made before it are labelled with the old version, as the engine service labels
+        them."""
         problem = weights_request_problem(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        for run in self._runs.values():
+            self._seal(run)
         self._weights = (request.version, request.weights_path)
         return pb.UpdateWeightsResponse(load_s=0.0)
 
@@ -335,13 +341,36 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         run.running -= 1
         run.wakeup.set()  # its end goes out at once, as the engine service sends it
 
+    def _seal(self, run: _Run) -> None:
+        """Sets the tokens made so far and not sent apart, as of the weights served now."""
+        for s in run.samples:
+            if s.reported:
+                continue
+            finished = s.finished
+            end = finished.output_tokens if finished else self.engine.progress(s.request_id)
+            token_ids, logprobs = self._tokens.tokens(s.key, s.sent, end, s.eos_at, run.banned)
+            s.sent = max(s.sent, end)
+            if token_ids:
+                s.earlier.append(
+                    pb.TokenDelta(
+                        index=s.index,
+                        token_ids=token_ids,
+                        logprobs=logprobs,
+                        weights_version=self._weights[0],
+                    )
+                )
+        run.wakeup.set()
+
     def _drain(self, run: _Run) -> list[pb.GenerateResponse]:
         """One Chunk with every running sample's new tokens, then a Complete per finished one."""
         deltas: list[pb.TokenDelta] = []
         completes: list[pb.GenerateResponse] = []
+        version = self._weights[0]
         for s in run.samples:
             if s.reported:
                 continue
+            deltas += s.earlier
+            s.earlier = []
             finished = s.finished
             end = finished.output_tokens if finished else self.engine.progress(s.request_id)
             token_ids, logprobs = self._tokens.tokens(s.key, s.sent, end, s.eos_at, run.banned)
@@ -363,11 +392,19 @@ class SimEngineServicer(pb_grpc.EngineServicer):
                             num_cached_tokens=finished.cached_prompt_tokens,
                             spec_draft_tokens=drafted,
                             spec_accepted_tokens=accepted,
+                            weights_version=version,
                         )
                     )
                 )
             elif token_ids:
-                deltas.append(pb.TokenDelta(index=s.index, token_ids=token_ids, logprobs=logprobs))
+                deltas.append(
+                    pb.TokenDelta(
+                        index=s.index,
+                        token_ids=token_ids,
+                        logprobs=logprobs,
+                        weights_version=version,
+                    )
+                )
         self.totals.completes += len(completes)
         if deltas:
             self.totals.chunks += 1
