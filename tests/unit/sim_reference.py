@@ -213,6 +213,19 @@ class ReferenceSimEngine:
             self._waiting.remove(seq)
         return seq.outcome("abort")
 
+    def new_weights(self) -> int:
+        running, self._running = self._running, []
+        for seq in running:
+            self._release(seq)
+            insort(self._waiting, seq, key=_Seq.order)
+        pool = self._pool
+        assert all(count == 0 for count in pool.refs.values())
+        pool.free += len(pool.refs)
+        pool.refs.clear()
+        pool.lru.clear()
+        self.stats.weight_updates += 1
+        return len(running)
+
     def step(self) -> StepResult:
         """One engine step: decode the running, admit the waiting, finish the done."""
         if not self.has_work():

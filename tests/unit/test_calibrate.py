@@ -261,6 +261,7 @@ def test_rendered_profile_loads_with_the_fitted_values(tmp_path: Path) -> None:
         max_model_len=2048,
         kv_cache_space_gib=2,
         kv_bytes_per_token=2560,
+        weights_load_s=0.048,
     )
     text = render_profile(
         fit,
@@ -280,6 +281,7 @@ def test_rendered_profile_loads_with_the_fitted_values(tmp_path: Path) -> None:
     assert profile.max_num_batched_tokens == 2048
     assert profile.simulated_hardware == '2-core "test" CPU'
     assert profile.calibrated_engines == 3
+    assert profile.weights_load_s == 0.048
     assert relative(profile.per_kv_token_s, TRUE.per_kv_token_s) < 1e-3
     assert relative(profile.step_base_s, TRUE.step_base_s) < 1e-3
     assert text.startswith("# how it was made\n#\n")

@@ -299,6 +299,7 @@ def test_same_inputs_give_the_same_steps() -> None:
         ({"per_kv_token_s": -1e-9}, r"per_kv_token_s \(-1e-09\) must be at least 0"),
         ({"kv_capacity_tokens": 3}, r"kv_capacity_tokens \(3\) must be at least one block"),
         ({"source": " "}, "source must not be empty"),
+        ({"weights_load_s": -0.5}, r"weights_load_s \(-0.5\) must be at least 0"),
     ],
 )
 def test_profile_validation_names_the_field(
@@ -381,6 +382,40 @@ def test_load_profile_reads_a_path_and_rejects_unknown_and_missing_keys(tmp_path
 
     with pytest.raises(ValueError, match="no shipped profile"):
         load_profile("no-such-profile")
+
+
+def test_weights_load_s_is_optional_and_a_number(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("\n".join(MINE))
+    assert load_profile(path).weights_load_s == 0.0
+    path.write_text("\n".join([*MINE, "weights_load_s = 2"]))
+    assert load_profile(path).weights_load_s == 2.0
+    path.write_text("\n".join([*MINE, 'weights_load_s = "slow"']))
+    with pytest.raises(ValueError, match="weights_load_s must be a number of seconds"):
+        load_profile(path)
+    assert load_profile("cpu-tiny").weights_load_s > 0  # both shipped profiles model it
+    assert load_profile("gpu-h100-llama8b").weights_load_s > 0
+
+
+def test_new_weights_recompute_the_running_and_empty_the_prefix_cache() -> None:
+    engine = SimEngine("e0", make_profile(block_size=4, kv_capacity_tokens=400))
+    for i in range(2):
+        engine.add(request(f"r{i}", prompt_len=12, output_len=6, prefix_id="p", prefix_len=12))
+    first = engine.step()  # both admitted; the second hits the first's prefix blocks
+    engine.step()
+    # The last prompt token is always computed: 2 blocks of 4 shared, the second prefills 4.
+    assert (first.prefill_tokens, engine.running) == (12 + 4, 2)
+    assert engine.new_weights() == 2
+    assert (engine.running, engine.waiting, engine.kv_used_tokens) == (0, 2, 0)
+    assert [engine.progress(f"r{i}") for i in range(2)] == [2, 2]  # tokens kept
+    again = engine.step()
+    # Both prefill prompt + the 2 tokens each made again: the first all 14 (the cache was
+    # emptied; else it would hit 8), the second 14 - 8 (the first registered them again).
+    assert again.prefill_tokens == 14 + 6
+    assert engine.stats.recomputed_tokens == 14 + 6
+    assert engine.stats.weight_updates == 1
+    rest = drain(engine)
+    assert sorted(f.output_tokens for r in [again, *rest] for f in r.finished) == [6, 6]
 
 
 def test_calibrated_engines_is_optional_and_checked(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ class Coverage:
     aborts: int = 0
     length_finishes: int = 0
     big_first_admissions: int = 0  # a prompt over the token budget, admitted into an empty step
+    weight_updates: int = 0  # that sent running requests back (recomputed)
     priorities: set[int] = field(default_factory=set)
 
 
@@ -138,6 +139,7 @@ def run_case(seed: int) -> Coverage:
     pending = list(requests)
     ids: list[str] = []
     abort_rate = rng.choice([0.0, 0.01, 0.05])
+    update_rate = rng.choice([0.0, 0.0, 0.005, 0.02])  # weight updates between steps
     state = check_same(fast, ref, ids, f"seed {seed}: start")
     for step in range(200_000):
         where = f"seed {seed}, step {step}"
@@ -153,6 +155,10 @@ def run_case(seed: int) -> Coverage:
             done = ref.abort(rid)
             assert fast.abort(rid) == done, where
             coverage.aborts += done is not None
+        if ref.running and rng.random() < update_rate:
+            sent_back = ref.new_weights()
+            assert fast.new_weights() == sent_back, where
+            coverage.weight_updates += 1
         check_same(fast, ref, ids, where)
         if not ref.has_work():
             if not pending:
@@ -191,6 +197,7 @@ def test_the_random_cases_cover_preemption_eviction_and_the_rest() -> None:
     assert sum(c.length_finishes > 0 for c in covered) >= 10
     assert sum(c.big_first_admissions > 0 for c in covered) >= 3
     assert sum(len(c.priorities) > 1 for c in covered) >= 5
+    assert sum(c.weight_updates > 0 for c in covered) >= 10
 
 
 def test_a_long_run_with_many_boundaries_and_preemptions_matches() -> None:

@@ -447,7 +447,7 @@ async def test_invalid_requests_are_rejected_naming_the_field(
 
 
 async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
-    async with sim_engine() as (_, stub):
+    async with sim_engine() as (servicer, stub):
         before = await stub.Stats(pb.StatsRequest())
         reply = await stub.UpdateWeights(
             pb.UpdateWeightsRequest(weights_path="/ckpt/step-2", version=2)
@@ -456,7 +456,8 @@ async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path="", version=3))
     assert (before.weights_version, before.weights_path) == (0, "")
-    assert reply.load_s == 0.0
+    # Paused for the profile's load time (x time_scale 0.01).
+    assert reply.load_s >= servicer.engine.engine.profile.weights_load_s * 0.01
     assert (after.weights_version, after.weights_path) == (2, "/ckpt/step-2")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "weights_path is empty" in (info.value.details() or "")
@@ -470,7 +471,7 @@ async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None
         prompt_sigma=0,
         within_sigma=0,
         flush_interval_ms=200,
-    ) as (_, stub):
+    ) as (servicer, stub):
         call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
         messages = [cast(pb.GenerateResponse, await call.read())]
         await asyncio.sleep(0.1)  # tokens made after the flush, before the update
@@ -488,6 +489,9 @@ async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None
         if message.WhichOneof("kind") == "complete":
             done = message.complete
             labels.setdefault(done.index, []).extend([done.weights_version] * len(done.token_ids))
+    stats = servicer.engine.engine.stats
+    # The running samples were recomputed under the new weights (vLLM drops their KV).
+    assert stats.weight_updates == 1 and stats.recomputed_tokens >= 2 * len(PROMPT)
     first = {d.index: len(d.token_ids) for d in messages[0].chunk.deltas}
     for index, versions in labels.items():
         # The old version until the update (past the first chunk: it came between flushes),

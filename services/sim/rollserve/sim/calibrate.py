@@ -74,7 +74,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
 from typing import IO, Any
@@ -618,6 +618,9 @@ class EngineLimits:
     max_model_len: int
     kv_cache_space_gib: int
     kv_bytes_per_token: int
+    # Median of timed in-place reloads of the model's own weights, as the engine service
+    # runs an UpdateWeights (0: not measured, as in reports from before it was).
+    weights_load_s: float = 0.0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -656,6 +659,8 @@ def render_profile(
         f"max_num_batched_tokens = {limits.max_num_batched_tokens}",
         f"calibrated_engines = {engines}",
     ]
+    if limits.weights_load_s > 0:
+        lines.append(f"weights_load_s = {_g(limits.weights_load_s)}")
     return "\n".join(lines) + "\n"
 
 
@@ -814,6 +819,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
     loop = asyncio.get_running_loop()
     try:
         await run_phase(_WARMUP)
+        limits = replace(limits, weights_load_s=await _time_reloads(llm, model))
         reply.write(_MARK + json.dumps({"ready": asdict(limits)}) + "\n")
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
@@ -826,6 +832,20 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
             reply.write(_MARK + json.dumps(result) + "\n")
     finally:
         llm.shutdown()
+
+
+async def _time_reloads(llm: Any, model: Path, repeats: int = 3) -> float:
+    """Median seconds of an in-place reload of ``model``'s weights into the idle engine,
+    timed as the engine service's UpdateWeights pauses generation."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model)})
+        await llm.reset_prefix_cache(reset_running_requests=True)
+        await llm.resume_generation()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _engine_core_process() -> Any:
@@ -1391,6 +1411,9 @@ def analyse(
         f"max_num_seqs {limits.max_num_seqs} (EngineSettings); max_num_batched_tokens "
         f"{limits.max_num_batched_tokens} (= max_model_len {limits.max_model_len}, "
         "chunked prefill off).",
+        f"weights_load_s: median of 3 in-place reloads of the model's weights into an idle "
+        f"engine (pause, reload_weights, reset_prefix_cache, resume): "
+        f"{limits.weights_load_s * 1e3:.1f} ms.",
     ]
     source = (
         f"fitted {m.started[:10]} by `rollserve sim calibrate` on {q.samples} "

@@ -122,7 +122,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
     cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     preemptions: int = 0
-    recomputed_tokens: int = 0  # tokens prefilled again after a preemption
+    recomputed_tokens: int = 0  # tokens prefilled again after a preemption or a weight update
+    weight_updates: int = 0
     spec_steps: int = 0  # steps that speculated (each a share of a verification pass)
     spec_seq_steps: int = 0  # decoding sequences summed over those steps
 
@@ -190,6 +191,14 @@ class _BlockPool:
             return False
         self.refs[key] = 1
         return True
+
+    def drop_cached(self) -> None:
+        """Forgets every cached block; none may be referenced."""
+        if len(self.lru) != len(self.refs):
+            raise RuntimeError("the prefix cache cannot be dropped while blocks are in use")
+        self.free += len(self.lru)
+        self.refs.clear()
+        self.lru.clear()
 
     def release(self, shared: Sequence[_BlockKey], private: int) -> None:
         self.free += private
@@ -335,6 +344,20 @@ class SimEngine:
         else:
             self._waiting.remove(seq)
         return seq.outcome("abort")
+
+    def new_weights(self) -> int:
+        """New weights are in, as vLLM's reload followed by ``reset_prefix_cache(
+        reset_running_requests=True)`` leaves it: every running request gives its blocks up
+        and waits again (ahead of later arrivals of its priority), keeping its tokens, which
+        it prefills again on re-admission (``recomputed_tokens``); the prefix cache is
+        emptied. Returns how many requests were running."""
+        running = list(self._running)
+        for seq in running:
+            self._stop(seq)
+            insort(self._waiting, seq, key=_Seq.order)
+        self._pool.drop_cached()
+        self.stats.weight_updates += 1
+        return len(running)
 
     def step(self) -> StepResult:
         """One engine step: decode the running, admit the waiting, finish the done."""

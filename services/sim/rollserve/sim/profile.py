@@ -32,6 +32,11 @@ passes in the model, about as many as the mean over its passes gives), the KV sl
 take for one step, and any dependence of acceptance on the text (suffix drafts from a group's
 finished siblings accept more than from unrelated prompts). ``accept_len`` is the workload's,
 not the hardware's: it is measured on the model and task, never derived.
+
+**Weight updates** (optional ``weights_load_s``, 0 when absent): the seconds an engine's
+generation stays paused while new weights load in place (vLLM's ``reload_weights``, or a
+transfer from the trainer). After it every running request is recomputed and the prefix
+cache is empty (:meth:`~rollserve.sim.engine_model.SimEngine.new_weights`).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ _DIR = Path(__file__).resolve().parent / "profiles"
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
-_OPTIONAL_FIELDS = ("calibrated_engines",)
+_OPTIONAL_FIELDS = ("calibrated_engines", "weights_load_s")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class CostProfile:
     # None: not measured here (published figures). Engines sharing a small host's CPUs step
     # at other speeds than one alone, so a check should run as many as the fit had.
     calibrated_engines: int | None = None
+    # Generation paused by an in-place weight update, seconds (0: the update takes no time).
+    weights_load_s: float = 0.0
     spec: SpecDecoding | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
@@ -134,6 +141,10 @@ class CostProfile:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"profile {self.name!r}: {name} ({value}) must be at least 1")
+        if not (math.isfinite(self.weights_load_s) and self.weights_load_s >= 0):
+            raise ValueError(
+                f"profile {self.name!r}: weights_load_s ({self.weights_load_s}) must be at least 0"
+            )
         if self.calibrated_engines is not None and self.calibrated_engines < 1:
             raise ValueError(
                 f"profile {self.name!r}: calibrated_engines ({self.calibrated_engines}) must be "
@@ -222,7 +233,12 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: {name} must be a number of seconds, got {value!r}")
         data[name] = float(value)
-    for name in (*_LIMIT_FIELDS, *(n for n in _OPTIONAL_FIELDS if n in data)):
+    if "weights_load_s" in data:
+        value = data["weights_load_s"]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: weights_load_s must be a number of seconds, got {value!r}")
+        data["weights_load_s"] = float(value)
+    for name in (*_LIMIT_FIELDS, *(n for n in ("calibrated_engines",) if n in data)):
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")

@@ -20,6 +20,10 @@ up: too many engines or too small a ``time_scale`` for its CPU, or it was not sc
 engine gives the time up and restarts its schedule from now; ``behind_s`` adds what was given
 up, so a run can say how much slower than the simulated hardware it really was.
 
+**Weight updates.** ``update_weights`` lets the step in flight end, starts no step for the
+profile's ``weights_load_s`` (simulated), then has the engine recompute its running requests
+with an empty prefix cache (``SimEngine.new_weights``), as vLLM's in-place reload does.
+
 **Tokens between step ends.** ``progress()`` counts the tokens of the step in flight (the
 engine model has already taken it), so a reader sees a running sample's tokens up to one step
 early; finished samples are announced only when their last step ends.
@@ -121,6 +125,8 @@ class RealTimeEngine:
         self._due = 0.0  # loop time its end is due
         self._kick: asyncio.Handle | None = None
         self._closed = False
+        self._paused = False  # a weight update: no step starts
+        self._idle = asyncio.Event()  # set when a step ends while paused
 
     @property
     def stepping(self) -> bool:
@@ -152,6 +158,26 @@ class RealTimeEngine:
     def progress(self, request_id: str) -> int:
         return self.engine.progress(request_id)
 
+    async def update_weights(self, loaded: Callable[[], None]) -> float:
+        """A weight update: waits for the step in flight, pauses for the profile's
+        ``weights_load_s``, calls ``loaded`` (the tokens made so far are the old weights'),
+        then the engine recomputes its running requests and goes on. Returns the real
+        seconds generation was paused. One at a time."""
+        start = self._loop.time()
+        self._paused = True
+        try:
+            if self._step is not None:
+                self._idle.clear()
+                await self._idle.wait()
+            await asyncio.sleep(self.engine.profile.weights_load_s * self.time_scale)
+            loaded()
+            self.engine.new_weights()
+        finally:
+            self._paused = False
+        if not self._closed and self._step is None and self.engine.has_work():
+            self._begin(self._loop.time())
+        return self._loop.time() - start
+
     def close(self) -> None:
         """Stops stepping; the engine keeps its state, the listeners are dropped."""
         self._closed = True
@@ -160,10 +186,11 @@ class RealTimeEngine:
             self._kick = None
         self._step = None
         self._listeners.clear()
+        self._idle.set()
 
     def _start_idle(self) -> None:
         self._kick = None
-        if self._step is None and not self._closed and self.engine.has_work():
+        if self._step is None and not self._closed and not self._paused and self.engine.has_work():
             self._begin(self._loop.time())
 
     def _begin(self, start: float) -> None:
@@ -190,5 +217,7 @@ class RealTimeEngine:
             listener = self._listeners.pop(finished.request_id, None)
             if listener is not None:
                 listener(finished)
-        if self.engine.has_work():
+        if self._paused:
+            self._idle.set()
+        elif self.engine.has_work():
             self._begin(start)

@@ -176,6 +176,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         self._runs: dict[str, _Run] = {}
         self.totals = totals or FleetTotals()
         self._weights: tuple[int, str] = (0, "")  # version and path of the last UpdateWeights
+        self._weights_lock = asyncio.Lock()
         # The next flush of every call's new tokens (from the first call on, as the engine
         # service's ticks run from its start): the engine's messages go out together.
         self._tick: asyncio.TimerHandle | None = None
@@ -255,18 +256,23 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.UpdateWeightsRequest, pb.UpdateWeightsResponse],
     ) -> pb.UpdateWeightsResponse:
         """Takes the version and path as the weights it serves (Stats says them), so that a
-        scheduler's weight updates run against a simulated fleet. Simulated: no file is read,
-        the load takes no time, and the prefix cache and running samples are left as they
-        are (a vLLM engine drops the cache and recomputes the running samples' KV). Tokens
+        scheduler's weight updates run against a simulated fleet. No file is read; as a
+        vLLM engine does, generation pauses for the load (the profile's ``weights_load_s``),
+        then the running samples are recomputed and the prefix cache starts empty. Tokens
         made before it are labelled with the old version, as the engine service labels
         them."""
         problem = weights_request_problem(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        async with self._weights_lock:
+            paused_s = await self.engine.update_weights(lambda: self._serve_weights(request))
+        return pb.UpdateWeightsResponse(load_s=paused_s)
+
+    def _serve_weights(self, request: pb.UpdateWeightsRequest) -> None:
+        """The new weights are in: the tokens made so far were the old ones'."""
         for run in self._runs.values():
             self._seal(run)
         self._weights = (request.version, request.weights_path)
-        return pb.UpdateWeightsResponse(load_s=0.0)
 
     async def Stats(
         self,
