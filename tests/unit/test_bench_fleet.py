@@ -56,3 +56,11 @@ def test_policy_flags_name_what_is_wrong() -> None:
     for bad, message in (("rl,nope", "give scheduler policies"), ("rl,rl", "twice"), (",", "give")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             _policies(bad)
+
+
+def test_the_publish_column_shows_the_time_beyond_the_load() -> None:
+    published = dataclasses.replace(row("rl", 8, 10.0), publish_wall_s=2.5)
+    console = Console(width=400, record=True)
+    console.print(_table([published], "gpu", load_wall_s=2.0))
+    assert "2.50 (+0.50)" in console.export_text()
+    assert "publish" not in rendered([dataclasses.replace(published, publish_wall_s=None)])

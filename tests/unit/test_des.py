@@ -17,7 +17,7 @@ from rollserve.scheduler.core.policies.rl import RLPolicy, RLSettings
 from rollserve.scheduler.core.policy import create_policy
 from rollserve.scheduler.core.predictor import LengthPredictor
 from rollserve.scheduler.core.snapshot import Assign, Plan, Preempt, Snapshot
-from rollserve.sim.des import run_des, run_des_async
+from rollserve.sim.des import DesConfig, run_des, run_des_async
 from rollserve.sim.profile import CostProfile, load_profile
 from rollserve.sim.scenarios import (
     SimGroup,
@@ -196,6 +196,37 @@ def test_oversampled_steps_deliver_the_batch_within_the_staleness_bound() -> Non
         run_des_async(
             stream, create_policy("round_robin"), PROFILE, 2, batch=4, steps=1, oversample=-1
         )
+
+
+def test_weight_updates_pause_every_engine_and_recompute_the_carried_work() -> None:
+    loading = replace(PROFILE, weights_load_s=0.5)
+    updates = DesConfig(weight_updates=True)
+    steps = [[group("a", (30, 3))], [group("b", (7, 70))]]
+    free = run_des(steps, create_policy("round_robin"), loading, engines=2)
+    paid = run_des(steps, create_policy("round_robin"), loading, engines=2, cfg=updates)
+    # Synchronous: nothing runs across a step's end; the next step starts after the load.
+    assert paid.steps[0].makespan_s == pytest.approx(free.steps[0].makespan_s)
+    assert paid.steps[1].makespan_s == pytest.approx(free.steps[1].makespan_s + 0.5)
+    assert paid.recomputed_tokens == free.recomputed_tokens == 0
+
+    stream = [group(f"g{i}", (20 + 37 * (i % 5), 15, 10, 5)) for i in range(40)]
+    runs = {
+        name: run_des_async(
+            stream,
+            create_policy("round_robin"),
+            loading,
+            engines=2,
+            batch=4,
+            steps=6,
+            oversample=0.5,
+            cfg=cfg,
+        )
+        for name, cfg in (("free", DesConfig()), ("paid", updates))
+    }
+    # Carried-over samples run across the loads: they prefill prompt + tokens again.
+    assert runs["free"].recomputed_tokens == 0 < runs["paid"].recomputed_tokens
+    assert runs["paid"].total_s >= runs["free"].total_s + 5 * 0.5
+    assert [s.groups for s in runs["paid"].steps] == [4] * 6
 
 
 def test_tail_batching_stops_the_tail_and_runs_it_in_long_rounds() -> None:

@@ -21,6 +21,13 @@ cannot keep up runs slower than the hardware it simulates, so its simulated rate
 the row says so). Ratios are against the first row of the same policy (the smallest fleet)
 and, with several policies, against the first policy's row of the same fleet size.
 
+With ``--publish-weights``, once half of the groups are read the bench publishes policy version
+1 with a weights folder (``publish_version(1, weights_path=...)``): every engine pauses for its
+profile's ``weights_load_s`` and recomputes its running samples, and the call returns once all
+have loaded. The row gives that call's wall time, its share beyond the load itself (the
+scheduler's fan-out of Stats and UpdateWeights, and the engines' step in flight), and the
+delivered tokens labelled version 1 (made after the load).
+
 Engine time and everything the engines compute is simulated (the profile's hardware) and
 labelled so; the scheduler, Redis, the SDK and every message between them are real.
 """
@@ -71,6 +78,7 @@ class FleetConfig:
     response_median: float = 150.0
     max_tokens: int = 1024
     seed: int = 0
+    publish_weights: bool = False  # publish a new version with weights half way (see above)
     json_path: Path | None = None
     run_dir: Path | None = None
 
@@ -101,6 +109,11 @@ class FleetRow:
     fleet_behind_s: float  # real seconds the most-behind engine gave up
     fleet_max_lag_ms: float
     fleet_kept_up: bool
+    # With publish_weights: the publish call's wall seconds, how many engines loaded, and the
+    # delivered tokens labelled with the new version.
+    publish_wall_s: float | None = None
+    publish_engines_updated: int = 0
+    new_version_tokens: int = 0
 
 
 def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any]:
@@ -136,7 +149,7 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
                         f"  [yellow]the fleet fell {row.fleet_behind_s:.1f} s behind real time: "
                         "its simulated rates are understated; raise --time-scale[/yellow]"
                     )
-    console.print(_table(rows, profile.name))
+    console.print(_table(rows, profile.name, profile.weights_load_s * cfg.time_scale))
     out: dict[str, Any] = {
         "simulated": True,
         "note": "engine time is simulated (the profile's hardware); scheduler, Redis, SDK real",
@@ -152,7 +165,7 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
     return out
 
 
-def _table(rows: list[FleetRow], profile: str) -> Table:
+def _table(rows: list[FleetRow], profile: str, load_wall_s: float = 0.0) -> Table:
     table = Table(title=f"real scheduler on sim fleets ({profile}, SIMULATED engines, one run)")
     smallest: dict[str, FleetRow] = {}  # policy -> its first row
     first_policy: dict[int, FleetRow] = {}  # engines -> the first policy's row
@@ -178,6 +191,7 @@ def _table(rows: list[FleetRow], profile: str) -> Table:
         "engine busy",
         "fleet start s / MB",
         "fleet behind real s",
+        "publish wall s (beyond load)" if any(r.publish_wall_s is not None for r in rows) else "",
     )
     for column in columns:
         if column:
@@ -202,8 +216,15 @@ def _table(rows: list[FleetRow], profile: str) -> Table:
             f"{r.engine_busy_share:.1%}",
             f"{r.fleet_start_s:.2f} / {r.fleet_rss_mb:.0f}",
             f"{r.fleet_behind_s:.2f}" + ("" if r.fleet_kept_up else " (!)"),
+            *([_publish_cell(r, load_wall_s)] if columns[-1] else []),
         )
     return table
+
+
+def _publish_cell(row: FleetRow, load_wall_s: float) -> str:
+    if row.publish_wall_s is None:
+        return "-"
+    return f"{row.publish_wall_s:.2f} ({row.publish_wall_s - load_wall_s:+.2f})"
 
 
 def _groups(cfg: FleetConfig, count: int) -> list[Any]:
@@ -298,7 +319,8 @@ def _run_row(
             for i in range(0, count, SUBMIT_BATCH):
                 client.submit(groups[i : i + SUBMIT_BATCH])
             seen: set[str] = set()
-            samples = tokens = 0
+            samples = tokens = new_tokens = 0
+            publish: tuple[float, int] | None = None
             for item in client.groups(limit=count, timeout_s=CONSUME_TIMEOUT_S):
                 result = item.result
                 if result.group_id in seen:
@@ -311,7 +333,10 @@ def _run_row(
                 seen.add(result.group_id)
                 samples += len(result.samples)
                 tokens += sum(len(s.token_ids) for s in result.samples)
+                new_tokens += sum(v.length for s in result.samples for v in s.versions if v.version)
                 item.done()
+                if cfg.publish_weights and publish is None and len(seen) * 2 >= count:
+                    publish = _publish(client, engines, log_dir)
             wall_s = time.monotonic() - started
             sched_cpu = _cpu_s(sched_proc) - sched_before
             fleet_cpu = _cpu_s(fleet_proc) - fleet_before
@@ -352,7 +377,27 @@ def _run_row(
         fleet_behind_s=behind_s,
         fleet_max_lag_ms=float(totals["max_lag_s"]) * 1000,
         fleet_kept_up=behind_s <= LAG_WARNING_SHARE * wall_s,
+        publish_wall_s=None if publish is None else publish[0],
+        publish_engines_updated=0 if publish is None else publish[1],
+        new_version_tokens=new_tokens,
     )
+
+
+def _publish(client: Any, engines: int, log_dir: Path) -> tuple[float, int]:
+    """Publishes version 1 with a weights folder the sim engines accept (they read nothing
+    in it); returns the call's wall seconds and how many engines loaded the weights."""
+    weights = log_dir / "weights-v1"
+    weights.mkdir(exist_ok=True)
+    (weights / "model.safetensors").write_bytes(b"")
+    start = time.monotonic()
+    result = client.publish_version(1, weights_path=str(weights))
+    wall_s = time.monotonic() - start
+    if result.engines_failed or result.engines_updated != engines:
+        raise RuntimeError(
+            f"{engines} engines: {result.engines_updated} loaded the weights; failed: "
+            f"{result.engines_failed}"
+        )
+    return wall_s, result.engines_updated
 
 
 def _cpu_s(process: Any) -> float:

@@ -68,6 +68,7 @@ class PoliciesConfig:
     oversample: float | None = None  # None: synchronous steps
     max_staleness: int = 1
     tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
+    weight_updates: bool = False  # engines load each new version's weights (DesConfig)
     spec: SpecDecoding | None = None  # the speculative decoding of the "+spec" rows
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
@@ -85,7 +86,7 @@ def rl_policy_for(profile: CostProfile, *, moves: bool = False) -> Policy:
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:
     from rollserve.scheduler.core.policy import create_policy
     from rollserve.scheduler.core.predictor import LengthPredictor
-    from rollserve.sim.des import run_des, run_des_async
+    from rollserve.sim.des import DesConfig, run_des, run_des_async
     from rollserve.sim.profile import load_profile
     from rollserve.sim.scenarios import load_scenario
 
@@ -129,6 +130,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         if cfg.tail == "carry"
         else f"over-sampled by {over:g}, the rest stopped and batched into long rounds"
     )
+    if cfg.weight_updates:
+        mode += (
+            f"; each new version's weights loaded by every engine ({profile.weights_load_s:g} s "
+            "pause, running samples recomputed, prefix cache emptied)"
+        )
     console.print(
         f"[bold]SIMULATED[/bold] {scenario.name}: {scenario.description}\n"
         f"  {scenario.engines} engines of {profile.name} ({profile.simulated_hardware}); "
@@ -153,6 +159,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         return p
 
     stream = [g for groups in steps for g in groups]
+    des_cfg = DesConfig(weight_updates=cfg.weight_updates)
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
         plain = name.removesuffix(SPEC)
@@ -165,6 +172,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         kwargs: dict[str, Any] = {
             "predictor": predictor() if plain in _PREDICTED else None,
             "oracle": _ORACLES.get(plain),
+            "cfg": des_cfg,
         }
         if over is None:
             results[name] = run_des(sync_steps, policy, engine, scenario.engines, **kwargs)
@@ -185,7 +193,12 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     sync_base = None
     if over is not None:
         sync_base = run_des(
-            sync_steps, create_policy(BASELINE), profile, scenario.engines, keep_timeline=False
+            sync_steps,
+            create_policy(BASELINE),
+            profile,
+            scenario.engines,
+            cfg=des_cfg,
+            keep_timeline=False,
         )
         console.print(f"  ran synchronous {BASELINE} (the reference of vs_sync_round_robin)")
     base = results.get(BASELINE)
@@ -284,6 +297,7 @@ def _report(
         "oversample": cfg.oversample,
         "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
         "tail": cfg.tail if cfg.oversample is not None else None,
+        "weight_updates": cfg.weight_updates,
         "policies": {},
     }
     if sync_base is not None:

@@ -143,6 +143,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 oversample=args.oversample,
                 max_staleness=args.max_staleness,
                 tail=args.tail,
+                weight_updates=args.weight_updates,
                 spec=spec,
                 json_path=args.json,
                 out_dir=args.out_dir,
@@ -330,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="carry",
         help="over-sampled runs: carry unfinished groups over (partial rollouts), or stop them "
         "and run their prompts together in long rounds (tail batching)",
+    )
+    policies.add_argument(
+        "--weight-updates",
+        action="store_true",
+        help="the engines load each step's new weights: a pause of the profile's "
+        "weights_load_s, then running samples recomputed and the prefix cache empty",
     )
     policies.add_argument(
         "--spec-accept",

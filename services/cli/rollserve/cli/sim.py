@@ -117,6 +117,12 @@ def add_bench_fleet(bench_sub: Any) -> None:
         help=f"max_tokens of every group ({defaults.max_tokens})",
     )
     fleet.add_argument("--seed", type=int, default=defaults.seed)
+    fleet.add_argument(
+        "--publish-weights",
+        action="store_true",
+        help="half way, publish a new policy version with weights: every engine pauses for "
+        "its profile's weights_load_s and recomputes its running samples",
+    )
     fleet.add_argument("--json", type=output_file, help="also write the results here")
     fleet.add_argument(
         "--run-dir", type=output_dir, help="keep the logs here (default: a temp dir)"
@@ -138,6 +144,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
             response_median=args.median,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            publish_weights=args.publish_weights,
             json_path=args.json,
             run_dir=args.run_dir,
         )

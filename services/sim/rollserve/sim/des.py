@@ -28,6 +28,11 @@ policy version ``k``):
   Every delivered sample's tokens are counted per version: the off-policy fraction is the
   share of delivered tokens generated under an older version than the step's.
 
+Weight updates (``DesConfig.weight_updates``): at each new version every engine lets its step
+in flight end, starts nothing for the profile's ``weights_load_s``, and then recomputes its
+running samples (prompt + tokens so far) with an empty prefix cache, as vLLM's in-place reload
+leaves it (``SimEngine.new_weights``). Off, versions change for free.
+
 Preemptions: a policy that moves running work (``Policy.moves_running``) is shown the running
 samples and asked for a plan at every finished sample, queue or not. A ``Preempt`` aborts the
 sample on its engine and keeps its tokens; it resumes on the target engine (or, with none,
@@ -85,6 +90,10 @@ TAIL_SHARE = 0.1  # tail time: while only the last 10% of a step's samples run
 @dataclass(frozen=True)
 class DesConfig:
     capacity_factor: float = 1.25
+    # At every new policy version the engines load its weights, as a trainer publishing each
+    # step has them do: each finishes its step in flight, pauses for the profile's
+    # ``weights_load_s``, then recomputes its running samples with an empty prefix cache.
+    weight_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,8 @@ class _Fleet:
         self.sims = {f"e{i:03d}": SimEngine(f"e{i:03d}", profile) for i in range(engines)}
         self.index_of = {eid: i for i, eid in enumerate(self.sims)}
         self.capacity = max(1, math.ceil(profile.max_num_seqs * cfg.capacity_factor))
+        self.weight_updates = cfg.weight_updates
+        self.weights_load_s = profile.weights_load_s
         self.predictor = predictor
         self.oracle = oracle
         self.keep_timeline = keep_timeline
@@ -582,10 +593,20 @@ class _Fleet:
         g.counted[index] = progress
 
     def new_version(self) -> None:
-        """The trainer published a new policy: tokens so far belong to the old one."""
+        """The trainer published a new policy: tokens so far belong to the old one (and with
+        weight updates, every engine loads it)."""
         for rid, r in self.running.items():
             self._count(r.group, r.index, self._progress(rid, r))
         self.version += 1
+        if not self.weight_updates:
+            return
+        for eid, sim in self.sims.items():
+            # The step in flight ends under the old weights (its outcome is already taken).
+            resume = max(self.now, self.busy_until[eid]) + self.weights_load_s
+            sim.new_weights()
+            self.busy_until[eid] = resume
+            self.counter += 1
+            heapq.heappush(self.events, (resume, self.counter, eid, ()))
 
     def result(self, steps: list[StepStats]) -> RunResult:
         stats = [s.stats for s in self.sims.values()]
