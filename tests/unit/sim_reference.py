@@ -249,7 +249,9 @@ class ReferenceSimEngine:
         prefill_tokens = 0
         while not preempted and self._waiting and len(self._running) < profile.max_num_seqs:
             seq = self._waiting[0]
-            tokens = self._admit(seq, budget_used=len(decoding) + prefill_tokens)
+            tokens = self._admit(
+                seq, budget_used=len(decoding) + prefill_tokens, first=not admitted
+            )
             if tokens is None:
                 break
             self._waiting.pop(0)
@@ -303,7 +305,7 @@ class ReferenceSimEngine:
         seq.private_blocks += need
         return True
 
-    def _admit(self, seq: _Seq, budget_used: int) -> int | None:
+    def _admit(self, seq: _Seq, budget_used: int, first: bool) -> int | None:
         """Gives a waiting request its blocks; returns the tokens it prefills, or None if it
         does not fit in this step (token budget or KV)."""
         profile = self.profile
@@ -311,8 +313,8 @@ class ReferenceSimEngine:
         hits = keys[: self._pool.cached_run(keys)]
         cached = len(hits) * profile.block_size
         tokens = seq.context - cached
-        empty_step = budget_used == 0
-        if budget_used + tokens > profile.max_num_batched_tokens and not empty_step:
+        over_ok = budget_used == 0 or (first and profile.chunked_prefill)
+        if budget_used + tokens > profile.max_num_batched_tokens and not over_ok:
             return None
         need = _blocks_for(seq.context + 1, profile.block_size) - len(hits)
         if not self._pool.can_allocate(need, hits):

@@ -418,6 +418,22 @@ def test_new_weights_recompute_the_running_and_empty_the_prefix_cache() -> None:
     assert sorted(f.output_tokens for r in [again, *rest] for f in r.finished) == [6, 6]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prompt_over_the_budget_waits_for_an_empty_step_unless_prefill_is_chunked(
+    chunked: bool,
+) -> None:
+    engine = SimEngine("e0", make_profile(max_num_batched_tokens=16, chunked_prefill=chunked))
+    engine.add(request("short", prompt_len=4, output_len=5))
+    engine.step()  # "short" decodes from now on
+    engine.add(request("long", prompt_len=40, output_len=2))
+    step = engine.step()
+    # Chunked: admitted beside the decode, its whole prefill charged to this step (vLLM would
+    # spread it over three); else it waits until "short" is done.
+    assert (step.decode_seqs, step.prefill_tokens) == ((1, 40) if chunked else (1, 0))
+    rest = drain(engine)
+    assert sum(r.prefill_tokens for r in rest) == (0 if chunked else 40)
+
+
 def test_calibrated_engines_is_optional_and_checked(tmp_path: Path) -> None:
     """A profile from published figures has no engine count; a calibrated one says how many
     engines shared the host, and a count below 1 or not a whole number is refused."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pytest
 from rollserve.sim.engine_model import SimEngine, SimRequest, StepResult
@@ -40,6 +40,7 @@ class Coverage:
     length_finishes: int = 0
     big_first_admissions: int = 0  # a prompt over the token budget, admitted into an empty step
     weight_updates: int = 0  # that sent running requests back (recomputed)
+    chunked_over_budget: int = 0  # steps that admitted past the budget beside decodes
     priorities: set[int] = field(default_factory=set)
 
 
@@ -131,7 +132,8 @@ def check_same(fast: SimEngine, ref: ReferenceSimEngine, ids: list[str], where: 
 def run_case(seed: int) -> Coverage:
     rng = random.Random(seed)
     tight = seed % 2 == 1
-    profile = random_profile(rng, tight)
+    # Half the cases with chunked prefill (by seed: the random draws stay those of before).
+    profile = replace(random_profile(rng, tight), chunked_prefill=seed % 4 in (0, 3))
     requests = random_requests(rng, profile, rng.choice([5, 20, 60, 150]), tight)
     fast = SimEngine("e0", profile)
     ref = ReferenceSimEngine("e0", profile)
@@ -174,6 +176,8 @@ def run_case(seed: int) -> Coverage:
         coverage.length_finishes += sum(f.finish_reason == "length" for f in expected.finished)
         if expected.prefill_tokens > profile.max_num_batched_tokens:
             coverage.big_first_admissions += 1
+        over = expected.decode_seqs + expected.prefill_tokens > profile.max_num_batched_tokens
+        coverage.chunked_over_budget += over and expected.decode_seqs > 0
     else:
         pytest.fail(f"seed {seed}: did not drain")
     assert not pending and not ref.has_work()
@@ -198,6 +202,7 @@ def test_the_random_cases_cover_preemption_eviction_and_the_rest() -> None:
     assert sum(c.big_first_admissions > 0 for c in covered) >= 3
     assert sum(len(c.priorities) > 1 for c in covered) >= 5
     assert sum(c.weight_updates > 0 for c in covered) >= 10
+    assert sum(c.chunked_over_budget > 0 for c in covered) >= 5
 
 
 def test_a_long_run_with_many_boundaries_and_preemptions_matches() -> None:

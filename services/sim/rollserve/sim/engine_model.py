@@ -21,8 +21,10 @@ One step:
    within ``max_num_batched_tokens``, and the blocks for the request's context plus one token
    can be had (by eviction if need be). The first request that does not fit stops admission
    (head-of-line, as vLLM's FCFS queue). A step with nothing else in it admits its first
-   request even when that request's prompt alone exceeds the token budget. An admitted request
-   prefills its whole prompt in this step (no chunked prefill) and samples its first token.
+   request even when that request's prompt alone exceeds the token budget; with the profile's
+   ``chunked_prefill``, so does a step whose only other work is decoding (vLLM would split
+   that prefill over steps; the model charges it whole to this one). An admitted request
+   prefills its whole prompt in this step and samples its first token.
 3. **Finish** every request that reached ``min(output_len, max_tokens)`` tokens: ``stop`` when
    the sample ended by itself (``output_len <= max_tokens``), ``length`` when ``max_tokens`` cut
    it. Its blocks are released.
@@ -388,7 +390,9 @@ class SimEngine:
         if not preempted:
             while waiting and len(self._running) < profile.max_num_seqs:
                 seq = waiting[0]
-                tokens = self._admit(seq, budget_used=decode_seqs + prefill_tokens)
+                tokens = self._admit(
+                    seq, budget_used=decode_seqs + prefill_tokens, first=admitted == 0
+                )
                 if tokens is None:
                     break
                 waiting.pop(0)
@@ -484,19 +488,21 @@ class SimEngine:
             (request.prefix_id, i) for i in range(system, own)
         )
 
-    def _admit(self, seq: _Seq, budget_used: int) -> int | None:
+    def _admit(self, seq: _Seq, budget_used: int, first: bool) -> int | None:
         """Gives a waiting request its blocks; returns the tokens it prefills, or None if it
-        does not fit in this step (token budget or KV)."""
+        does not fit in this step (token budget or KV). ``first``: no request was admitted
+        into this step yet."""
         profile = self.profile
         pool = self._pool
         block_size = profile.block_size
         keys = seq.keys
         context = seq.request.prompt_len + seq.generated
-        empty_step = budget_used == 0
+        # May exceed the budget: alone in the step, or the step's first prefill (chunked).
+        over_ok = budget_used == 0 or (first and profile.chunked_prefill)
         blocks = _blocks_for(context + 1, block_size)
         # Cheap bounds first (a blocked head of the queue is tried every step): even with every
         # prefix block cached (and none to pin), the request would not fit.
-        if not empty_step and budget_used + context - len(keys) * block_size > (
+        if not over_ok and budget_used + context - len(keys) * block_size > (
             profile.max_num_batched_tokens
         ):
             return None
@@ -506,7 +512,7 @@ class SimEngine:
         hits = keys[:hit_count]
         cached = hit_count * block_size
         tokens = context - cached
-        if budget_used + tokens > profile.max_num_batched_tokens and not empty_step:
+        if budget_used + tokens > profile.max_num_batched_tokens and not over_ok:
             return None
         need = blocks - hit_count
         if not pool.can_allocate(need, hits):

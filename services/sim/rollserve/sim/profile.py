@@ -33,6 +33,13 @@ take for one step, and any dependence of acceptance on the text (suffix drafts f
 finished siblings accept more than from unrelated prompts). ``accept_len`` is the workload's,
 not the hardware's: it is measured on the model and task, never derived.
 
+**Chunked prefill** (optional ``chunked_prefill``, false when absent): vLLM v1 on a GPU
+splits a prompt that does not fit in a step's token budget over several steps beside the
+decodes. The model does not split it: the first request admitted into a step may exceed
+what is left of the budget, and its whole prefill is charged to that step (the same work,
+in one step instead of several). Without it (vLLM with chunked prefill off, as the CPU
+engines here run) such a request waits for a step with nothing else in it.
+
 **Weight updates** (optional ``weights_load_s``, 0 when absent): the seconds an engine's
 generation stays paused while new weights load in place (vLLM's ``reload_weights``, or a
 transfer from the trainer). After it every running request is recomputed and the prefix
@@ -58,7 +65,7 @@ _DIR = Path(__file__).resolve().parent / "profiles"
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
-_OPTIONAL_FIELDS = ("calibrated_engines", "weights_load_s")
+_OPTIONAL_FIELDS = ("calibrated_engines", "weights_load_s", "chunked_prefill")
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class CostProfile:
     calibrated_engines: int | None = None
     # Generation paused by an in-place weight update, seconds (0: the update takes no time).
     weights_load_s: float = 0.0
+    # A step's first admitted request may exceed the rest of the token budget (see above).
+    chunked_prefill: bool = False
     spec: SpecDecoding | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
@@ -233,6 +242,10 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: {name} must be a number of seconds, got {value!r}")
         data[name] = float(value)
+    if not isinstance(data.get("chunked_prefill", False), bool):
+        raise ValueError(
+            f"{path}: chunked_prefill must be true or false, got {data['chunked_prefill']!r}"
+        )
     if "weights_load_s" in data:
         value = data["weights_load_s"]
         if isinstance(value, bool) or not isinstance(value, int | float):
