@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 import time
@@ -499,23 +500,39 @@ async def test_weights_from_a_folder_the_engine_cannot_read_are_refused(
     assert (await engine.Stats(pb.StatsRequest())).weights_version == 0
 
 
-def test_weights_that_do_not_fit_the_model_stop_the_engine(
+def test_weights_that_do_not_fit_the_model_are_refused_or_stop_the_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A checkpoint of another shape fails part way in vLLM's reload, after some tensors may
-    have changed: the call fails with INTERNAL and the engine exits for a supervisor to
-    restart it, rather than serve a model in an unknown state."""
+    """A checkpoint whose config.json gives another shape is refused before the engine pauses
+    (it goes on serving). One whose config.json claims the served shape but whose tensors do
+    not fit fails part way in vLLM's reload, after some tensors may have changed: the call
+    fails with INTERNAL and the engine exits for a supervisor to restart it, rather than serve
+    a model in an unknown state."""
+    disguised = tmp_path / "disguised"
+    disguised.mkdir()
+    for part in reasoner_dir().glob("*.safetensors"):
+        shutil.copy(part, disguised / part.name)
+    shutil.copy(tiny_model_dir / "config.json", disguised / "config.json")
     engine = start_engine_process(
         tiny_model_dir, "engine-misfit", ["--omp-num-threads", "1"], log_dir=tmp_path
     )
     try:
         with grpc.insecure_channel(engine.address) as channel:
             stub = pb_grpc.EngineStub(channel)
-            with pytest.raises(grpc.RpcError) as info:
+            with pytest.raises(grpc.RpcError) as refused:
                 stub.UpdateWeights(
                     pb.UpdateWeightsRequest(weights_path=str(reasoner_dir()), version=1),
                     timeout=120,
                 )
+            still = stub.Stats(pb.StatsRequest(), timeout=30)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.UpdateWeights(
+                    pb.UpdateWeightsRequest(weights_path=str(disguised), version=1),
+                    timeout=120,
+                )
+        assert cast(grpc.Call, refused.value).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is of another model" in (cast(grpc.Call, refused.value).details() or "")
+        assert still.weights_version == 0  # serving its own weights still
         assert cast(grpc.Call, info.value).code() == grpc.StatusCode.INTERNAL
         assert "failed, the engine stops" in (cast(grpc.Call, info.value).details() or "")
         code = engine.proc.wait(timeout=STOP_TIMEOUT_S)

@@ -4,6 +4,7 @@ are seeded and what it refuses. Faked: the backend (no vLLM); the servicer and g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -459,6 +460,47 @@ async def test_a_weight_update_the_engine_cannot_load_is_refused_before_it_pause
     assert words in (info.value.details() or "")
     assert backend.weights == []
     assert (await stub.Stats(pb.StatsRequest())).weights_version == 0
+
+
+SHAPED = dataclasses.replace(
+    INFO, shape=(("model_type", "llama"), ("hidden_size", 160), ("num_hidden_layers", 4))
+)
+
+
+class ShapedBackend(ScriptedBackend):
+    """A backend that knows the shape of the model it serves."""
+
+    @property
+    def info(self) -> ModelInfo:
+        return SHAPED
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (None, "holds no config.json"),
+        ("{not json", "config.json cannot be read"),
+        ('{"model_type": "llama", "hidden_size": 256}', "has hidden_size 256 where the served"),
+        ('{"model_type": "qwen2"}', "has model_type 'qwen2' where the served model has 'llama'"),
+    ],
+)
+async def test_a_checkpoint_of_another_shape_is_refused_before_the_engine_pauses(
+    tmp_path: Path, config: str | None, words: str
+) -> None:
+    backend = ShapedBackend()
+    folder = checkpoint(tmp_path / "other")
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    async with served(backend) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=str(folder), version=1))
+        same = checkpoint(tmp_path / "same")
+        # Fields the served model's shape does not name (or the checkpoint leaves out) pass.
+        (same / "config.json").write_text('{"model_type": "llama", "hidden_size": 160}')
+        await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path=str(same), version=2))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (info.value.details() or "")
+    assert backend.weights == [str(same)]
 
 
 async def test_a_weight_update_that_fails_part_way_is_an_internal_error(tmp_path: Path) -> None:

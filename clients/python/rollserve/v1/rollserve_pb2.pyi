@@ -593,7 +593,8 @@ class UpdateWeightsRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     weights_path: _builtins.str
     """A checkpoint folder of the served model's architecture (config.json and *.safetensors),
-    as this engine's filesystem sees it.
+    as this engine's filesystem sees it. A config.json of another shape (hidden_size,
+    layers, heads, vocab_size, ...) is INVALID_ARGUMENT before generation pauses.
     """
     version: _builtins.int
     """what Stats reports from now on (the caller's numbering, >= 0)"""

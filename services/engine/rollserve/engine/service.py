@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib
+import json
 import logging
 import math
 import time
@@ -115,6 +116,24 @@ class ModelInfo:
     vocab_size: int
     eos_token_id: int | None
     kv_capacity_tokens: int = 0  # KV cache size in tokens; 0: unknown
+    # The served model's shape (config.json fields of SHAPE_KEYS it has): a checkpoint to
+    # load in place must have the same. Empty: unknown, not checked.
+    shape: tuple[tuple[str, Any], ...] = ()
+
+
+SHAPE_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+"""config.json fields that fix the shapes of a checkpoint's tensors."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +248,7 @@ class VllmBackend:
             vocab_size=int(llm.model_config.get_vocab_size()),
             eos_token_id=None if eos is None else int(eos),
             kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size),
+            shape=model_shape(llm.model_config.hf_config.to_dict()),
         )
         return cls(llm, info)
 
@@ -749,7 +769,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.UpdateWeightsRequest, pb.UpdateWeightsResponse],
     ) -> pb.UpdateWeightsResponse:
         backend = await self._require_backend(context)
-        problem = weights_problem(request)
+        problem = weights_problem(request, backend.info.shape)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         async with self._weights_lock:
@@ -823,8 +843,18 @@ def weights_request_problem(request: pb.UpdateWeightsRequest) -> str | None:
     return None
 
 
-def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
-    """What is wrong with an UpdateWeights request, checked before the engine pauses."""
+def model_shape(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The SHAPE_KEYS fields of a model's config.json that it has."""
+    return tuple((key, config[key]) for key in SHAPE_KEYS if config.get(key) is not None)
+
+
+def weights_problem(
+    request: pb.UpdateWeightsRequest, shape: tuple[tuple[str, Any], ...] = ()
+) -> str | None:
+    """What is wrong with an UpdateWeights request, checked before the engine pauses: the
+    folder, and (when the served model's ``shape`` is known) that its config.json gives the
+    same shape. A checkpoint of another shape would fail part way through the load, with
+    some tensors replaced, and stop the engine."""
     problem = weights_request_problem(request)
     if problem is not None:
         return problem
@@ -834,6 +864,29 @@ def weights_problem(request: pb.UpdateWeightsRequest) -> str | None:
         return f"weights_path {path!r} is not a folder on this engine"
     if not any(folder.glob("*.safetensors")):
         return f"weights_path {path!r} holds no *.safetensors file"
+    return _shape_problem(path, shape) if shape else None
+
+
+def _shape_problem(path: str, shape: tuple[tuple[str, Any], ...]) -> str | None:
+    """Whether the checkpoint's config.json gives the served model's shape."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        return (
+            f"weights_path {path!r} holds no config.json (the checkpoint's shape is checked "
+            "against the served model's before the engine pauses)"
+        )
+    except (OSError, ValueError) as exc:
+        return f"weights_path {path!r}: config.json cannot be read: {exc}"
+    if not isinstance(config, dict):
+        return f"weights_path {path!r}: config.json is not a JSON object"
+    for key, served in shape:
+        theirs = config.get(key)
+        if theirs is not None and theirs != served:
+            return (
+                f"weights_path {path!r} is of another model: its config.json has {key} "
+                f"{theirs!r} where the served model has {served!r}"
+            )
     return None
 
 
