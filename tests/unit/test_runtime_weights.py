@@ -6,9 +6,10 @@ the request and serves the version it names); Redis is real, a database of each 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
-from rollserve.scheduler.runtime import WeightsNotLoaded
+from rollserve.scheduler.runtime import SchedulerRuntime, WeightsNotLoaded
 
 from tests.unit.builders import spec
 from tests.unit.fakes import FakeEngine
@@ -174,3 +175,39 @@ async def test_tokens_keep_the_weights_version_when_the_run_moves_on_without_wei
         await engine.stop()
     for sample in (s for r in before + after for s in r.samples):
         assert [(v.version, v.length) for v in sample.versions] == [(3, 6)]
+
+
+async def test_a_scheduler_told_to_forget_the_fleet_s_weights_leaves_engines_their_own(
+    other_redis_url: str,
+) -> None:
+    engine = await FakeEngine("e0").start()
+    first = await make_runtime(other_redis_url, [engine])
+    try:
+        await first.publish_version(new_run(), 2, "/ckpt/step-2")
+    finally:
+        await first.stop()
+    engine.weights = (0, "")  # restarted with its launch weights, for a new experiment
+    fresh = await make_runtime(other_redis_url, [engine], forget_fleet_weights=True)
+    try:
+        await eventually(serving_of(fresh), "the engine to serve")
+        run = new_run()
+        await fresh.submit(run, specs(run, 1))
+        results = await read_stream(other_redis_url, run, 1)
+    finally:
+        await fresh.stop()
+    again = await make_runtime(other_redis_url, [engine])  # nothing left in Redis to load
+    try:
+        await eventually(serving_of(again), "the engine to serve")
+    finally:
+        await again.stop()
+        await engine.stop()
+    assert len(engine.weight_updates) == 1  # the first publish only
+    assert engine.weights == (0, "")
+    assert all(v.version == 0 for s in results[0].samples for v in s.versions)
+
+
+def serving_of(runtime: SchedulerRuntime) -> Callable[[], Awaitable[bool]]:
+    async def serving() -> bool:
+        return runtime.status().engines[0].healthy
+
+    return serving

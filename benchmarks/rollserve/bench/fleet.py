@@ -255,7 +255,6 @@ def _run_row(
     from rollserve.client import GroupStatus, RolloutClient
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    _forget_fleet_weights(redis_url)
     port = free_port()
     scheduler = ManagedProcess.start(
         "scheduler",
@@ -273,6 +272,8 @@ def _run_row(
             f"bench-fleet-{uuid.uuid4().hex[:8]}",
             "--max-n",
             str(max(64, cfg.n)),
+            # Rows share one Redis: a row's engines must not load an earlier row's weights.
+            "--forget-fleet-weights",
         ],
         log_dir,
     )
@@ -382,16 +383,6 @@ def _run_row(
         publish_engines_updated=0 if publish is None else publish[1],
         new_version_tokens=new_tokens,
     )
-
-
-def _forget_fleet_weights(redis_url: str) -> None:
-    """Rows share one Redis: without this a row's engines would load the weights an earlier
-    row published as they join (the scheduler keeps the fleet's weights there)."""
-    import redis
-    from rollserve.client.wire import WEIGHTS_KEY
-
-    with redis.Redis.from_url(redis_url) as client:
-        client.delete(WEIGHTS_KEY)
 
 
 def _publish(client: Any, engines: int, log_dir: Path) -> tuple[float, int]:

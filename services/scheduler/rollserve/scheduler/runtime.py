@@ -261,6 +261,30 @@ class SchedulerRuntime:
 
     # ------------------------------------------------------------ lifecycle
 
+    async def _load_fleet_weights(self) -> None:
+        """The fleet's weights from Redis (an engine serves only with them), or none when the
+        settings say to forget them."""
+        weights = await self._store.load_weights()
+        if weights is not None and self.settings.forget_fleet_weights:
+            await self._store.forget_weights()
+            log.warning(
+                "forgot the fleet's weights %s (version %d of run %r): engines serve their own",
+                weights.path,
+                weights.version,
+                weights.run_id,
+            )
+            weights = None
+        elif weights is not None:
+            log.warning(
+                "the fleet's weights are %s (version %d of run %r): every engine loads them "
+                "before it gets work (--forget-fleet-weights for engines to serve their own)",
+                weights.path,
+                weights.version,
+                weights.run_id,
+            )
+            self._stamping = (weights.run_id, weights.since)
+        self._weights = weights
+
     async def start(self) -> None:
         """Takes the scheduler lease (LeaseHeld if another scheduler keeps it for
         ``lease_wait_s``), then recovers the state and starts work. If it raises, it has
@@ -271,9 +295,7 @@ class SchedulerRuntime:
             self._lease = lease
             self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
             await self._load_history()
-            self._weights = await self._store.load_weights()
-            if self._weights is not None:
-                self._stamping = (self._weights.run_id, self._weights.since)
+            await self._load_fleet_weights()
             recovered = await self._store.load_pending()
             self._versions.update(
                 await self._store.load_versions(sorted({spec.run_id for spec in recovered}))

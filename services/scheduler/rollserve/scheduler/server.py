@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline of one engine's weight update (PublishVersion with a weights_path)",
     )
     p.add_argument(
+        "--forget-fleet-weights",
+        action="store_true",
+        help="forget the weights an earlier run published (kept in Redis; without this every "
+        "engine that joins loads them): for a new experiment on the same Redis",
+    )
+    p.add_argument(
         "--lease-ttl-s",
         type=float,
         default=10.0,
@@ -340,6 +346,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         health_interval_s=args.health_interval_s,
         health_watched_every=args.health_watched_every,
         weights_timeout_s=args.weights_timeout_s,
+        forget_fleet_weights=args.forget_fleet_weights,
         lease_ttl_s=args.lease_ttl_s,
         lease_wait_s=args.lease_wait_s,
         nice=args.nice,

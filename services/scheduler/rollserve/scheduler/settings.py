@@ -88,6 +88,11 @@ class SchedulerSettings(BaseModel):
         description="deadline of one engine's weight update (UpdateWeights: a checkpoint read "
         "from disk into the running model)",
     )
+    forget_fleet_weights: bool = Field(
+        False,
+        description="at start, forget the weights a PublishVersion of an earlier run made the "
+        "fleet's (kept in Redis), so that engines serve the weights they were launched with",
+    )
     heartbeat_interval_ms: int = Field(
         2000,
         ge=100,

@@ -290,6 +290,9 @@ class Store:
         }
         await self._redis.hset(WEIGHTS_KEY, mapping=mapping)  # type: ignore[arg-type]
 
+    async def forget_weights(self) -> None:
+        await self._redis.delete(WEIGHTS_KEY)
+
     async def load_weights(self) -> FleetWeights | None:
         """The fleet's weights, or None while none were published."""
         saved = cast(dict[bytes, bytes], await self._redis.hgetall(WEIGHTS_KEY))
