@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from rollserve.client.types import SchedulerStatus
 from rollserve.scheduler.runtime import SchedulerRuntime, WeightsNotLoaded
 
 from tests.unit.builders import spec
@@ -27,12 +28,17 @@ async def test_every_engine_loads_the_weights_before_the_version_is_published(
         retried = await runtime.publish_version(run, 3, "/ckpt/step-3")  # loads nothing again
         await runtime.submit(run, specs(run, 2))
         results = await read_stream(other_redis_url, run, 2)
+        status = SchedulerStatus.from_proto(runtime.status())  # as the SDK shows it
     finally:
         await runtime.stop()
         for e in engines:
             await e.stop()
     assert (published.version, published.engines_updated, published.engines_failed) == (3, 2, ())
     assert retried == published
+    assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-3", 3)
+    assert {(e.weights_path, e.weights_version, e.loading_weights) for e in status.engines} == {
+        ("/ckpt/step-3", 3, False)
+    }
     for e in engines:
         assert [(u.weights_path, u.version) for u in e.weight_updates] == [("/ckpt/step-3", 3)]
     for sample in (s for r in results for s in r.samples):

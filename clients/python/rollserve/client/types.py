@@ -187,6 +187,10 @@ class EngineStatus:
     outstanding_tokens: int  # upper bound of tokens still to generate
     capacity_samples: int  # most samples the scheduler runs at once on it
     last_error: str
+    # The weights it serves as the scheduler last saw them ("" and 0: its launch weights).
+    weights_path: str = ""
+    weights_version: int = 0
+    loading_weights: bool = False  # loading the fleet's weights now
 
     @classmethod
     def from_proto(cls, msg: pb.EngineStatus) -> EngineStatus:
@@ -199,6 +203,9 @@ class EngineStatus:
             outstanding_tokens=msg.outstanding_tokens,
             capacity_samples=msg.capacity_samples,
             last_error=msg.last_error,
+            weights_path=msg.weights_path,
+            weights_version=msg.weights_version,
+            loading_weights=msg.loading_weights,
         )
 
 
@@ -222,6 +229,9 @@ class SchedulerStatus:
     predictor_scored_samples: int = 0
     predictor_mae_tokens: float | None = None  # mean absolute error, tokens
     predictor_tail_auc: float | None = None  # ranking of the longest 10% (1: perfect, 0.5: chance)
+    # The fleet's weights: the last publish_version with a weights_path ("" and 0: none).
+    fleet_weights_path: str = ""
+    fleet_weights_version: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -246,6 +256,8 @@ class SchedulerStatus:
             predictor_tail_auc=msg.predictor_tail_auc
             if msg.HasField("predictor_tail_auc")
             else None,
+            fleet_weights_path=msg.fleet_weights_path,
+            fleet_weights_version=msg.fleet_weights_version,
         )
 
     @property

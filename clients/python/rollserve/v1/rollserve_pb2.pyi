@@ -321,6 +321,9 @@ class EngineStatus(_message.Message):
     CAPACITY_SAMPLES_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     PREDICTED_OUTSTANDING_TOKENS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    LOADING_WEIGHTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     healthy: _builtins.bool
@@ -333,6 +336,13 @@ class EngineStatus(_message.Message):
     last_error: _builtins.str
     predicted_outstanding_tokens: _builtins.float
     """predicted tokens its running samples still make"""
+    weights_path: _builtins.str
+    """The weights it serves as the scheduler last saw them (its Stats, or a load the scheduler
+    had it do): "" and 0 for the weights it was launched with, or not known yet.
+    """
+    weights_version: _builtins.int
+    loading_weights: _builtins.bool
+    """the scheduler has it load the fleet's weights now"""
     def __init__(
         self,
         *,
@@ -345,10 +355,13 @@ class EngineStatus(_message.Message):
         capacity_samples: _builtins.int = ...,
         last_error: _builtins.str = ...,
         predicted_outstanding_tokens: _builtins.float = ...,
+        weights_path: _builtins.str = ...,
+        weights_version: _builtins.int = ...,
+        loading_weights: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "loading_weights", b"loading_weights", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -374,6 +387,8 @@ class StatusResponse(_message.Message):
     PREDICTOR_SCORED_SAMPLES_FIELD_NUMBER: _builtins.int
     PREDICTOR_MAE_TOKENS_FIELD_NUMBER: _builtins.int
     PREDICTOR_TAIL_AUC_FIELD_NUMBER: _builtins.int
+    FLEET_WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
+    FLEET_WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -404,6 +419,11 @@ class StatusResponse(_message.Message):
     """ROC AUC of the predictions as a score for "in the longest 10% of those samples"
     (1: ranks every tail sample first, 0.5: chance); unset while undefined.
     """
+    fleet_weights_path: _builtins.str
+    """The fleet's weights (the last PublishVersion with a weights_path; every engine loads
+    them before it gets work): "" and 0 while none were published.
+    """
+    fleet_weights_version: _builtins.int
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -425,10 +445,12 @@ class StatusResponse(_message.Message):
         predictor_scored_samples: _builtins.int = ...,
         predictor_mae_tokens: _builtins.float | None = ...,
         predictor_tail_auc: _builtins.float | None = ...,
+        fleet_weights_path: _builtins.str = ...,
+        fleet_weights_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015

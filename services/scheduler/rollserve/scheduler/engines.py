@@ -74,6 +74,8 @@ class EngineHandle:
         self.watching = False
         self.probe_slot = 0  # which rounds probe it while it is watched
         self.loading_weights = False  # the scheduler has it load the fleet's weights now
+        # The weights it serves as last seen (Stats, or a load the scheduler had it do).
+        self.weights: tuple[str, int] = ("", 0)
 
     @property
     def capacity_samples(self) -> int:

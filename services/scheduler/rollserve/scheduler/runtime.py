@@ -501,7 +501,8 @@ class SchedulerRuntime:
             stats = await engine.stats(self.settings.health_timeout_s)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
-        if (stats.weights_path, stats.weights_version) == (path, version):
+        engine.weights = (stats.weights_path, stats.weights_version)
+        if engine.weights == (path, version):
             return ""
         return await self._load_weights(engine, path, version)
 
@@ -511,6 +512,7 @@ class SchedulerRuntime:
             await engine.update_weights(path, version, self.settings.weights_timeout_s)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
+        engine.weights = (path, version)
         log.info("engine %s loaded weights %s (version %d)", engine.engine_id, path, version)
         return ""
 
@@ -525,7 +527,8 @@ class SchedulerRuntime:
             while self._weights is not None:
                 path, version = self._weights.path, self._weights.version
                 stats = await engine.stats(self.settings.health_timeout_s)
-                if (stats.weights_path, stats.weights_version) == (path, version):
+                engine.weights = (stats.weights_path, stats.weights_version)
+                if engine.weights == (path, version):
                     return True
                 if engine.healthy:  # it restarted: no work for it until it has them
                     await self._engine_down(engine, "restarted without the fleet's weights")
@@ -606,9 +609,14 @@ class SchedulerRuntime:
                     capacity_samples=e.capacity_samples,
                     last_error=e.last_error,
                     predicted_outstanding_tokens=loads[e.engine_id].predicted_outstanding,
+                    weights_path=e.weights[0],
+                    weights_version=e.weights[1],
+                    loading_weights=e.loading_weights,
                 )
                 for e in self._engines.values()
             ],
+            fleet_weights_path="" if self._weights is None else self._weights.path,
+            fleet_weights_version=0 if self._weights is None else self._weights.version,
         )
 
     # ------------------------------------------------------------ queue and dispatch
