@@ -10,6 +10,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +33,6 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 from tests.integration.engine_proc import (
     STOP_TIMEOUT_S,
     EngineProcess,
-    free_port,
     start_engine_process,
 )
 
@@ -366,13 +366,20 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
 def test_second_engine_registers_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A second engine: registers with a scheduler that comes up late, heartbeats, and on
     SIGTERM exits 0 leaving no process of its group behind."""
-    scheduler_port = free_port()
-    engine = start_engine_process(
-        tiny_model_dir,
-        "engine-second",
-        ["--scheduler-address", f"127.0.0.1:{scheduler_port}", "--omp-num-threads", "1"],
-        log_dir=tmp_path,
-    )
+    # The scheduler's port stays bound (connections refused, not listening) while the engine
+    # starts: a port only picked, then free for seconds, was once taken meanwhile.
+    reserved = socket.socket()
+    reserved.bind(("127.0.0.1", 0))
+    scheduler_port = reserved.getsockname()[1]
+    try:
+        engine = start_engine_process(
+            tiny_model_dir,
+            "engine-second",
+            ["--scheduler-address", f"127.0.0.1:{scheduler_port}", "--omp-num-threads", "1"],
+            log_dir=tmp_path,
+        )
+    finally:
+        reserved.close()
     scheduler = FakeScheduler()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_SchedulerServicer_to_server(scheduler, server)
