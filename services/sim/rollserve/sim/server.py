@@ -347,15 +347,19 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         run.running -= 1
         run.wakeup.set()  # its end goes out at once, as the engine service sends it
 
+    def _new_tokens(self, run: _Run, s: _Sample) -> tuple[list[int], list[float]]:
+        """The sample's tokens made (all of them, once it finished) and not yet taken."""
+        end = s.finished.output_tokens if s.finished else self.engine.progress(s.request_id)
+        token_ids, logprobs = self._tokens.tokens(s.key, s.sent, end, s.eos_at, run.banned)
+        s.sent = max(s.sent, end)
+        return token_ids, logprobs
+
     def _seal(self, run: _Run) -> None:
         """Sets the tokens made so far and not sent apart, as of the weights served now."""
         for s in run.samples:
             if s.reported:
                 continue
-            finished = s.finished
-            end = finished.output_tokens if finished else self.engine.progress(s.request_id)
-            token_ids, logprobs = self._tokens.tokens(s.key, s.sent, end, s.eos_at, run.banned)
-            s.sent = max(s.sent, end)
+            token_ids, logprobs = self._new_tokens(run, s)
             if token_ids:
                 s.earlier.append(
                     pb.TokenDelta(
@@ -378,9 +382,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             deltas += s.earlier
             s.earlier = []
             finished = s.finished
-            end = finished.output_tokens if finished else self.engine.progress(s.request_id)
-            token_ids, logprobs = self._tokens.tokens(s.key, s.sent, end, s.eos_at, run.banned)
-            s.sent = max(s.sent, end)
+            token_ids, logprobs = self._new_tokens(run, s)
             if finished is not None:
                 s.reported = True
                 spec = self.engine.engine.profile.spec
