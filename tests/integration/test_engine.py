@@ -383,9 +383,9 @@ def test_second_engine_registers_and_stops_cleanly(tiny_model_dir: Path, tmp_pat
     scheduler = FakeScheduler()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_SchedulerServicer_to_server(scheduler, server)
-    server.add_insecure_port(f"127.0.0.1:{scheduler_port}")
-    server.start()
-    try:
+    try:  # the engine is killed whatever fails from here on (it outlived a failed bind once)
+        server.add_insecure_port(f"127.0.0.1:{scheduler_port}")
+        server.start()
         assert len(engine.group_pids()) >= 2, "expected the engine and vLLM's engine core"
         deadline = time.monotonic() + WAIT_S
         while scheduler.heartbeats < 2 and time.monotonic() < deadline:
