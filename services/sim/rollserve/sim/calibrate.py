@@ -819,7 +819,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
     loop = asyncio.get_running_loop()
     try:
         await run_phase(_WARMUP)
-        limits = replace(limits, weights_load_s=await _time_reloads(llm, model))
+        limits = replace(limits, weights_load_s=await _time_reloads(llm, model, limits))
         reply.write(_MARK + json.dumps({"ready": asdict(limits)}) + "\n")
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
@@ -834,16 +834,23 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
         llm.shutdown()
 
 
-async def _time_reloads(llm: Any, model: Path, repeats: int = 3) -> float:
-    """Median seconds of an in-place reload of ``model``'s weights into the idle engine,
-    timed as the engine service's UpdateWeights pauses generation."""
+async def _time_reloads(llm: Any, model: Path, limits: EngineLimits, repeats: int = 3) -> float:
+    """Median seconds of an in-place reload of ``model``'s weights into the idle engine, by
+    the engine service's own update (generation paused until the new weights are in)."""
+    from rollserve.engine.service import ModelInfo, VllmBackend
+
+    info = ModelInfo(
+        model=str(model),
+        max_model_len=limits.max_model_len,
+        max_num_seqs=limits.max_num_seqs,
+        vocab_size=0,  # (not used by an update)
+        eos_token_id=None,
+    )
+    backend = VllmBackend(llm, info)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        await llm.pause_generation(mode="keep", clear_cache=False)
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model)})
-        await llm.reset_prefix_cache(reset_running_requests=True)
-        await llm.resume_generation()
+        await backend.update_weights(str(model), lambda: None, lambda _made: None)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
