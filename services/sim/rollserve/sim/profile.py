@@ -65,7 +65,10 @@ _DIR = Path(__file__).resolve().parent / "profiles"
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
 _LIMIT_FIELDS = ("kv_capacity_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens")
-_OPTIONAL_FIELDS = ("calibrated_engines", "weights_load_s", "chunked_prefill")
+# Optional fields, by kind: seconds, counts, flags.
+_OPTIONAL_SECONDS = ("weights_load_s",)
+_OPTIONAL_COUNTS = ("calibrated_engines",)
+_OPTIONAL_FIELDS = (*_OPTIONAL_SECONDS, *_OPTIONAL_COUNTS, "chunked_prefill")
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,7 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
     for name in _TEXT_FIELDS:
         if not isinstance(data[name], str):
             raise ValueError(f"{path}: {name} must be a string, got {data[name]!r}")
-    for name in _COST_FIELDS:
+    for name in (*_COST_FIELDS, *(n for n in _OPTIONAL_SECONDS if n in data)):
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{path}: {name} must be a number of seconds, got {value!r}")
@@ -246,12 +249,7 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
         raise ValueError(
             f"{path}: chunked_prefill must be true or false, got {data['chunked_prefill']!r}"
         )
-    if "weights_load_s" in data:
-        value = data["weights_load_s"]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{path}: weights_load_s must be a number of seconds, got {value!r}")
-        data["weights_load_s"] = float(value)
-    for name in (*_LIMIT_FIELDS, *(n for n in ("calibrated_engines",) if n in data)):
+    for name in (*_LIMIT_FIELDS, *(n for n in _OPTIONAL_COUNTS if n in data)):
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
