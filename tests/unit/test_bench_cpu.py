@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from rollserve.bench.cpu import CpuMeter
+from rollserve.bench.cpu import CpuMeter, engine_core_time
 
 # A child that names itself as vLLM's engine core does (Linux: PR_SET_NAME), burns about
 # half a CPU second, then sleeps until killed; its parent spawns it and sleeps too.
@@ -61,6 +61,21 @@ def test_a_tree_reads_as_its_engine_core_and_the_rest(tree: subprocess.Popen[str
     assert set(spent) == {"engine", "engine core", "driver"}
     assert spent["engine core"] >= 0.3  # the child's burn lands on the core part
     assert spent["engine"] < spent["engine core"]  # the parent only slept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_NAME is Linux's")
+def test_engine_core_time_counts_only_the_engine_cores_of_the_trees(
+    tree: subprocess.Popen[str],
+) -> None:
+    before = engine_core_time([tree.pid, os.getpid()])
+    assert tree.stdout is not None
+    assert tree.stdout.readline().strip() == "burnt"
+    time.sleep(0.1)
+    # The tree's parent only slept and the test process is no engine core: the child's burn
+    # alone, counted once though its tree is listed three times (the test process's holds it).
+    spent = engine_core_time([tree.pid, tree.pid, os.getpid()]) - before
+    assert 0.3 <= spent.cpu_s < 1.0
+    assert spent.wait_s >= 0.0
 
 
 def test_a_single_process_counts_without_its_children(tree: subprocess.Popen[str]) -> None:
@@ -118,3 +133,28 @@ def test_waiting_for_a_cpu_reads_per_part() -> None:
     assert set(waits) == {"a", "b"}
     assert waits["a"] + waits["b"] >= 0.2
     assert CpuMeter({"gone": procs[0].pid}).read_waits() == {}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs schedstat")
+def test_engine_cores_waiting_for_one_cpu_read_as_busy() -> None:
+    """Two engine cores pinned to one CPU burn 0.3 CPU seconds each at once: their main
+    threads' computing and waiting add up to at least the time both had work."""
+    named = (
+        "import ctypes\nctypes.CDLL(None).prctl(15, ctypes.c_char_p(b'EngineCore_0'), 0, 0, 0)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", named + _PINNED], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        before = engine_core_time([p.pid for p in procs])
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "burnt"
+        spent = engine_core_time([p.pid for p in procs]) - before
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert spent.cpu_s >= 0.4  # most of the two burns (some ran before the first reading)
+    assert spent.wait_s >= 0.1  # one waited while the other burnt

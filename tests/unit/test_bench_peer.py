@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import random
 import statistics
 import subprocess
@@ -53,6 +54,7 @@ from rollserve.bench.peer_stats import (
     RowSummary,
     SideRun,
     StepRecord,
+    bubble_ratio,
     same_draws,
     summarize,
 )
@@ -142,6 +144,9 @@ def run_of(name: str, stream: PromptStream, answers: dict[int, str]) -> SideRun:
         cache_queries=40,
         cache_hits=10,
         samples_per_engine={"engine-0": 4, "engine-1": 4},
+        engines=2,
+        engine_core_cpu_s=10.0,
+        engine_core_wait_s=2.0,
     )
 
 
@@ -153,13 +158,16 @@ def test_summaries_score_the_delivered_samples() -> None:
     summary = summarize(run, stream)
     assert summary.groups == 4
     assert summary.groups_per_s == 0.5
-    assert summary.mean_step_s == 4.0
+    assert summary.makespan_s == 4.0
     assert summary.max_step_s == 6.0
     assert summary.mean_reward == 0.5  # the full answers score 1, the cut-off ones 0
     assert summary.mixed_group_share == 1.0
     assert summary.length_cut_share == 0.5
     assert summary.staleness == {0: 4}
-    assert summary.prefix_cache_hit_rate == 0.25
+    assert summary.prefix_hit_rate == 0.25
+    assert summary.bubble_ratio == 0.25  # 10 CPU-s + 2 s of waits of 2 engines x 8 s
+    assert summary.cpu_wait_share == 0.125
+    assert summary.offpolicy_token_fraction_max == 0.0  # every group delivered at launch
     assert summary.engine_share == {"engine-0": 0.5, "engine-1": 0.5}
     both, same = same_draws(run, run_of(PEER, stream, {**answers, 3: "pass 1"}))
     assert (both, same) == (8, 7)  # group 3 differs in its full sample only
@@ -415,3 +423,22 @@ def test_process_tree_cpu_counts_the_descendants() -> None:
     finally:
         shell.kill()
         shell.wait()
+
+
+def test_a_group_delivered_a_step_late_counts_toward_the_offpolicy_bound() -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    run = run_of(ROLLSERVE, stream, {i: "answer 1" for i in range(4)})
+    late = run.groups[3]
+    run.groups[3] = DeliveredGroup(
+        late.index, late.prompt_key, late.launch_step - 1, late.delivery_step, late.samples
+    )
+    summary = summarize(run, stream)
+    assert summary.staleness == {0: 3, 1: 1}
+    assert summary.offpolicy_token_fraction_max == pytest.approx(0.25)  # same tokens each
+
+
+def test_the_bubble_is_unknown_unless_measured_and_stays_in_0_1() -> None:
+    assert math.isnan(bubble_ratio(0.0, 2, 8.0))  # not measured
+    assert math.isnan(bubble_ratio(4.0, 0, 8.0))
+    assert bubble_ratio(4.0, 2, 8.0) == 0.75
+    assert bubble_ratio(20.0, 2, 8.0) == 0.0  # more CPU than wall: a core's other threads

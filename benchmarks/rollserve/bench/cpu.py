@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import psutil
 
@@ -56,6 +57,49 @@ def _cpu_s(proc: psutil.Process) -> float:
         times = proc.cpu_times()
         return float(times.user + times.system)
     return 0.0
+
+
+@dataclass(frozen=True)
+class CoreTime:
+    """Seconds the main threads of some vLLM engine cores spent computing (``cpu_s``) and
+    runnable but waiting for a CPU (``wait_s``). The main thread runs the engine's steps (the
+    model too, with one OpenMP thread) and sleeps on the input queue while there is no work
+    (about 1% of a CPU), so over a window their sum is close to the engine's busy time. Its
+    other threads (the output thread, gloo's and ZeroMQ's loops) wake often and briefly: their
+    waits for a CPU would count many times over, so they are left out."""
+
+    cpu_s: float = 0.0
+    wait_s: float = 0.0
+
+    def __sub__(self, other: CoreTime) -> CoreTime:
+        return CoreTime(self.cpu_s - other.cpu_s, self.wait_s - other.wait_s)
+
+
+def _main_thread(pid: int) -> CoreTime:
+    """The main thread's CPU and wait seconds (zero where /proc does not say)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            text = f.read()
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        wait = 0.0
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            wait = int(f.read().split()[1]) / 1e9
+        return CoreTime(cpu, wait)
+    return CoreTime()
+
+
+def engine_core_time(pids: Iterable[int]) -> CoreTime:
+    """The engine cores among ``pids`` and every process below them, each counted once."""
+    seen: set[int] = set()
+    cpu = wait = 0.0
+    for pid in pids:
+        for proc in _tree(pid):
+            if proc.pid not in seen and _is_engine_core(proc):
+                seen.add(proc.pid)
+                main = _main_thread(proc.pid)
+                cpu, wait = cpu + main.cpu_s, wait + main.wait_s
+    return CoreTime(cpu, wait)
 
 
 class CpuMeter:

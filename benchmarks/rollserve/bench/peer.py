@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rollserve.bench.cpu import engine_core_time
 from rollserve.bench.peer_router import (
     ROUTER_POLICIES,
     PeerServers,
@@ -68,6 +70,7 @@ from rollserve.bench.peer_stats import (
     SideRun,
     StepRecord,
     StreamGroup,
+    bubble_ratio,
     same_draws,
     stream_trace,
     summarize,
@@ -293,7 +296,7 @@ def router_round(env: Environment, servers: PeerServers, url: str, start: int) -
             steps=cfg.warmup_steps,
             timeout_s=cfg.step_timeout_s,
         )
-    before = servers.counters()
+    before, core_before = servers.counters(), engine_core_time(servers.pids())
     records, delivered, wall = run_sync_steps(
         url,
         stream,
@@ -302,6 +305,7 @@ def router_round(env: Environment, servers: PeerServers, url: str, start: int) -
         steps=cfg.steps,
         timeout_s=cfg.step_timeout_s,
     )
+    core = engine_core_time(servers.pids()) - core_before
     delta = counters_delta(before, servers.counters())
     for record in records:
         env.console.print(
@@ -317,6 +321,9 @@ def router_round(env: Environment, servers: PeerServers, url: str, start: int) -
         cache_hits=int(delta["cache_hits"]),
         samples_per_engine={f"server-{i}": int(delta[f"requests:{i}"]) for i in range(cfg.engines)},
         settings={"router_policy": env.router_policy},
+        engines=cfg.engines,
+        engine_core_cpu_s=core.cpu_s,
+        engine_core_wait_s=core.wait_s,
     )
 
 
@@ -429,15 +436,22 @@ def run_rollserve_side(env: Environment, rep: int, name: str, oversample: float)
         client = ctx.enter_context(
             RolloutClient(stack.scheduler_address, stack.redis_url, f"peer-{uuid.uuid4().hex[:8]}")
         )
-        return rollserve_round(env, client, name, oversample, start=0)
+        return rollserve_round(env, client, name, oversample, start=0, pids=stack.pids())
 
 
 def rollserve_round(
-    env: Environment, client: RolloutClient, name: str, oversample: float, start: int
+    env: Environment,
+    client: RolloutClient,
+    name: str,
+    oversample: float,
+    start: int,
+    *,
+    pids: Sequence[int],
 ) -> SideRun:
     """Warm-up and measured steps through rollserve, from stream group ``start``; the groups
     still in flight at the end are cancelled, and the call returns once the scheduler runs
-    nothing (so the next side to run has the machine to itself)."""
+    nothing (so the next side to run has the machine to itself). ``pids``: the stack's
+    processes, whose engine cores' CPU is read over the measured steps."""
     cfg = env.cfg
     variant = cfg.variant if name == ROLLSERVE_B else None
     run = SideRun(
@@ -459,6 +473,7 @@ def rollserve_round(
     )
     for _ in range(cfg.warmup_steps):
         batcher.ack(next(batcher))
+    core_before = engine_core_time(pids)
     start_s = previous = time.perf_counter()
     batches: list[tuple[StepBatch[ReceivedGroup], float]] = []
     for number in range(cfg.steps):
@@ -473,6 +488,9 @@ def rollserve_round(
         )
         previous = now
     run.wall_s = previous - start_s
+    run.engines = cfg.engines
+    core = engine_core_time(pids) - core_before
+    run.engine_core_cpu_s, run.engine_core_wait_s = core.cpu_s, core.wait_s
     dropped = batcher.cancel_outstanding(drain_timeout_s=_DRAIN_TIMEOUT_S)
     run.dropped_at_end = len(dropped.group_ids)
     _wait_idle(client)
@@ -614,7 +632,7 @@ def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
                     run_id = f"peer-{uuid.uuid4().hex[:8]}"  # group ids repeat across rows
                     address, redis_url = running.scheduler_address, running.redis_url
                     with RolloutClient(address, redis_url, run_id) as client:
-                        run = rollserve_round(env, client, name, over, start)
+                        run = rollserve_round(env, client, name, over, start, pids=running.pids())
                 wall = time.perf_counter() - began
                 env.idle_cpu.append(IdleCpu(rep, name, wall, tree_cpu_s(idle) - cpu_before))
                 runs[name].append(run)
@@ -689,6 +707,21 @@ def pooled_interval(
     return out
 
 
+def pooled_bubble(runs: list[SideRun]) -> float:
+    """The bubble ratio of a row over all its rounds together."""
+    return bubble_ratio(
+        sum(r.engine_core_cpu_s + r.engine_core_wait_s for r in runs),
+        max((r.engines for r in runs), default=0),
+        sum(r.wall_s for r in runs),
+    )
+
+
+def pooled_cpu_wait(runs: list[SideRun]) -> float:
+    """The engine cores' waits for a CPU over all of a row's rounds, per engine and second."""
+    capacity = max((r.engines for r in runs), default=0) * sum(r.wall_s for r in runs)
+    return sum(r.engine_core_wait_s for r in runs) / capacity if capacity > 0 else float("nan")
+
+
 def reward_over_rounds(rows: list[RowSummary]) -> float:
     """The mean reward of every sample a row delivered in all rounds."""
     groups = sum(r.groups for r in rows)
@@ -740,6 +773,8 @@ def print_tables(
         "cut at max_tokens",
         "staleness: groups",
         "cache hit",
+        "bubble",
+        "CPU wait",
         "engine split",
         "dropped at end",
     )
@@ -761,7 +796,7 @@ def print_tables(
             policy,
             f"{statistics.median(all_gps[name]):.3f}",
             f"{statistics.median(ratios[name]):.2f}x",
-            f"{s.mean_step_s:.2f}",
+            f"{s.makespan_s:.2f}",
             f"{s.output_tokens_per_s:,.0f}",
             f"{s.mean_reward:.3f}",
         )
@@ -771,7 +806,9 @@ def print_tables(
             f"{s.mean_response_tokens:.0f}",
             f"{s.length_cut_share:.1%}",
             " ".join(f"{k}:{v}" for k, v in s.staleness.items()),
-            f"{s.prefix_cache_hit_rate:.0%}",
+            f"{s.prefix_hit_rate:.0%}",
+            f"{s.bubble_ratio:.1%}",
+            f"{s.cpu_wait_share:.1%}",
             " / ".join(f"{v:.0%}" for v in s.engine_share.values()),
             str(s.dropped_at_end),
         )
@@ -905,6 +942,13 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             "90% bootstrap interval of the pooled ratio (rounds resampled): "
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
+    bubbles = {name: pooled_bubble(runs[name]) for name in names}
+    waits = {name: pooled_cpu_wait(runs[name]) for name in names}
+    console.print(
+        "engines idle (bubble: 1 - engine cores' busy time / (engines x wall time)) and "
+        "waiting for a CPU, all rounds: "
+        + ", ".join(f"{name} {bubbles[name]:.1%} and {waits[name]:.1%}" for name in names)
+    )
     variant_report = _variant_report(cfg, summaries, ratios, pooled, interval)
     if variant_report:
         b_over_a = variant_report["vs_rollserve_pooled"]
@@ -946,7 +990,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "router_trial": env.trial,
         "same_draws": {"samples_in_both": both, "identical": same},
         "variant": variant_report or None,
-        "rows": {name: asdict(rows[name]) for name in names},
+        # Per row, the figures of its median round, and its median ratio to the router.
+        "rows": {
+            name: {**asdict(rows[name]), "vs_router": statistics.median(ratios[name])}
+            for name in names
+        },
         "runs": {
             name: [
                 {
@@ -962,6 +1010,8 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "groups_per_s": all_gps,
         "mean_reward_over_rounds": {name: reward_over_rounds(summaries[name]) for name in names},
         "ratios_per_round": {name: ratios[name] for name in names if name != PEER},
+        "bubble_ratio_pooled": bubbles,
+        "cpu_wait_share_pooled": waits,
         "idle_side_cpu": [asdict(e) for e in env.idle_cpu],
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,

@@ -123,6 +123,11 @@ class SideRun:
     samples_per_engine: dict[str, int] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     dropped_at_end: int = 0  # groups launched and never delivered (the carried-over tail)
+    engines: int = 0
+    # Seconds the side's vLLM engine cores computed and waited for a CPU in the measured
+    # steps: their busy time, near enough (``rollserve.bench.cpu.engine_core_time``).
+    engine_core_cpu_s: float = 0.0
+    engine_core_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class RowSummary:
     failed_groups: int
     wall_s: float
     groups_per_s: float
-    mean_step_s: float
+    makespan_s: float  # mean step time
     max_step_s: float
     output_tokens: int
     output_tokens_per_s: float
@@ -142,9 +147,19 @@ class RowSummary:
     mixed_group_share: float
     length_cut_share: float  # samples that stopped at max_tokens
     staleness: dict[int, int]  # staleness (steps) -> delivered groups
-    prefix_cache_hit_rate: float
+    prefix_hit_rate: float
     engine_share: dict[str, float]  # share of delivered samples each engine generated
     dropped_at_end: int
+    # 1 - the engine cores' busy time (computing, or runnable and waiting for a CPU) /
+    # (engines x wall time): the share of the engines' time with nothing to compute.
+    bubble_ratio: float
+    # The engine cores' waits for a CPU / (engines x wall time): time they had work but the
+    # machine's CPUs were taken (by the other engine or the processes around them).
+    cpu_wait_share: float
+    # Share of the delivered output tokens in groups delivered after their launch step: the
+    # most that can be off-policy for a trainer that publishes a version a step (the tokens
+    # such a group made in its delivery step are on-policy; this run has no per-token split).
+    offpolicy_token_fraction_max: float
 
 
 def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
@@ -164,7 +179,7 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
         failed_groups=len(run.groups) - len(delivered),
         wall_s=wall,
         groups_per_s=len(delivered) / wall if wall > 0 else 0.0,
-        mean_step_s=statistics.fmean(steps) if steps else 0.0,
+        makespan_s=statistics.fmean(steps) if steps else 0.0,
         max_step_s=max(steps, default=0.0),
         output_tokens=output_tokens,
         output_tokens_per_s=output_tokens / wall if wall > 0 else 0.0,
@@ -179,10 +194,28 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
             else 0.0
         ),
         staleness=dict(sorted(Counter(g.staleness for g in delivered).items())),
-        prefix_cache_hit_rate=run.cache_hits / run.cache_queries if run.cache_queries else 0.0,
+        prefix_hit_rate=run.cache_hits / run.cache_queries if run.cache_queries else 0.0,
         engine_share={e: c / total_engine for e, c in sorted(engines.items()) if total_engine},
         dropped_at_end=run.dropped_at_end,
+        bubble_ratio=bubble_ratio(
+            run.engine_core_cpu_s + run.engine_core_wait_s, run.engines, wall
+        ),
+        cpu_wait_share=run.engine_core_wait_s / (run.engines * wall)
+        if run.engines and wall > 0
+        else float("nan"),
+        offpolicy_token_fraction_max=(
+            sum(g.output_tokens for g in delivered if g.staleness > 0) / output_tokens
+            if output_tokens
+            else 0.0
+        ),
     )
+
+
+def bubble_ratio(busy_s: float, engines: int, wall_s: float) -> float:
+    """1 - busy engine time / (engines x wall time); NaN where the run did not measure it."""
+    if engines < 1 or wall_s <= 0 or busy_s <= 0:
+        return float("nan")
+    return min(1.0, max(0.0, 1.0 - busy_s / (engines * wall_s)))
 
 
 def same_draws(a: SideRun, b: SideRun) -> tuple[int, int]:
