@@ -327,6 +327,41 @@ def test_published_policy_versions_label_the_tokens_and_only_go_up(
             assert words in (_rpc_error(info.value).details() or "")
 
 
+def test_tokens_made_before_a_publish_without_weights_keep_the_version_before(
+    scheduler: ManagedProcess, scheduler_redis_url: str, engine_address: str
+) -> None:
+    """The engine sends tokens every 100 ms and vLLM holds up to 15 back between its
+    outputs: labelled on arrival, some tokens made before the publish would count as the new
+    version. Each sample's old-labelled tokens must be at least what the engine said it had
+    made just before the publish, and at most what it said just after."""
+    rid = run_id()
+
+    def progress() -> dict[int, int]:
+        with grpc.insecure_channel(engine_address) as channel:
+            stats = pb_grpc.EngineStub(channel).Stats(
+                pb.StatsRequest(with_progress=True), timeout=10
+            )
+        return {p.index: p.tokens for p in stats.progress}
+
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
+        client.submit(groups(1, n=4, max_tokens=2000, prefix="made"))
+        wait_until(lambda: sum(progress().values()) >= 4 * 40, timeout_s=60)
+        before = progress()
+        assert client.publish_version(1).version == 1
+        after = progress()
+        [item] = list(client.groups(limit=1, timeout_s=120))
+        item.done()
+    went_on = 0
+    for sample in item.result.samples:
+        old = sum(v.length for v in sample.versions if v.version == 0)
+        new = sum(v.length for v in sample.versions if v.version == 1)
+        assert old + new == len(sample.token_ids)
+        if sample.index in before:
+            assert before[sample.index] <= old <= after.get(sample.index, len(sample.token_ids))
+        went_on += new > 0
+    assert went_on  # a sample ran on past the publish (the others ended before it)
+
+
 def test_weights_published_through_the_scheduler_are_loaded_by_the_engine(
     scheduler: ManagedProcess, scheduler_redis_url: str, engine_address: str, tiny_model_dir: Path
 ) -> None:

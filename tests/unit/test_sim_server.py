@@ -502,6 +502,32 @@ async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None
         assert len(versions) > old
 
 
+async def test_progress_counts_each_running_samples_tokens_sent_or_not() -> None:
+    async with sim_engine(
+        time_scale=1.0,
+        response_median=100_000,
+        prompt_sigma=0,
+        within_sigma=0,
+        flush_interval_ms=200,
+    ) as (_, stub):
+        call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
+        first = cast(pb.GenerateResponse, await call.read())
+        await asyncio.sleep(0.1)  # more tokens made, not sent until the next flush
+        stats = await stub.Stats(pb.StatsRequest(with_progress=True))
+        second = cast(pb.GenerateResponse, await call.read())
+        await stub.Abort(pb.AbortRequest(request_id="long"))
+        while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            pass
+        after = await stub.Stats(pb.StatsRequest(with_progress=True))
+    sent = {d.index: len(d.token_ids) for d in first.chunk.deltas}
+    then = {d.index: sent[d.index] + len(d.token_ids) for d in second.chunk.deltas}
+    progress = {p.index: p.tokens for p in stats.progress}
+    assert {p.request_id for p in stats.progress} == {"long"}
+    for index, tokens in progress.items():
+        assert sent[index] < tokens <= then[index]  # past the flush, not past the next one
+    assert not after.progress
+
+
 async def eventually(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(int(WAIT_S / POLL_S)):
         if predicate():

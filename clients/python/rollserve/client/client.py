@@ -194,8 +194,9 @@ class RolloutClient:
             read; the scheduler has every engine load it first (running samples go on under
             it), and engines that join later load it too. Each token is then labelled with
             the version of the weights that made it. Empty: the engines already run the new
-            weights (the trainer updated them its own way), and the tokens the scheduler
-            receives from then on are labelled ``version``.
+            weights (the trainer updated them its own way), and the tokens the engines make
+            from then on are labelled ``version`` (those made before keep the version before,
+            whenever they reach the scheduler).
         timeout_s: deadline of the call (default: the client's, or ``WEIGHTS_TIMEOUT_S`` at
             least with ``weights_path``).
 

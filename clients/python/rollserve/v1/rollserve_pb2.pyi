@@ -917,16 +917,55 @@ Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
 class StatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    WITH_PROGRESS_FIELD_NUMBER: _builtins.int
+    with_progress: _builtins.bool
+    """Also list how many tokens each running sample has made (``progress``): a scheduler asks
+    when a trainer publishes a version without weights, to label the tokens made before it.
+    """
     def __init__(
         self,
+        *,
+        with_progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_progress", b"with_progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsRequest: _TypeAlias = StatsRequest  # noqa: Y015
+
+@_typing.final
+class SampleProgress(_message.Message):
+    """Tokens one running sample of a Generate call has made so far, those the engine has not
+    sent on the call's stream yet included (vLLM holds some back between its outputs).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """the Generate call's"""
+    index: _builtins.int
+    """the sample's index in its group"""
+    tokens: _builtins.int
+    """of this call (a resumed sample's earlier tokens not counted)"""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        index: _builtins.int = ...,
+        tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "request_id", b"request_id", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SampleProgress: _TypeAlias = SampleProgress  # noqa: Y015
 
 @_typing.final
 class StatsResponse(_message.Message):
@@ -951,6 +990,7 @@ class StatsResponse(_message.Message):
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -984,6 +1024,10 @@ class StatsResponse(_message.Message):
     started with).
     """
     weights_path: _builtins.str
+    @_builtins.property
+    def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampleProgress]:
+        """With ``with_progress``: every running sample, when it was read."""
+
     def __init__(
         self,
         *,
@@ -1006,10 +1050,11 @@ class StatsResponse(_message.Message):
         spec_accepted_tokens: _builtins.int = ...,
         weights_version: _builtins.int = ...,
         weights_path: _builtins.str = ...,
+        progress: _abc.Iterable[Global___SampleProgress] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,8 +53,11 @@ class SchedulerStub:
     every healthy engine (UpdateWeights); engines that join or come back later load them
     before they get work. Tokens are labelled with it (the `versions` of a sample in the
     stream): those the engines make under these weights (each engine labels its tokens
-    with the weights_version it serves); without weights_path, those the scheduler
-    receives from then on, unless the run has published weights. Versions only go up: a
+    with the weights_version it serves); without weights_path, those the engines make from
+    then on (the scheduler asks each engine running the run's samples how many tokens each
+    has made, Stats with_progress, and those count as the version before whenever they
+    arrive; an engine that does not say has its tokens labelled when they arrive), unless
+    the run has published weights. Versions only go up: a
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
@@ -82,8 +85,11 @@ class SchedulerAsyncStub(SchedulerStub):
     every healthy engine (UpdateWeights); engines that join or come back later load them
     before they get work. Tokens are labelled with it (the `versions` of a sample in the
     stream): those the engines make under these weights (each engine labels its tokens
-    with the weights_version it serves); without weights_path, those the scheduler
-    receives from then on, unless the run has published weights. Versions only go up: a
+    with the weights_version it serves); without weights_path, those the engines make from
+    then on (the scheduler asks each engine running the run's samples how many tokens each
+    has made, Stats with_progress, and those count as the version before whenever they
+    arrive; an engine that does not say has its tokens labelled when they arrive), unless
+    the run has published weights. Versions only go up: a
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
@@ -144,8 +150,11 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         every healthy engine (UpdateWeights); engines that join or come back later load them
         before they get work. Tokens are labelled with it (the `versions` of a sample in the
         stream): those the engines make under these weights (each engine labels its tokens
-        with the weights_version it serves); without weights_path, those the scheduler
-        receives from then on, unless the run has published weights. Versions only go up: a
+        with the weights_version it serves); without weights_path, those the engines make from
+        then on (the scheduler asks each engine running the run's samples how many tokens each
+        has made, Stats with_progress, and those count as the version before whenever they
+        arrive; an engine that does not say has its tokens labelled when they arrive), unless
+        the run has published weights. Versions only go up: a
         lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
         retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
         """

@@ -177,6 +177,11 @@ class GenerationBackend(Protocol):
 
     def counters(self) -> EngineCounters: ...
 
+    def tokens_made(self) -> Mapping[str, int]:
+        """Tokens each running request (by id) has made so far, where the backend holds some
+        back from its stream; empty where it hands every token over as it is made."""
+        ...
+
     async def update_weights(
         self,
         weights_path: str,
@@ -349,10 +354,10 @@ class VllmBackend:
             ) from exc
         if not await llm.reset_prefix_cache(reset_running_requests=True):
             logger.warning("vLLM kept its prefix cache after a weight update")
-        loaded(self._tokens_made())
+        loaded(self.tokens_made())
         await llm.resume_generation()
 
-    def _tokens_made(self) -> dict[str, int]:
+    def tokens_made(self) -> dict[str, int]:
         """Tokens each running request has made, those held back from its stream included
         (from vLLM's output processor, which has no public call for it)."""
         try:
@@ -827,7 +832,23 @@ class EngineServicer(pb_grpc.EngineServicer):
             spec_accepted_tokens=counters.spec_accepted_tokens,
             weights_version=self._weights_version,
             weights_path=self._weights_path,
+            progress=self._progress(backend) if request.with_progress else (),
         )
+
+    def _progress(self, backend: GenerationBackend) -> list[pb.SampleProgress]:
+        """Tokens every running sample has made: those handed over, or the backend's count
+        where it holds some back."""
+        made = backend.tokens_made()
+        return [
+            pb.SampleProgress(
+                request_id=run.request_id,
+                index=s.index,
+                tokens=max(s.received, made.get(s.request_id, 0)),
+            )
+            for run in self._runs.values()
+            for s in run.samples
+            if s.finish_reason is None
+        ]
 
 
 def weights_request_problem(request: pb.UpdateWeightsRequest) -> str | None:

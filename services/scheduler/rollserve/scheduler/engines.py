@@ -131,8 +131,9 @@ class EngineHandle:
         request = pb.UpdateWeightsRequest(weights_path=path, version=version)
         await self._stub.UpdateWeights(request, timeout=timeout_s)
 
-    async def stats(self, timeout_s: float) -> pb.StatsResponse:
-        reply: pb.StatsResponse = await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+    async def stats(self, timeout_s: float, *, with_progress: bool = False) -> pb.StatsResponse:
+        request = pb.StatsRequest(with_progress=with_progress)
+        reply: pb.StatsResponse = await self._stub.Stats(request, timeout=timeout_s)
         return reply
 
     def generate(

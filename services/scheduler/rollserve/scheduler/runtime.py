@@ -186,6 +186,9 @@ class _Call:
     stopping: dict[int, str] = field(default_factory=dict)
     # Samples that left the call preempted: the engine sends nothing more of them.
     preempted: set[int] = field(default_factory=set)
+    # Sample -> (end, version), oldest first: its tokens before position ``end`` (of the
+    # whole sample) are of that policy version, made before a publish without weights.
+    made_before: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def running(self) -> list[int]:
         """Its samples that have not finished yet (nor left it)."""
@@ -458,6 +461,8 @@ class SchedulerRuntime:
         failed: tuple[str, ...] = ()
         if weights_path:
             updated, failed = await self._update_fleet(run_id, weights_path, version)
+        elif version > self._versions[run_id] and not self._stamps(run_id):
+            await self._mark_made(run_id, self._versions[run_id])
         ok, current = await self._store.publish_version(run_id, version)
         self._versions[run_id] = current
         if not ok:
@@ -965,6 +970,11 @@ class SchedulerRuntime:
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
 
+    def _stamps(self, run_id: str) -> bool:
+        """Whether the run's tokens are labelled by the engines' weights (it publishes the
+        fleet's weights)."""
+        return self._stamping is not None and self._stamping[0] == run_id
+
     def _token_version(self, run_id: str, weights_version: int) -> int:
         """The policy version of tokens an engine made with weights of ``weights_version``:
         that version where the run publishes the fleet's weights and the engine serves some
@@ -985,15 +995,13 @@ class SchedulerRuntime:
                     self._check_running(call, delta.index)
                     self._check_logprobs(call, delta.index, delta.logprobs)
                     version = self._token_version(run_id, delta.weights_version)
-                    record.add_tokens(
-                        delta.index, list(delta.token_ids), list(delta.logprobs), version
-                    )
+                    self._add_tokens(call, delta.index, delta.token_ids, delta.logprobs, version)
             elif kind == "complete":
                 done = message.complete
                 self._check_running(call, done.index)
                 self._check_logprobs(call, done.index, done.logprobs)
                 version = self._token_version(run_id, done.weights_version)
-                record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
+                self._add_tokens(call, done.index, done.token_ids, done.logprobs, version)
                 record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its
@@ -1015,6 +1023,70 @@ class SchedulerRuntime:
                 raise _Rejected(message.error.message)
         if call.running():
             raise _EngineFault("the stream ended before every sample finished")
+
+    @staticmethod
+    def _add_tokens(
+        call: _Call,
+        index: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        version: int,
+    ) -> None:
+        """Adds tokens to sample ``index`` as of ``version``, but those its engine had made
+        before a publish without weights as of the version before it (``made_before``)."""
+        record = call.record
+        bounds = call.made_before.get(index)
+        taken = 0
+        while bounds and taken < len(token_ids):
+            end, old = bounds[0]
+            count = min(len(token_ids) - taken, end - len(record.samples[index].token_ids))
+            if count > 0:
+                stop = taken + count
+                record.add_tokens(
+                    index, list(token_ids[taken:stop]), list(logprobs[taken:stop]), old
+                )
+                taken = stop
+            if len(record.samples[index].token_ids) >= end:
+                del bounds[0]
+        if taken < len(token_ids):
+            record.add_tokens(index, list(token_ids[taken:]), list(logprobs[taken:]), version)
+
+    async def _mark_made(self, run_id: str, version: int) -> None:
+        """Before a publish without weights moves the run on from ``version``: asks every
+        engine running its samples how many tokens each has made, and has those count as
+        ``version`` whenever they arrive (an engine sends tokens in batches, and vLLM holds
+        some back). An engine that does not answer leaves its samples labelled on arrival."""
+        calls: dict[str, list[_Call]] = {}
+        for group in self._calls.values():
+            for call in group.values():
+                if call.record.spec.run_id == run_id and call.running():
+                    calls.setdefault(call.engine.engine_id, []).append(call)
+        if not calls:
+            return
+        engines = [self._engines[engine_id] for engine_id in calls]
+        replies = await asyncio.gather(
+            *(e.stats(self.settings.health_timeout_s, with_progress=True) for e in engines),
+            return_exceptions=True,
+        )
+        for engine, reply in zip(engines, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning(
+                    "engine %s did not say what its samples made before version %d of run "
+                    "%r was published (%s): their tokens are labelled as they arrive",
+                    engine.engine_id,
+                    version + 1,
+                    run_id,
+                    reply,
+                )
+                continue
+            by_id = {call.request_id: call for call in calls[engine.engine_id]}
+            for progress in reply.progress:
+                running = by_id.get(progress.request_id)
+                if running is None or progress.index not in running.running():
+                    continue
+                end = len(running.resumed) + progress.tokens
+                if end > len(running.record.samples[progress.index].token_ids):
+                    running.made_before.setdefault(progress.index, []).append((end, version))
 
     def _preempted(self, call: _Call, index: int, to_engine: str) -> None:
         """Sample ``index`` of ``call`` stopped with its tokens kept: it leaves the call and

@@ -302,7 +302,21 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             spec_accepted_tokens=accepted,
             weights_version=self._weights[0],
             weights_path=self._weights[1],
+            progress=self._progress() if request.with_progress else (),
         )
+
+    def _progress(self) -> list[pb.SampleProgress]:
+        """Tokens every running sample has made (as ``_new_tokens`` counts them)."""
+        return [
+            pb.SampleProgress(
+                request_id=run.request_id,
+                index=s.index,
+                tokens=max(s.sent, self.engine.progress(s.request_id)),
+            )
+            for run in self._runs.values()
+            for s in run.samples
+            if s.finished is None and not s.reported
+        ]
 
     def _plan(self, request: pb.GenerateRequest) -> tuple[_Run, list[SimRequest]]:
         """The call's samples and the engine requests that make them (request is valid)."""
