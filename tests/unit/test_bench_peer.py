@@ -4,6 +4,7 @@ bookkeeping. No engine, server or router is started."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -29,6 +30,7 @@ from rollserve.bench.peer import (
     Variant,
     _stack_config,
     _variant_report,
+    delivered_group,
     pooled_interval,
     pooled_ratios,
     print_tables,
@@ -59,6 +61,13 @@ from rollserve.bench.peer_stats import (
     summarize,
 )
 from rollserve.client import PromptGroup, StepBatcher
+from rollserve.client.wire import (
+    FinishReason,
+    GroupResult,
+    GroupStatus,
+    Sample,
+    VersionSegment,
+)
 from rollserve.engine.settings import EngineSettings
 from rollserve.workload import read_prompt_set
 
@@ -167,7 +176,7 @@ def test_summaries_score_the_delivered_samples() -> None:
     assert summary.prefix_hit_rate == 0.25
     assert summary.bubble_ratio == 0.25  # 10 CPU-s + 2 s of waits of 2 engines x 8 s
     assert summary.cpu_wait_share == 0.125
-    assert summary.offpolicy_token_fraction_max == 0.0  # every group delivered at launch
+    assert summary.offpolicy_token_fraction == 0.0  # no token of an older version
     assert summary.engine_share == {"engine-0": 0.5, "engine-1": 0.5}
     both, same = same_draws(run, run_of(PEER, stream, {**answers, 3: "pass 1"}))
     assert (both, same) == (8, 7)  # group 3 differs in its full sample only
@@ -425,16 +434,32 @@ def test_process_tree_cpu_counts_the_descendants() -> None:
         shell.wait()
 
 
-def test_a_group_delivered_a_step_late_counts_toward_the_offpolicy_bound() -> None:
+def test_tokens_of_an_older_version_than_the_trainer_s_count_as_off_policy() -> None:
+    sample = Sample(
+        sample_id="g3/0",
+        index=0,
+        token_ids=[5] * 10,
+        logprobs=[-0.5] * 10,
+        finish_reason=FinishReason.STOP,
+        engine_id="e0",
+        versions=[VersionSegment(3, 4), VersionSegment(4, 6)],
+    )
+    result = GroupResult(run_id="r", group_id="g3", status=GroupStatus.DELIVERED, samples=[sample])
+    # Launched in step 0 (version 3), taken in step 1 (version 4): the first 4 tokens are
+    # the version before.
+    group = delivered_group(result, launch_step=0, delivery_step=1, version=4)
+    assert (group.index, group.staleness) == (3, 1)
+    assert group.samples[0].offpolicy_tokens == 4
+    assert delivered_group(result, 0, 0, version=3).samples[0].offpolicy_tokens == 0
+
     stream = PromptStream(reasoner_dir(), None, seed=0)
     run = run_of(ROLLSERVE, stream, {i: "answer 1" for i in range(4)})
     late = run.groups[3]
-    run.groups[3] = DeliveredGroup(
-        late.index, late.prompt_key, late.launch_step - 1, late.delivery_step, late.samples
-    )
+    samples = tuple(dataclasses.replace(s, offpolicy_tokens=1) for s in late.samples)
+    run.groups[3] = dataclasses.replace(late, launch_step=late.launch_step - 1, samples=samples)
     summary = summarize(run, stream)
     assert summary.staleness == {0: 3, 1: 1}
-    assert summary.offpolicy_token_fraction_max == pytest.approx(0.25)  # same tokens each
+    assert summary.offpolicy_token_fraction == pytest.approx(2 / summary.output_tokens)
 
 
 def test_the_bubble_is_unknown_unless_measured_and_stays_in_0_1() -> None:

@@ -380,7 +380,10 @@ def to_prompt_group(group: StreamGroup, sampling: Sampling) -> PromptGroup:
     )
 
 
-def delivered_group(result: GroupResult, launch_step: int, delivery_step: int) -> DeliveredGroup:
+def delivered_group(
+    result: GroupResult, launch_step: int, delivery_step: int, version: int
+) -> DeliveredGroup:
+    """The group as the trainer took it at policy ``version``."""
     return DeliveredGroup(
         index=int(result.group_id.removeprefix("g")),
         prompt_key=result.prompt_key,
@@ -393,6 +396,7 @@ def delivered_group(result: GroupResult, launch_step: int, delivery_step: int) -
                 engine=s.engine_id,
                 prompt_tokens=s.num_prompt_tokens,
                 cached_prompt_tokens=s.cached_prompt_tokens,
+                offpolicy_tokens=sum(v.length for v in s.versions if v.version < version),
             )
             for s in result.samples
         ),
@@ -471,16 +475,23 @@ def rollserve_round(
         max_staleness=cfg.max_staleness,
         batch_timeout_s=cfg.step_timeout_s,
     )
+    # As a trainer does, a new policy version after each step (no weights: the model is
+    # fixed), so that every token says which step made it.
+    version = 0
     for _ in range(cfg.warmup_steps):
         batcher.ack(next(batcher))
+        version += 1
+        client.publish_version(version)
     core_before = engine_core_time(pids)
     start_s = previous = time.perf_counter()
-    batches: list[tuple[StepBatch[ReceivedGroup], float]] = []
+    batches: list[tuple[StepBatch[ReceivedGroup], float, int]] = []
     for number in range(cfg.steps):
         batch = next(batcher)
         batcher.ack(batch)  # the trainer has used it
         now = time.perf_counter()
-        batches.append((batch, now - previous))
+        batches.append((batch, now - previous, version))
+        version += 1
+        client.publish_version(version)
         due = sum(g.due for g in batch.groups)
         env.console.print(
             f"  {name} step {number + 1}/{cfg.steps}: {now - previous:.2f} s, "
@@ -494,9 +505,9 @@ def rollserve_round(
     dropped = batcher.cancel_outstanding(drain_timeout_s=_DRAIN_TIMEOUT_S)
     run.dropped_at_end = len(dropped.group_ids)
     _wait_idle(client)
-    for number, (batch, wall) in enumerate(batches):
+    for number, (batch, wall, taken_at) in enumerate(batches):
         groups = [
-            delivered_group(g.result, g.launch_step - cfg.warmup_steps, number)
+            delivered_group(g.result, g.launch_step - cfg.warmup_steps, number, taken_at)
             for g in batch.groups
         ]
         run.groups += groups

@@ -80,6 +80,9 @@ class DeliveredSample:
     engine: str  # the engine that generated it, where the side knows it ("" otherwise)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Tokens labelled with an older policy version than the trainer's when it took the
+    # sample (rollserve's rows publish a version a step; the router's has no versions).
+    offpolicy_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,9 @@ class RowSummary:
     # The engine cores' waits for a CPU / (engines x wall time): time they had work but the
     # machine's CPUs were taken (by the other engine or the processes around them).
     cpu_wait_share: float
-    # Share of the delivered output tokens in groups delivered after their launch step: the
-    # most that can be off-policy for a trainer that publishes a version a step (the tokens
-    # such a group made in its delivery step are on-policy; this run has no per-token split).
-    offpolicy_token_fraction_max: float
+    # Share of the delivered output tokens made under an older policy version than the
+    # trainer's when it took them (a version is published each step).
+    offpolicy_token_fraction: float
 
 
 def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
@@ -203,10 +205,8 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
         cpu_wait_share=run.engine_core_wait_s / (run.engines * wall)
         if run.engines and wall > 0
         else float("nan"),
-        offpolicy_token_fraction_max=(
-            sum(g.output_tokens for g in delivered if g.staleness > 0) / output_tokens
-            if output_tokens
-            else 0.0
+        offpolicy_token_fraction=(
+            sum(s.offpolicy_tokens for s in samples) / output_tokens if output_tokens else 0.0
         ),
     )
 
