@@ -41,6 +41,7 @@ from rollserve.bench.peer import (
     to_prompt_group,
     tree_cpu_s,
 )
+from rollserve.bench.peer_figures import write_figures
 from rollserve.bench.peer_router import (
     Sampling,
     completion_body,
@@ -57,6 +58,7 @@ from rollserve.bench.peer_stats import (
     SideRun,
     StepRecord,
     bubble_ratio,
+    engine_time_shares,
     same_draws,
     summarize,
 )
@@ -467,3 +469,24 @@ def test_the_bubble_is_unknown_unless_measured_and_stays_in_0_1() -> None:
     assert math.isnan(bubble_ratio(4.0, 0, 8.0))
     assert bubble_ratio(4.0, 2, 8.0) == 0.75
     assert bubble_ratio(20.0, 2, 8.0) == 0.0  # more CPU than wall: a core's other threads
+
+
+def test_the_figures_are_drawn_from_the_runs(tmp_path: Path) -> None:
+    stream = PromptStream(reasoner_dir(), None, seed=0)
+    answers = {i: "answer 1" for i in range(4)}
+    runs = {name: [run_of(name, stream, answers)] * 2 for name in (PEER, ROLLSERVE)}
+    runs[ROLLSERVE_SYNC] = [dataclasses.replace(runs[PEER][0], engines=0)] * 2  # unmeasured
+    paths = write_figures(
+        runs,
+        {PEER: [1.0, 1.0], ROLLSERVE: [1.4, 1.6], ROLLSERVE_SYNC: [1.0, 0.9]},
+        {ROLLSERVE: 1.5, ROLLSERVE_SYNC: 0.95},
+        goal=1.5,
+        out_dir=tmp_path / "figs",
+        base=PEER,
+    )
+    assert [p.name for p in paths] == ["rounds.png", "steps.png", "engines.png", "lengths.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    computing, waiting = engine_time_shares(runs[ROLLSERVE])
+    assert (computing, waiting) == (10.0 / 16, 2.0 / 16)  # 2 engines x 8 s a round
+    assert all(math.isnan(x) for x in engine_time_shares(runs[ROLLSERVE_SYNC]))

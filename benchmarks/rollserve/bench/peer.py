@@ -55,6 +55,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rollserve.bench.cpu import engine_core_time
+from rollserve.bench.peer_figures import write_figures
 from rollserve.bench.peer_router import (
     ROUTER_POLICIES,
     PeerServers,
@@ -70,7 +71,7 @@ from rollserve.bench.peer_stats import (
     SideRun,
     StepRecord,
     StreamGroup,
-    bubble_ratio,
+    engine_time_shares,
     same_draws,
     stream_trace,
     summarize,
@@ -165,6 +166,7 @@ class PeerConfig:
     control_plane_nice: int = CONTROL_PLANE_NICE  # both sides' control plane (0: not reniced)
     step_timeout_s: float = 1800.0
     json_path: Path | None = None
+    out_dir: Path = Path("bench-peer")  # where the PNGs go
     trace_path: Path | None = None  # the measured workload as a trace the simulator replays
     run_dir: Path | None = None  # logs of every process; a temp dir (deleted) when None
     # Both sides' processes kept up for the whole run, the rounds short and interleaved (each
@@ -718,19 +720,10 @@ def pooled_interval(
     return out
 
 
-def pooled_bubble(runs: list[SideRun]) -> float:
-    """The bubble ratio of a row over all its rounds together."""
-    return bubble_ratio(
-        sum(r.engine_core_cpu_s + r.engine_core_wait_s for r in runs),
-        max((r.engines for r in runs), default=0),
-        sum(r.wall_s for r in runs),
-    )
-
-
-def pooled_cpu_wait(runs: list[SideRun]) -> float:
-    """The engine cores' waits for a CPU over all of a row's rounds, per engine and second."""
-    capacity = max((r.engines for r in runs), default=0) * sum(r.wall_s for r in runs)
-    return sum(r.engine_core_wait_s for r in runs) / capacity if capacity > 0 else float("nan")
+def _share_left(computing: float, waiting: float) -> float:
+    """The engines' idle share, what computing and waiting leave (NaN if not measured)."""
+    left = 1.0 - computing - waiting
+    return left if math.isnan(left) else min(1.0, max(0.0, left))
 
 
 def reward_over_rounds(rows: list[RowSummary]) -> float:
@@ -953,8 +946,9 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             "90% bootstrap interval of the pooled ratio (rounds resampled): "
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
-    bubbles = {name: pooled_bubble(runs[name]) for name in names}
-    waits = {name: pooled_cpu_wait(runs[name]) for name in names}
+    engine_time = {name: engine_time_shares(runs[name]) for name in names}
+    bubbles = {name: _share_left(*engine_time[name]) for name in names}
+    waits = {name: engine_time[name][1] for name in names}
     console.print(
         "engines idle (bubble: 1 - engine cores' busy time / (engines x wall time)) and "
         "waiting for a CPU, all rounds: "
@@ -1027,6 +1021,10 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,
     }
+    figures = write_figures(runs, ratios, pooled, goal=GOAL, out_dir=cfg.out_dir, base=PEER)
+    report["figures"] = [str(path) for path in figures]
+    for path in figures:
+        console.print(f"wrote {path}")
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {cfg.json_path}")

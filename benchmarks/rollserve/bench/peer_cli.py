@@ -92,6 +92,12 @@ def add_bench_peer(bench_sub: Any) -> None:
     p.add_argument("--run-dir", type=output_dir, help="keep every process's log here")
     p.add_argument("--json", type=output_file)
     p.add_argument(
+        "--out-dir",
+        type=output_dir,
+        default=Path("bench-peer"),
+        help="where the PNGs go (rounds, steps, engines, lengths)",
+    )
+    p.add_argument(
         "--trace",
         type=output_file,
         help="write the measured workload (each group's response lengths) as a trace CSV "
@@ -146,6 +152,7 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             interleave=args.interleave,
             run_dir=args.run_dir,
             json_path=args.json,
+            out_dir=args.out_dir,
             trace_path=args.trace,
             variant=variant,
             **nice,

@@ -211,6 +211,17 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
     )
 
 
+def engine_time_shares(runs: Sequence[SideRun]) -> tuple[float, float]:
+    """The share of a row's engine time (engines x wall time, all its rounds) its engine
+    cores computed, and waited for a CPU; NaN, NaN where it was not measured."""
+    capacity = max((r.engines for r in runs), default=0) * sum(r.wall_s for r in runs)
+    computing = sum(r.engine_core_cpu_s for r in runs)
+    if capacity <= 0 or computing <= 0:
+        return float("nan"), float("nan")
+    waiting = sum(r.engine_core_wait_s for r in runs)
+    return min(1.0, computing / capacity), min(1.0, waiting / capacity)
+
+
 def bubble_ratio(busy_s: float, engines: int, wall_s: float) -> float:
     """1 - busy engine time / (engines x wall time); NaN where the run did not measure it."""
     if engines < 1 or wall_s <= 0 or busy_s <= 0:
