@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 from rich.console import Console
-from rollserve.bench.fleet import FleetRow, _table
+from rollserve.bench.fleet import FleetConfig, FleetRow, _table, run_fleet
 from rollserve.cli.sim import _policies
 
 
@@ -64,3 +64,8 @@ def test_the_publish_column_shows_the_time_beyond_the_load() -> None:
     console.print(_table([published], "gpu", load_wall_s=2.0))
     assert "2.50 (+0.50)" in console.export_text()
     assert "publish" not in rendered([dataclasses.replace(published, publish_wall_s=None)])
+
+
+def test_one_kind_of_publish_a_run() -> None:
+    with pytest.raises(ValueError, match="publish_weights and publish_version"):
+        run_fleet(FleetConfig(publish_weights=True, publish_version=True))

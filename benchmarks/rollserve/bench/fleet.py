@@ -26,7 +26,10 @@ With ``--publish-weights``, once half of the groups are read the bench publishes
 profile's ``weights_load_s`` and recomputes its running samples, and the call returns once all
 have loaded. The row gives that call's wall time, its share beyond the load itself (the
 scheduler's fan-out of Stats and UpdateWeights, and the engines' step in flight), and the
-delivered tokens labelled version 1 (made after the load).
+delivered tokens labelled version 1 (made after the load). With ``--publish-version`` the
+publish has no weights (the trainer updated the engines its own way): the scheduler asks every
+engine running the run's samples how many tokens each has made (Stats with progress), so that
+those count as version 0 whenever they arrive; the row gives that call's wall time.
 
 Engine time and everything the engines compute is simulated (the profile's hardware) and
 labelled so; the scheduler, Redis, the SDK and every message between them are real.
@@ -79,6 +82,7 @@ class FleetConfig:
     max_tokens: int = 1024
     seed: int = 0
     publish_weights: bool = False  # publish a new version with weights half way (see above)
+    publish_version: bool = False  # publish a new version without weights half way
     json_path: Path | None = None
     run_dir: Path | None = None
 
@@ -109,8 +113,8 @@ class FleetRow:
     fleet_behind_s: float  # real seconds the most-behind engine gave up
     fleet_max_lag_ms: float
     fleet_kept_up: bool
-    # With publish_weights: the publish call's wall seconds, how many engines loaded, and the
-    # delivered tokens labelled with the new version.
+    # With publish_weights or publish_version: the publish call's wall seconds, how many
+    # engines loaded weights, and the delivered tokens labelled with the new version.
     publish_wall_s: float | None = None
     publish_engines_updated: int = 0
     new_version_tokens: int = 0
@@ -120,6 +124,8 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
     from rollserve.cli.redis_server import EmbeddedRedis
     from rollserve.sim.profile import load_profile
 
+    if cfg.publish_weights and cfg.publish_version:
+        raise ValueError("publish_weights and publish_version: give one (a row publishes once)")
     console = console or Console(width=200)
     profile = load_profile(cfg.profile)
     console.print(
@@ -149,7 +155,8 @@ def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any
                         f"  [yellow]the fleet fell {row.fleet_behind_s:.1f} s behind real time: "
                         "its simulated rates are understated; raise --time-scale[/yellow]"
                     )
-    console.print(_table(rows, profile.name, profile.weights_load_s * cfg.time_scale))
+    load_wall_s = profile.weights_load_s * cfg.time_scale if cfg.publish_weights else 0.0
+    console.print(_table(rows, profile.name, load_wall_s))
     out: dict[str, Any] = {
         "simulated": True,
         "note": "engine time is simulated (the profile's hardware); scheduler, Redis, SDK real",
@@ -337,8 +344,9 @@ def _run_row(
                 tokens += sum(len(s.token_ids) for s in result.samples)
                 new_tokens += sum(v.length for s in result.samples for v in s.versions if v.version)
                 item.done()
-                if cfg.publish_weights and publish is None and len(seen) * 2 >= count:
-                    publish = _publish(client, engines, log_dir)
+                publishing = cfg.publish_weights or cfg.publish_version
+                if publishing and publish is None and len(seen) * 2 >= count:
+                    publish = _publish(client, engines, log_dir, weights=cfg.publish_weights)
             wall_s = time.monotonic() - started
             sched_cpu = _cpu_s(sched_proc) - sched_before
             fleet_cpu = _cpu_s(fleet_proc) - fleet_before
@@ -385,16 +393,19 @@ def _run_row(
     )
 
 
-def _publish(client: Any, engines: int, log_dir: Path) -> tuple[float, int]:
-    """Publishes version 1 with a weights folder the sim engines accept (they read nothing
-    in it); returns the call's wall seconds and how many engines loaded the weights."""
-    weights = log_dir / "weights-v1"
-    weights.mkdir(exist_ok=True)
-    (weights / "model.safetensors").write_bytes(b"")
+def _publish(client: Any, engines: int, log_dir: Path, *, weights: bool) -> tuple[float, int]:
+    """Publishes version 1, with a weights folder the sim engines accept (they read nothing
+    in it) or without; returns the call's wall seconds and how many engines loaded weights."""
+    path = ""
+    if weights:
+        folder = log_dir / "weights-v1"
+        folder.mkdir(exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"")
+        path = str(folder)
     start = time.monotonic()
-    result = client.publish_version(1, weights_path=str(weights))
+    result = client.publish_version(1, weights_path=path)
     wall_s = time.monotonic() - start
-    if result.engines_failed or result.engines_updated != engines:
+    if result.engines_failed or result.engines_updated != (engines if weights else 0):
         raise RuntimeError(
             f"{engines} engines: {result.engines_updated} loaded the weights; failed: "
             f"{result.engines_failed}"

@@ -117,11 +117,18 @@ def add_bench_fleet(bench_sub: Any) -> None:
         help=f"max_tokens of every group ({defaults.max_tokens})",
     )
     fleet.add_argument("--seed", type=int, default=defaults.seed)
-    fleet.add_argument(
+    publishing = fleet.add_mutually_exclusive_group()
+    publishing.add_argument(
         "--publish-weights",
         action="store_true",
         help="half way, publish a new policy version with weights: every engine pauses for "
         "its profile's weights_load_s and recomputes its running samples",
+    )
+    publishing.add_argument(
+        "--publish-version",
+        action="store_true",
+        help="half way, publish a new policy version without weights: the scheduler asks "
+        "every engine what its samples have made, to label the tokens made before it",
     )
     fleet.add_argument("--json", type=output_file, help="also write the results here")
     fleet.add_argument(
@@ -145,6 +152,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             publish_weights=args.publish_weights,
+            publish_version=args.publish_version,
             json_path=args.json,
             run_dir=args.run_dir,
         )
