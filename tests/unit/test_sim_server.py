@@ -12,7 +12,7 @@ import math
 import re
 import statistics
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -463,15 +463,21 @@ async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
     assert "weights_path is empty" in (info.value.details() or "")
 
 
-async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None:
-    # Real time, samples of thousands of steps; a flush every 200 ms.
-    async with sim_engine(
+def long_samples() -> AbstractAsyncContextManager[
+    tuple[SimEngineServicer, pb_grpc.EngineAsyncStub]
+]:
+    """A sim engine in real time whose samples run thousands of steps; a flush every 200 ms."""
+    return sim_engine(
         time_scale=1.0,
         response_median=100_000,
         prompt_sigma=0,
         within_sigma=0,
         flush_interval_ms=200,
-    ) as (servicer, stub):
+    )
+
+
+async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None:
+    async with long_samples() as (servicer, stub):
         call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
         messages = [cast(pb.GenerateResponse, await call.read())]
         await asyncio.sleep(0.1)  # tokens made after the flush, before the update
@@ -503,13 +509,7 @@ async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None
 
 
 async def test_progress_counts_each_running_samples_tokens_sent_or_not() -> None:
-    async with sim_engine(
-        time_scale=1.0,
-        response_median=100_000,
-        prompt_sigma=0,
-        within_sigma=0,
-        flush_interval_ms=200,
-    ) as (_, stub):
+    async with long_samples() as (_, stub):
         call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
         first = cast(pb.GenerateResponse, await call.read())
         await asyncio.sleep(0.1)  # more tokens made, not sent until the next flush
