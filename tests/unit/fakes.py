@@ -73,6 +73,7 @@ class FakeEngine:
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
+    progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -237,6 +238,8 @@ class _Servicer(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=True)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        if request.with_progress and self._e.progress_fails:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine cannot say")
         ahead = self._e.made_ahead
         progress = [
             pb.SampleProgress(

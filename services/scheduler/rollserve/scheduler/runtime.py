@@ -1057,13 +1057,15 @@ class SchedulerRuntime:
         ``version`` whenever they arrive (an engine sends tokens in batches, and vLLM holds
         some back). An engine that does not answer leaves its samples labelled on arrival."""
         calls: dict[str, list[_Call]] = {}
+        handles: dict[str, EngineHandle] = {}
         for group in self._calls.values():
             for call in group.values():
                 if call.record.spec.run_id == run_id and call.running():
                     calls.setdefault(call.engine.engine_id, []).append(call)
+                    handles[call.engine.engine_id] = call.engine
         if not calls:
             return
-        engines = [self._engines[engine_id] for engine_id in calls]
+        engines = list(handles.values())
         replies = await asyncio.gather(
             *(e.stats(self.settings.health_timeout_s, with_progress=True) for e in engines),
             return_exceptions=True,
@@ -1071,11 +1073,11 @@ class SchedulerRuntime:
         for engine, reply in zip(engines, replies, strict=True):
             if isinstance(reply, BaseException):
                 log.warning(
-                    "engine %s did not say what its samples made before version %d of run "
-                    "%r was published (%s): their tokens are labelled as they arrive",
+                    "engine %s did not say what the samples of run %r made under version %d "
+                    "(%s): the tokens it sends from now on are labelled with the new version",
                     engine.engine_id,
-                    version + 1,
                     run_id,
+                    version,
                     reply,
                 )
                 continue
