@@ -41,7 +41,7 @@ from rollserve.bench.peer import (
     to_prompt_group,
     tree_cpu_s,
 )
-from rollserve.bench.peer_figures import write_figures
+from rollserve.bench.peer_figures import in_flight, write_figures
 from rollserve.bench.peer_router import (
     Sampling,
     completion_body,
@@ -484,9 +484,42 @@ def test_the_figures_are_drawn_from_the_runs(tmp_path: Path) -> None:
         out_dir=tmp_path / "figs",
         base=PEER,
     )
-    assert [p.name for p in paths] == ["rounds.png", "steps.png", "engines.png", "lengths.png"]
+    assert [p.name for p in paths] == [
+        "rounds.png",
+        "steps.png",
+        "engines.png",
+        "lengths.png",
+        "inflight.png",
+    ]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     computing, waiting = engine_time_shares(runs[ROLLSERVE])
     assert (computing, waiting) == (10.0 / 16, 2.0 / 16)  # 2 engines x 8 s a round
     assert all(math.isnan(x) for x in engine_time_shares(runs[ROLLSERVE_SYNC]))
+
+
+def test_samples_in_flight_count_from_each_start_to_each_end_inside_the_window() -> None:
+    def sample(start: float, end: float) -> DeliveredSample:
+        return DeliveredSample((1, 2), "stop", "e0", started_at=start, finished_at=end)
+
+    group = DeliveredGroup(
+        0,
+        "k",
+        0,
+        0,
+        # Carried over from before the window, two that overlap, one that ends after it, and
+        # one with no times (not drawn).
+        (sample(95.0, 101.0), sample(100.5, 102.0), sample(101.0, 103.0), sample(102.5, 120.0)),
+    )
+    unknown = DeliveredGroup(1, "k", 0, 0, (DeliveredSample((1,), "stop", "e0"),))
+    run = SideRun(name="x", groups=[group, unknown], wall_s=4.0, start_at=100.0)
+    times, counts = in_flight(run)
+    assert list(zip(times, counts, strict=True)) == [
+        (0.0, 1),
+        (0.5, 2),
+        (1.0, 2),  # one ends as another starts
+        (2.0, 1),
+        (2.5, 2),
+        (3.0, 1),
+        (4.0, 0),  # the window's end
+    ]

@@ -707,16 +707,26 @@ async def test_lengths_are_learnt_by_prompt_key_and_epoch(redis_url: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("made_ahead", "fails", "labels"),
-    [(2, False, [(6, 5), (7, 1)]), (None, False, [(6, 3), (7, 3)]), (2, True, [(6, 3), (7, 3)])],
+    ("made_ahead", "fails", "on_arrival", "labels"),
+    [
+        (2, False, False, [(6, 5), (7, 1)]),
+        (None, False, False, [(6, 3), (7, 3)]),
+        (2, True, False, [(6, 3), (7, 3)]),
+        (2, False, True, [(6, 3), (7, 3)]),
+    ],
 )
 async def test_tokens_made_before_a_publish_keep_the_old_version_whenever_they_come(
-    redis_url: str, made_ahead: int | None, fails: bool, labels: list[tuple[int, int]]
+    redis_url: str,
+    made_ahead: int | None,
+    fails: bool,
+    on_arrival: bool,
+    labels: list[tuple[int, int]],
 ) -> None:
     """Sample 0 sends 3 of its 6 tokens and is held, having made 2 more that its engine has
     not sent; version 7 comes out; then the rest arrives. With the engine's count the 2 are
     version 6; an engine that gives no count, or cannot be asked, leaves them labelled as
-    they arrive (and the publish goes through). Sample 1, done before it, is all version 6."""
+    they arrive (and the publish goes through), as does a scheduler told to label on
+    arrival. Sample 1, done before the publish, is all version 6."""
     held = await FakeEngine(
         "held",
         holds=(0,),
@@ -724,7 +734,7 @@ async def test_tokens_made_before_a_publish_keep_the_old_version_whenever_they_c
         made_ahead=made_ahead,
         progress_fails=fails,
     ).start()
-    runtime = await make_runtime(redis_url, [held])
+    runtime = await make_runtime(redis_url, [held], label_on_arrival=on_arrival)
     run = new_run()
     try:
         await runtime.publish_version(run, 6)

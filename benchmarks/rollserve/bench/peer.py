@@ -299,7 +299,7 @@ def router_round(env: Environment, servers: PeerServers, url: str, start: int) -
             timeout_s=cfg.step_timeout_s,
         )
     before, core_before = servers.counters(), engine_core_time(servers.pids())
-    records, delivered, wall = run_sync_steps(
+    measured = run_sync_steps(
         url,
         stream,
         env.sampling,
@@ -309,16 +309,17 @@ def router_round(env: Environment, servers: PeerServers, url: str, start: int) -
     )
     core = engine_core_time(servers.pids()) - core_before
     delta = counters_delta(before, servers.counters())
-    for record in records:
+    for record in measured.records:
         env.console.print(
             f"  {PEER} step {record.step + 1}/{cfg.steps}: {record.wall_s:.2f} s, "
             f"{record.output_tokens} tokens"
         )
     return SideRun(
         name=PEER,
-        steps=records,
-        groups=delivered,
-        wall_s=wall,
+        steps=measured.records,
+        groups=measured.delivered,
+        wall_s=measured.wall_s,
+        start_at=measured.start_at,
         cache_queries=int(delta["cache_queries"]),
         cache_hits=int(delta["cache_hits"]),
         samples_per_engine={f"server-{i}": int(delta[f"requests:{i}"]) for i in range(cfg.engines)},
@@ -340,7 +341,7 @@ def choose_router_policy(env: Environment, servers: PeerServers) -> str:
     for policy in cfg.router_policies:
         with servers.router(policy) as url:
             servers.reset_prefix_caches()
-            records, delivered, wall = run_sync_steps(
+            trial = run_sync_steps(
                 url,
                 env.stream.groups(offset),
                 env.sampling,
@@ -350,10 +351,10 @@ def choose_router_policy(env: Environment, servers: PeerServers) -> str:
             )
         entry = {
             "policy": policy,
-            "groups_per_s": len(delivered) / wall,
-            "mean_step_s": statistics.fmean(r.wall_s for r in records),
-            "output_tokens": sum(r.output_tokens for r in records),
-            "wall_s": wall,
+            "groups_per_s": len(trial.delivered) / trial.wall_s,
+            "mean_step_s": statistics.fmean(r.wall_s for r in trial.records),
+            "output_tokens": sum(r.output_tokens for r in trial.records),
+            "wall_s": trial.wall_s,
         }
         env.trial.append(entry)
         env.console.print(
@@ -399,6 +400,8 @@ def delivered_group(
                 prompt_tokens=s.num_prompt_tokens,
                 cached_prompt_tokens=s.cached_prompt_tokens,
                 offpolicy_tokens=sum(v.length for v in s.versions if v.version < version),
+                started_at=s.started_at,
+                finished_at=s.finished_at,
             )
             for s in result.samples
         ),
@@ -485,8 +488,10 @@ def rollserve_round(
         version += 1
         client.publish_version(version)
     core_before = engine_core_time(pids)
+    run.start_at = time.time()
     start_s = previous = time.perf_counter()
     batches: list[tuple[StepBatch[ReceivedGroup], float, int]] = []
+    publishes: list[float] = []  # seconds each publish took (in the next step's time)
     for number in range(cfg.steps):
         batch = next(batcher)
         batcher.ack(batch)  # the trainer has used it
@@ -494,6 +499,7 @@ def rollserve_round(
         batches.append((batch, now - previous, version))
         version += 1
         client.publish_version(version)
+        publishes.append(time.perf_counter() - now)
         due = sum(g.due for g in batch.groups)
         env.console.print(
             f"  {name} step {number + 1}/{cfg.steps}: {now - previous:.2f} s, "
@@ -520,6 +526,7 @@ def rollserve_round(
                 groups=len(groups),
                 output_tokens=sum(g.output_tokens for g in groups),
                 due=sum(g.due for g in batch.groups),
+                publish_s=publishes[number],
             )
         )
     samples = [s for g in run.groups for s in g.samples]
@@ -948,6 +955,14 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         )
     engine_time = {name: engine_time_shares(runs[name]) for name in names}
     bubbles = {name: _share_left(*engine_time[name]) for name in names}
+    for name in names:
+        publish = [s.publish_s for r in runs[name] for s in r.steps if s.publish_s > 0]
+        if publish:
+            console.print(
+                f"{name}: the version published after each step took "
+                f"{statistics.median(publish):.3f} s (median), {max(publish):.3f} s at most; "
+                "the next step's time includes it"
+            )
     waits = {name: engine_time[name][1] for name in names}
     console.print(
         "engines idle (bubble: 1 - engine cores' busy time / (engines x wall time)) and "

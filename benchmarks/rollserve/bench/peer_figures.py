@@ -7,6 +7,11 @@
 - ``engines.png``: how each row's engines spent their time over all rounds: computing, waiting
   for a CPU, idle (``bubble_ratio``).
 - ``lengths.png``: the response lengths each row delivered (log scale: the tail).
+- ``inflight.png``: the samples in flight over the measured steps of each row's median round
+  (by groups/s), step ends marked: the synchronous steps' tails, where the engines run a few
+  long samples, against the over-sampled pipeline. Delivered samples only (the groups a round
+  cancels at its end are not drawn), from each sample's start and end as the side recorded
+  them.
 
 Every figure is drawn from the runs' records alone (no timing of its own).
 """
@@ -118,7 +123,54 @@ def write_figures(
     ax.set_title("Response lengths delivered, all rounds (rows with the same draws overlap)")
     ax.legend(fontsize=8)
     save(fig, "lengths.png")
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.4 + 1.6 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        run = median_run(runs[name])
+        times, counts = in_flight(run)
+        ax.step(times, counts, where="post", color=colour[name])
+        ax.fill_between(times, counts, step="post", color=colour[name], alpha=0.3)
+        end = 0.0
+        for step in run.steps:
+            end += step.wall_s
+            ax.axvline(end, color="#999999", linewidth=0.6)
+        ax.set_xlim(0, max(run.wall_s, 1e-9))
+        ax.set_ylabel(name, rotation=0, ha="right", va="center")
+    axes[-1, 0].set_xlabel("seconds into the measured steps (grey: a step ends)")
+    fig.suptitle("Samples in flight, each row's median round")
+    save(fig, "inflight.png")
     return paths
+
+
+def median_run(runs: Sequence[SideRun]) -> SideRun:
+    """The run with the median groups/s (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=_groups_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def in_flight(run: SideRun) -> tuple[list[float], list[int]]:
+    """Samples in flight over the run's measured window (seconds from its start), as a step
+    function: the count from ``times[i]`` on is ``counts[i]``. A sample started before the
+    window (carried over) counts from its start."""
+    events: list[tuple[float, int]] = []
+    for group in run.groups:
+        for sample in group.samples:
+            if sample.finished_at <= 0:
+                continue
+            start = max(0.0, sample.started_at - run.start_at)
+            end = min(run.wall_s, sample.finished_at - run.start_at)
+            if end > start:
+                events += [(start, 1), (end, -1)]
+    events.sort()
+    times, counts, count = [0.0], [0], 0
+    for at, change in events:
+        count += change
+        if at == times[-1]:
+            counts[-1] = count
+        else:
+            times.append(at)
+            counts.append(count)
+    return times, counts
 
 
 def _groups_per_s(run: SideRun) -> float:

@@ -313,6 +313,7 @@ async def _one_sample(
     session: Any, url: str, group: StreamGroup, index: int, sampling: Sampling
 ) -> DeliveredSample:
     body = completion_body(group.prompt_token_ids, sampling, group.seed + index)
+    sent = time.time()
     async with session.post(f"{url}/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(
@@ -329,6 +330,8 @@ async def _one_sample(
         finish_reason=str(choice.get("finish_reason")),
         engine="",
         prompt_tokens=int(data.get("usage", {}).get("prompt_tokens", 0)),
+        started_at=sent,
+        finished_at=time.time(),
     )
 
 
@@ -359,6 +362,16 @@ async def drive_steps(
         return [await _step(session, url, groups, sampling) for groups in steps]
 
 
+@dataclass(frozen=True)
+class SyncSteps:
+    """What ``run_sync_steps`` measured."""
+
+    records: list[StepRecord]
+    delivered: list[DeliveredGroup]
+    wall_s: float  # of all the steps
+    start_at: float  # unix seconds when the first step began
+
+
 def run_sync_steps(
     url: str,
     stream: Iterator[StreamGroup],
@@ -367,11 +380,10 @@ def run_sync_steps(
     batch: int,
     steps: int,
     timeout_s: float,
-) -> tuple[list[StepRecord], list[DeliveredGroup], float]:
-    """``steps`` steps of the next ``batch`` groups of ``stream`` each; returns their records,
-    the delivered groups and the wall time of all steps."""
+) -> SyncSteps:
+    """``steps`` steps of the next ``batch`` groups of ``stream`` each."""
     plan = [[next(stream) for _ in range(batch)] for _ in range(steps)]
-    start = time.perf_counter()
+    start_at, start = time.time(), time.perf_counter()
     measured = asyncio.run(drive_steps(url, plan, sampling, timeout_s))
     wall = time.perf_counter() - start
     records: list[StepRecord] = []
@@ -391,7 +403,7 @@ def run_sync_steps(
         records.append(
             StepRecord(number, step.wall_s, len(groups), sum(g.output_tokens for g in groups))
         )
-    return records, delivered, wall
+    return SyncSteps(records, delivered, wall, start_at)
 
 
 def counters_delta(

@@ -83,6 +83,10 @@ class DeliveredSample:
     # Tokens labelled with an older policy version than the trainer's when it took the
     # sample (rollserve's rows publish a version a step; the router's has no versions).
     offpolicy_tokens: int = 0
+    # Unix seconds: when it was sent to an engine and when it was done (rollserve: the
+    # scheduler's first dispatch and its end; the router: the driver's request and reply).
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class StepRecord:
     groups: int
     output_tokens: int
     due: int = 0  # groups the batch waited for (staleness bound); rollserve only
+    publish_s: float = 0.0  # the publish of a version after the step; rollserve only
 
 
 @dataclass
@@ -120,6 +125,7 @@ class SideRun:
     steps: list[StepRecord] = field(default_factory=list)
     groups: list[DeliveredGroup] = field(default_factory=list)
     wall_s: float = 0.0
+    start_at: float = 0.0  # unix seconds when the measured steps began
     # Prefix-cache counters over the measured steps, where the side reads them from engines.
     cache_queries: int = 0
     cache_hits: int = 0

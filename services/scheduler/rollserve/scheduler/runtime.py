@@ -461,7 +461,11 @@ class SchedulerRuntime:
         failed: tuple[str, ...] = ()
         if weights_path:
             updated, failed = await self._update_fleet(run_id, weights_path, version)
-        elif version > self._versions[run_id] and not self._stamps(run_id):
+        elif (
+            version > self._versions[run_id]
+            and not self._stamps(run_id)
+            and not self.settings.label_on_arrival
+        ):
             await self._mark_made(run_id, self._versions[run_id])
         ok, current = await self._store.publish_version(run_id, version)
         self._versions[run_id] = current

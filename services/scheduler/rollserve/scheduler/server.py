@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline of one engine's weight update (PublishVersion with a weights_path)",
     )
     p.add_argument(
+        "--label-on-arrival",
+        action="store_true",
+        help="a publish without weights labels the tokens received from then on, without "
+        "asking the engines what each sample has made first (faster; less exact)",
+    )
+    p.add_argument(
         "--forget-fleet-weights",
         action="store_true",
         help="forget the weights an earlier run published (kept in Redis; without this every "
@@ -347,6 +353,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         health_watched_every=args.health_watched_every,
         weights_timeout_s=args.weights_timeout_s,
         forget_fleet_weights=args.forget_fleet_weights,
+        label_on_arrival=args.label_on_arrival,
         lease_ttl_s=args.lease_ttl_s,
         lease_wait_s=args.lease_wait_s,
         nice=args.nice,

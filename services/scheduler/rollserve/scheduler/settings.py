@@ -88,6 +88,13 @@ class SchedulerSettings(BaseModel):
         description="deadline of one engine's weight update (UpdateWeights: a checkpoint read "
         "from disk into the running model)",
     )
+    label_on_arrival: bool = Field(
+        False,
+        description="a PublishVersion without weights labels the tokens the scheduler receives "
+        "from then on, without first asking the engines what each sample has made (a faster "
+        "publish where busy engines answer slowly; tokens sent after it but made before it "
+        "get the new version)",
+    )
     forget_fleet_weights: bool = Field(
         False,
         description="at start, forget the weights a PublishVersion of an earlier run made the "
