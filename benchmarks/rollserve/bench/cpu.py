@@ -38,18 +38,29 @@ def _is_engine_core(proc: psutil.Process) -> bool:
     return False
 
 
+def proc_stat(text: str) -> tuple[int, float]:
+    """(parent pid, CPU seconds user + system) from the text of a /proc ``stat`` file (of a
+    process or of one of its threads)."""
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _task_wait_s(pid: int, tid: int | str) -> float:
+    """Seconds thread ``tid`` of process ``pid`` has waited, runnable, for a CPU (OSError,
+    ValueError or IndexError where the kernel does not say)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def _wait_s(pid: int) -> float:
     """Seconds the threads of process ``pid`` have waited, runnable, for a CPU (0 where the
     kernel does not say)."""
-    total = 0
+    total = 0.0
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with (
-                contextlib.suppress(OSError, ValueError, IndexError),
-                open(f"/proc/{pid}/task/{tid}/schedstat") as f,
-            ):
-                total += int(f.read().split()[1])
-    return total / 1e9
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += _task_wait_s(pid, tid)
+    return total
 
 
 def _cpu_s(proc: psutil.Process) -> float:
@@ -79,12 +90,10 @@ def _main_thread(pid: int) -> CoreTime:
     """The main thread's CPU and wait seconds (zero where /proc does not say)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            text = f.read()
-        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            _, cpu = proc_stat(f.read())
         wait = 0.0
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-            wait = int(f.read().split()[1]) / 1e9
+        with contextlib.suppress(OSError):
+            wait = _task_wait_s(pid, pid)
         return CoreTime(cpu, wait)
     return CoreTime()
 

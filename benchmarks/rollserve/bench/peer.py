@@ -54,7 +54,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from rollserve.bench.cpu import engine_core_time
+from rollserve.bench.cpu import engine_core_time, proc_stat
 from rollserve.bench.peer_figures import write_figures
 from rollserve.bench.peer_router import (
     ROUTER_POLICIES,
@@ -72,6 +72,8 @@ from rollserve.bench.peer_stats import (
     StepRecord,
     StreamGroup,
     engine_time_shares,
+    idle_share,
+    median_index,
     same_draws,
     stream_trace,
     summarize,
@@ -588,7 +590,6 @@ def round_order(rep: int, rows: tuple[str, ...] = ROWS) -> tuple[str, ...]:
 
 def tree_cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by ``pids`` and every process below them."""
-    tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu s)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -597,8 +598,7 @@ def tree_cpu_s(pids: list[int]) -> float:
             text = (entry / "stat").read_text()
         except OSError:
             continue  # gone meanwhile
-        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        stats[int(entry.name)] = proc_stat(text)
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in stats.items():
         children.setdefault(parent, []).append(pid)
@@ -662,13 +662,6 @@ def run_interleaved(env: Environment) -> dict[str, list[SideRun]]:
 # ---------------------------------------------------------------------- report
 
 
-def _median_run(runs: list[SideRun], summaries: list[RowSummary]) -> tuple[SideRun, RowSummary]:
-    """The run whose groups/s is the median (the lower middle one of an even count)."""
-    order = sorted(range(len(runs)), key=lambda i: summaries[i].groups_per_s)
-    middle = order[(len(order) - 1) // 2]
-    return runs[middle], summaries[middle]
-
-
 def round_ratios(all_gps: dict[str, list[float]], base: str = PEER) -> dict[str, list[float]]:
     """Per round, each row's groups/s over the ``base`` row's (vllm-router's by default) of the
     same round; NaN where the base delivered nothing."""
@@ -725,12 +718,6 @@ def pooled_interval(
         series.sort()
         out[name] = (series[int(low * (draws - 1))], series[int(high * (draws - 1))])
     return out
-
-
-def _share_left(computing: float, waiting: float) -> float:
-    """The engines' idle share, what computing and waiting leave (NaN if not measured)."""
-    left = 1.0 - computing - waiting
-    return left if math.isnan(left) else min(1.0, max(0.0, left))
 
 
 def reward_over_rounds(rows: list[RowSummary]) -> float:
@@ -924,8 +911,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         runs = run_interleaved(env) if cfg.interleave else run_sequential(env)
     names = cfg.rows
     summaries = {name: [summarize(r, stream) for r in rs] for name, rs in runs.items()}
-    median = {name: _median_run(runs[name], summaries[name]) for name in names}
-    rows = {name: median[name][1] for name in names}
+    rows = {name: summaries[name][median_index(runs[name])] for name in names}
     all_gps = {name: [s.groups_per_s for s in summaries[name]] for name in names}
     print_tables(rows, env, all_gps)
     ratios = round_ratios(all_gps)
@@ -954,7 +940,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             + ", ".join(f"{name} {lo:.2f}x-{hi:.2f}x" for name, (lo, hi) in interval.items())
         )
     engine_time = {name: engine_time_shares(runs[name]) for name in names}
-    bubbles = {name: _share_left(*engine_time[name]) for name in names}
+    bubbles = {name: idle_share(*engine_time[name]) for name in names}
     for name in names:
         publish = [s.publish_s for r in runs[name] for s in r.steps if s.publish_s > 0]
         if publish:

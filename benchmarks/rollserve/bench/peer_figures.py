@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollserve.bench.peer_stats import SideRun, engine_time_shares
+from rollserve.bench.peer_stats import SideRun, engine_time_shares, idle_share, median_index
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -62,7 +62,7 @@ def write_figures(
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for name in names:
         xs = range(1, len(runs[name]) + 1)
-        top.plot(xs, [_groups_per_s(r) for r in runs[name]], "o-", label=name, color=colour[name])
+        top.plot(xs, [r.groups_per_s for r in runs[name]], "o-", label=name, color=colour[name])
         if name != base:
             bottom.plot(xs, ratios[name], "o-", label=name, color=colour[name])
             bottom.axhline(pooled[name], color=colour[name], linestyle=":", linewidth=1)
@@ -88,7 +88,7 @@ def write_figures(
     fig, ax = plt.subplots(figsize=(8, 1.8 + 0.6 * len(names)))
     for row, name in enumerate(names):
         computing, waiting = engine_time_shares(runs[name])
-        idle = max(0.0, 1.0 - computing - waiting)
+        idle = idle_share(computing, waiting)
         left = 0.0
         for share, part, shade in (
             (computing, "computing", "#3a6ea5"),
@@ -126,7 +126,7 @@ def write_figures(
 
     fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.4 + 1.6 * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names, strict=True):
-        run = median_run(runs[name])
+        run = runs[name][median_index(runs[name])]
         times, counts = in_flight(run)
         ax.step(times, counts, where="post", color=colour[name])
         ax.fill_between(times, counts, step="post", color=colour[name], alpha=0.3)
@@ -140,12 +140,6 @@ def write_figures(
     fig.suptitle("Samples in flight, each row's median round")
     save(fig, "inflight.png")
     return paths
-
-
-def median_run(runs: Sequence[SideRun]) -> SideRun:
-    """The run with the median groups/s (the lower middle one of an even count)."""
-    ordered = sorted(runs, key=_groups_per_s)
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def in_flight(run: SideRun) -> tuple[list[float], list[int]]:
@@ -171,8 +165,3 @@ def in_flight(run: SideRun) -> tuple[list[float], list[int]]:
             times.append(at)
             counts.append(count)
     return times, counts
-
-
-def _groups_per_s(run: SideRun) -> float:
-    delivered = sum(1 for g in run.groups if not g.failed)
-    return delivered / run.wall_s if run.wall_s > 0 else 0.0

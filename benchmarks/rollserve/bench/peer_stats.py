@@ -10,6 +10,7 @@ verifier.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import Counter
@@ -138,6 +139,19 @@ class SideRun:
     engine_core_cpu_s: float = 0.0
     engine_core_wait_s: float = 0.0
 
+    @property
+    def groups_per_s(self) -> float:
+        """Groups delivered (not failed) per second of the measured steps."""
+        delivered = sum(1 for g in self.groups if not g.failed)
+        return delivered / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def median_index(runs: Sequence[SideRun]) -> int:
+    """The index of the run whose groups/s is the median (the lower middle one of an even
+    count)."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i].groups_per_s)
+    return order[(len(order) - 1) // 2]
+
 
 @dataclass(frozen=True)
 class RowSummary:
@@ -186,7 +200,7 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
         groups=len(delivered),
         failed_groups=len(run.groups) - len(delivered),
         wall_s=wall,
-        groups_per_s=len(delivered) / wall if wall > 0 else 0.0,
+        groups_per_s=run.groups_per_s,
         makespan_s=statistics.fmean(steps) if steps else 0.0,
         max_step_s=max(steps, default=0.0),
         output_tokens=output_tokens,
@@ -232,7 +246,14 @@ def bubble_ratio(busy_s: float, engines: int, wall_s: float) -> float:
     """1 - busy engine time / (engines x wall time); NaN where the run did not measure it."""
     if engines < 1 or wall_s <= 0 or busy_s <= 0:
         return float("nan")
-    return min(1.0, max(0.0, 1.0 - busy_s / (engines * wall_s)))
+    return idle_share(busy_s / (engines * wall_s), 0.0)
+
+
+def idle_share(computing: float, waiting: float) -> float:
+    """The engines' idle share, what computing and waiting for a CPU leave, in [0, 1] (NaN
+    where those were not measured)."""
+    left = 1.0 - computing - waiting
+    return left if math.isnan(left) else min(1.0, max(0.0, left))
 
 
 def same_draws(a: SideRun, b: SideRun) -> tuple[int, int]:
