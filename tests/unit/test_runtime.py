@@ -749,6 +749,7 @@ async def test_tokens_made_before_a_publish_keep_the_old_version_whenever_they_c
         assert (await runtime.publish_version(run, 7)).version == 7  # a retry is no change
         with pytest.raises(VersionBehind, match=r"version \(5\) is below .* \(7\)"):
             await runtime.publish_version(run, 5)
+        await eventually(counted(runtime), "the engine's count")
         async with grpc.aio.insecure_channel(held.address) as channel:
             await pb_grpc.EngineStub(channel).Abort(
                 pb.AbortRequest(request_id=held.requests[0].request_id)
@@ -760,6 +761,68 @@ async def test_tokens_made_before_a_publish_keep_the_old_version_whenever_they_c
     first, second = result.samples
     assert [(v.version, v.length) for v in first.versions] == labels
     assert [(v.version, v.length) for v in second.versions] == [(6, 6)]
+
+
+def counted(runtime: SchedulerRuntime) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return runtime.status().publishes_awaiting_counts == 0
+
+    return check
+
+
+async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) -> None:
+    """Both samples of a group are held after 3 of their 6 tokens, each having made 2 more;
+    the engine counts at once but answers late. Versions 7 and 8 come out without waiting
+    for it, and its counts settle the labels in the order of the publishes: sample 0,
+    which ends before the engine counts for version 8, has its first 5 tokens as version 6
+    and the 6th as version 7 (it ended before 8's count); sample 1, which goes on after
+    both counts, has 5 as version 6 and its last as version 8 (when it came)."""
+    gate = asyncio.Event()
+    held = await FakeEngine(
+        "held",
+        holds=(0, 1),
+        on_abort=AbortOutcome.ENDS_FULL,
+        made_ahead=2,
+        progress_gate=gate,
+    ).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+
+    async def abort(index: int) -> None:
+        async with grpc.aio.insecure_channel(held.address) as channel:
+            await pb_grpc.EngineStub(channel).Abort(
+                pb.AbortRequest(request_id=held.requests[0].request_id, sample_indices=[index])
+            )
+
+    try:
+        await runtime.publish_version(run, 6)
+        await runtime.submit(run, specs(run, 1, n=2))
+
+        async def first_halves() -> bool:
+            record = next(iter(runtime._groups.values()), None)
+            return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
+
+        await eventually(first_halves, "both samples' first 3 tokens")
+        await asyncio.wait_for(runtime.publish_version(run, 7), WAIT_S)
+        await asyncio.wait_for(runtime.publish_version(run, 8), WAIT_S)
+        assert runtime.status().publishes_awaiting_counts == 2
+        await abort(0)
+
+        async def sample_0_done() -> bool:
+            record = next(iter(runtime._groups.values()))
+            return record.samples[0].finish_reason is not None
+
+        await eventually(sample_0_done, "sample 0 to end")
+        gate.set()
+        await eventually(counted(runtime), "the engine's counts")
+        await abort(1)
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await held.stop()
+    first, second = result.samples
+    assert [(v.version, v.length) for v in first.versions] == [(6, 5), (7, 1)]
+    assert [(v.version, v.length) for v in second.versions] == [(6, 5), (8, 1)]
 
 
 async def test_a_restarted_scheduler_keeps_each_run_s_policy_version(

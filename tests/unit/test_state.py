@@ -1,6 +1,6 @@
 import pytest
 from rollserve.client.wire import FinishReason
-from rollserve.scheduler.state import GroupRecord, SampleState
+from rollserve.scheduler.state import GroupRecord, MadeBefore, SampleState
 
 from tests.unit.builders import spec
 
@@ -207,10 +207,30 @@ def test_tokens_are_recorded_with_the_policy_version_they_arrived_under() -> Non
     assert [(v.version, v.length) for v in second.versions] == [(5, 1), (6, 1)]
 
 
+def test_tokens_made_before_a_publish_keep_its_version_before_however_they_arrived() -> None:
+    """Publishes 1 -> 2 at 2 tokens (its engine had made 4) and 2 -> 3 at 5 tokens (count
+    not in yet: every token counts as made before it)."""
+    record = GroupRecord.new(spec(n=1, max_tokens=16), seq=1)
+    record.start([0], "e0", now=1.0)
+    sample = record.samples[0]
+    record.add_tokens(0, [1, 2], [-0.1, -0.2], version=1)
+    sample.made_before.append(MadeBefore(1, start=2, end=4))
+    record.add_tokens(0, [3, 4, 5], [-0.3, -0.4, -0.5], version=2)
+    pending = MadeBefore(2, start=5)
+    sample.made_before.append(pending)
+    record.add_tokens(0, [6, 7], [-0.6, -0.7], version=3)
+    assert [(v.version, v.length) for v in sample.labels()] == [(1, 4), (2, 3)]
+    pending.end = 6  # the count came
+    assert [(v.version, v.length) for v in sample.labels()] == [(1, 4), (2, 2), (3, 1)]
+    pending.end = 99  # a count beyond what arrived caps only what arrives
+    assert [(v.version, v.length) for v in sample.labels()] == [(1, 4), (2, 3)]
+
+
 def test_a_sample_started_over_forgets_the_versions_of_its_lost_tokens() -> None:
     record = GroupRecord.new(spec(n=1, max_tokens=16), seq=1)
     record.start([0], "e0", now=1.0)
     record.add_tokens(0, [1, 2], [-0.1, -0.2], version=1)
+    record.samples[0].made_before.append(MadeBefore(1, start=2))
     record.requeue([0], "engine died")
     record.start([0], "e1", now=2.0)
     record.add_tokens(0, [3], [-0.3], version=2)

@@ -232,6 +232,8 @@ class SchedulerStatus:
     # The fleet's weights: the last publish_version with a weights_path ("" and 0: none).
     fleet_weights_path: str = ""
     fleet_weights_version: int = 0
+    # Publishes without weights whose engines have not all said what the samples had made.
+    publishes_awaiting_counts: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -258,6 +260,7 @@ class SchedulerStatus:
             else None,
             fleet_weights_path=msg.fleet_weights_path,
             fleet_weights_version=msg.fleet_weights_version,
+            publishes_awaiting_counts=msg.publishes_awaiting_counts,
         )
 
     @property

@@ -389,6 +389,7 @@ class StatusResponse(_message.Message):
     PREDICTOR_TAIL_AUC_FIELD_NUMBER: _builtins.int
     FLEET_WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     FLEET_WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    PUBLISHES_AWAITING_COUNTS_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -424,6 +425,11 @@ class StatusResponse(_message.Message):
     them before it gets work): "" and 0 while none were published.
     """
     fleet_weights_version: _builtins.int
+    publishes_awaiting_counts: _builtins.int
+    """Publishes without weights whose engines have not all said yet how many tokens the
+    run's running samples had made (those samples' tokens count as the version before
+    until then).
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -447,10 +453,11 @@ class StatusResponse(_message.Message):
         predictor_tail_auc: _builtins.float | None = ...,
         fleet_weights_path: _builtins.str = ...,
         fleet_weights_version: _builtins.int = ...,
+        publishes_awaiting_counts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015

@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -87,7 +88,7 @@ from rollserve.scheduler.core.snapshot import (
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
 from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.settings import SchedulerSettings
-from rollserve.scheduler.state import GroupRecord, GroupSpec, SampleState, group_key
+from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
 from rollserve.scheduler.store import FleetWeights, Store
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
@@ -186,9 +187,6 @@ class _Call:
     stopping: dict[int, str] = field(default_factory=dict)
     # Samples that left the call preempted: the engine sends nothing more of them.
     preempted: set[int] = field(default_factory=set)
-    # Sample -> (end, version), oldest first: its tokens before position ``end`` (of the
-    # whole sample) are of that policy version, made before a publish without weights.
-    made_before: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def running(self) -> list[int]:
         """Its samples that have not finished yet (nor left it)."""
@@ -232,6 +230,10 @@ class SchedulerRuntime:
         self._calls_started = 0
         self._boot = uuid.uuid4().hex[:8]  # keeps request ids unique across restarts
         self._background: list[asyncio.Task[None]] = []
+        # Questions of what samples had made at a publish (``_ask_made``) not answered yet,
+        # and each run's latest
+        self._questions: set[asyncio.Task[None]] = set()
+        self._last_question: dict[str, asyncio.Task[None]] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -347,7 +349,7 @@ class SchedulerRuntime:
         runs again only to unwind."""
         self._lost = lost
         current = asyncio.current_task()
-        for task in (*self._background, *self._tasks):
+        for task in (*self._background, *self._tasks, *self._questions):
             if task is not current:
                 task.cancel()
 
@@ -378,11 +380,18 @@ class SchedulerRuntime:
         """Stops all work. Running groups stay pending in Redis for the next start; length
         history not saved yet is saved now (if Redis answers and the lease was not lost);
         then the lease is released."""
-        tasks = [*self._background, *self._tasks, *self._watches.values()]
+        tasks = [
+            *self._background,
+            *self._tasks,
+            *self._watches.values(),
+            *self._questions,
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background.clear()
+        self._questions.clear()
+        self._last_question.clear()
         self._tasks.clear()
         self._watches.clear()
         self._calls.clear()
@@ -450,8 +459,10 @@ class SchedulerRuntime:
         """Makes ``version`` the run's policy version (stored first), which labels tokens as
         ``_token_version`` says. With ``weights_path``, every healthy engine loads those
         weights first; those that fail are taken out of service until they load them, and
-        if none could, nothing changes (WeightsNotLoaded). Raises VersionBehind if the run's
-        version is higher, and LeaseLost if this scheduler is stopping."""
+        if none could, nothing changes (WeightsNotLoaded). Without, the tokens its running
+        samples made before count as the version before (``_ask_made``, which does not wait
+        for the engines). Raises VersionBehind if the run's version is higher, and LeaseLost
+        if this scheduler is stopping."""
         self._check_lease()
         if run_id not in self._versions:
             self._versions.update(await self._store.load_versions([run_id]))
@@ -460,17 +471,21 @@ class SchedulerRuntime:
         updated = 0
         failed: tuple[str, ...] = ()
         if weights_path:
+            asking = self._last_question.get(run_id)
+            if asking is not None:  # its tokens' labels before these weights come first
+                await asyncio.wait({asking})
             updated, failed = await self._update_fleet(run_id, weights_path, version)
-        elif (
-            version > self._versions[run_id]
+        ok, current = await self._store.publish_version(run_id, version)
+        before, self._versions[run_id] = self._versions[run_id], current
+        if not ok:
+            raise VersionBehind(run_id, version, current)
+        if (
+            current > before
+            and not weights_path
             and not self._stamps(run_id)
             and not self.settings.label_on_arrival
         ):
-            await self._mark_made(run_id, self._versions[run_id])
-        ok, current = await self._store.publish_version(run_id, version)
-        self._versions[run_id] = current
-        if not ok:
-            raise VersionBehind(run_id, version, current)
+            self._ask_made(run_id, before)
         return PublishResult(current, updated, failed)
 
     async def _update_fleet(
@@ -626,6 +641,7 @@ class SchedulerRuntime:
             ],
             fleet_weights_path="" if self._weights is None else self._weights.path,
             fleet_weights_version=0 if self._weights is None else self._weights.version,
+            publishes_awaiting_counts=len(self._questions),
         )
 
     # ------------------------------------------------------------ queue and dispatch
@@ -983,7 +999,8 @@ class SchedulerRuntime:
         """The policy version of tokens an engine made with weights of ``weights_version``:
         that version where the run publishes the fleet's weights and the engine serves some
         it published, else the run's version when the tokens arrive (the trainer updates the
-        engines itself, or they serve weights from before the run published any)."""
+        engines itself, or they serve weights from before the run published any), which the
+        sample's ``made_before`` may lower when it is delivered."""
         stamping = self._stamping
         if stamping is not None and stamping[0] == run_id and weights_version >= stamping[1]:
             return weights_version
@@ -999,13 +1016,15 @@ class SchedulerRuntime:
                     self._check_running(call, delta.index)
                     self._check_logprobs(call, delta.index, delta.logprobs)
                     version = self._token_version(run_id, delta.weights_version)
-                    self._add_tokens(call, delta.index, delta.token_ids, delta.logprobs, version)
+                    record.add_tokens(
+                        delta.index, list(delta.token_ids), list(delta.logprobs), version
+                    )
             elif kind == "complete":
                 done = message.complete
                 self._check_running(call, done.index)
                 self._check_logprobs(call, done.index, done.logprobs)
                 version = self._token_version(run_id, done.weights_version)
-                self._add_tokens(call, done.index, done.token_ids, done.logprobs, version)
+                record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
                 record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its
@@ -1028,71 +1047,83 @@ class SchedulerRuntime:
         if call.running():
             raise _EngineFault("the stream ended before every sample finished")
 
-    @staticmethod
-    def _add_tokens(
-        call: _Call,
-        index: int,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float],
-        version: int,
-    ) -> None:
-        """Adds tokens to sample ``index`` as of ``version``, but those its engine had made
-        before a publish without weights as of the version before it (``made_before``)."""
-        record = call.record
-        bounds = call.made_before.get(index)
-        taken = 0
-        while bounds and taken < len(token_ids):
-            end, old = bounds[0]
-            count = min(len(token_ids) - taken, end - len(record.samples[index].token_ids))
-            if count > 0:
-                stop = taken + count
-                record.add_tokens(
-                    index, list(token_ids[taken:stop]), list(logprobs[taken:stop]), old
-                )
-                taken = stop
-            if len(record.samples[index].token_ids) >= end:
-                del bounds[0]
-        if taken < len(token_ids):
-            record.add_tokens(index, list(token_ids[taken:]), list(logprobs[taken:]), version)
-
-    async def _mark_made(self, run_id: str, version: int) -> None:
-        """Before a publish without weights moves the run on from ``version``: asks every
-        engine running its samples how many tokens each has made, and has those count as
-        ``version`` whenever they arrive (an engine sends tokens in batches, and vLLM holds
-        some back). An engine that does not answer leaves its samples labelled on arrival."""
-        calls: dict[str, list[_Call]] = {}
-        handles: dict[str, EngineHandle] = {}
+    def _ask_made(self, run_id: str, version: int) -> None:
+        """A publish without weights has moved the run on from ``version``: every token of
+        its running samples counts as ``version`` until their engines say how many each had
+        made (an engine sends tokens in batches, and vLLM holds some back); those made
+        after count as they arrived. The question runs in the background, after the run's
+        earlier ones, so the trainer does not wait for busy engines to answer."""
+        asked: dict[str, list[tuple[_Call, int, MadeBefore]]] = {}
         for group in self._calls.values():
             for call in group.values():
-                if call.record.spec.run_id == run_id and call.running():
-                    calls.setdefault(call.engine.engine_id, []).append(call)
-                    handles[call.engine.engine_id] = call.engine
-        if not calls:
+                if call.record.spec.run_id != run_id:
+                    continue
+                for index in call.running():
+                    sample = call.record.samples[index]
+                    made = MadeBefore(version, start=len(sample.token_ids))
+                    sample.made_before.append(made)
+                    asked.setdefault(call.engine.engine_id, []).append((call, index, made))
+        if not asked:
             return
-        engines = list(handles.values())
+        previous = self._last_question.get(run_id)
+        task = asyncio.create_task(
+            self._hear_made(run_id, version, asked, previous), name=f"made under {version}"
+        )
+        self._questions.add(task)
+        self._last_question[run_id] = task
+        task.add_done_callback(functools.partial(self._question_ended, run_id))
+
+    def _question_ended(self, run_id: str, task: asyncio.Task[None]) -> None:
+        self._questions.discard(task)
+        if self._last_question.get(run_id) is task:
+            del self._last_question[run_id]
+        _log_crash(task)
+
+    async def _hear_made(
+        self,
+        run_id: str,
+        version: int,
+        asked: dict[str, list[tuple[_Call, int, MadeBefore]]],
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        if previous is not None:  # counts must come in the order of the publishes
+            await asyncio.wait({previous})
+        engines = [entries[0][0].engine for entries in asked.values()]
         replies = await asyncio.gather(
             *(e.stats(self.settings.health_timeout_s, with_progress=True) for e in engines),
             return_exceptions=True,
         )
         for engine, reply in zip(engines, replies, strict=True):
+            counts: dict[tuple[str, int], int] = {}
             if isinstance(reply, BaseException):
                 log.warning(
                     "engine %s did not say what the samples of run %r made under version %d "
-                    "(%s): the tokens it sends from now on are labelled with the new version",
+                    "(%s): their tokens since that publish are labelled as they came",
                     engine.engine_id,
                     run_id,
                     version,
                     reply,
                 )
-                continue
-            by_id = {call.request_id: call for call in calls[engine.engine_id]}
-            for progress in reply.progress:
-                running = by_id.get(progress.request_id)
-                if running is None or progress.index not in running.running():
-                    continue
-                end = len(running.resumed) + progress.tokens
-                if end > len(running.record.samples[progress.index].token_ids):
-                    running.made_before.setdefault(progress.index, []).append((end, version))
+            else:
+                counts = {(p.request_id, p.index): p.tokens for p in reply.progress}
+            for call, index, made in asked[engine.engine_id]:
+                self._settle(call, index, made, counts.get((call.request_id, index)))
+
+    def _settle(self, call: _Call, index: int, made: MadeBefore, tokens: int | None) -> None:
+        """Sets where ``made`` ends: at the engine's count ``tokens`` of sample ``index``;
+        without one, at the publish if the sample still runs in ``call`` (the engine keeps
+        no count or did not answer), else at what the sample has (it ended first: as for a
+        sample delivered before the answer, every token since the publish is old)."""
+        sample = call.record.samples[index]
+        if not any(m is made for m in sample.made_before):
+            return  # it restarted from scratch
+        key = call.record.spec.key
+        if tokens is not None:
+            made.end = max(made.start, len(call.resumed) + tokens)
+        elif self._calls.get(key, {}).get(call.request_id) is call and index in call.running():
+            made.end = made.start  # its engine keeps no count: labelled as they came
+        else:
+            made.end = len(sample.token_ids)  # it ended before its engine counted
 
     def _preempted(self, call: _Call, index: int, to_engine: str) -> None:
         """Sample ``index`` of ``call`` stopped with its tokens kept: it leaves the call and

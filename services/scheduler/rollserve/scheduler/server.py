@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-on-arrival",
         action="store_true",
         help="a publish without weights labels the tokens received from then on, without "
-        "asking the engines what each sample has made first (faster; less exact)",
+        "asking the engines what each sample had made (less exact)",
     )
     p.add_argument(
         "--forget-fleet-weights",

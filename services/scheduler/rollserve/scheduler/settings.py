@@ -91,9 +91,8 @@ class SchedulerSettings(BaseModel):
     label_on_arrival: bool = Field(
         False,
         description="a PublishVersion without weights labels the tokens the scheduler receives "
-        "from then on, without first asking the engines what each sample has made (a faster "
-        "publish where busy engines answer slowly; tokens sent after it but made before it "
-        "get the new version)",
+        "from then on, without asking the engines what each sample had made (no Stats calls "
+        "at publishes; tokens sent after it but made before it get the new version)",
     )
     forget_fleet_weights: bool = Field(
         False,

@@ -19,6 +19,7 @@ restarted scheduler re-runs exactly the groups that were not delivered.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,18 @@ def group_key(run_id: str, group_id: str) -> str:
     return f"{run_id}/{group_id}"
 
 
+@dataclass(eq=False, slots=True)
+class MadeBefore:
+    """A publish without weights moved the run on from ``version`` when the sample had
+    ``start`` tokens: those before ``end`` (of the whole sample) were made under
+    ``version``, whenever they arrive. ``end`` is None until the engine says how many it
+    had made (vLLM holds some back), and every token counts as made before until then."""
+
+    version: int
+    start: int
+    end: int | None = None
+
+
 @dataclass(slots=True)
 class SampleRecord:
     index: int
@@ -105,8 +118,9 @@ class SampleRecord:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # The run's policy version when each token arrived, as [version, count] runs over
-    # token_ids in order (the stream's ``versions``).
+    # token_ids in order; ``labels()`` caps them by ``made_before`` (the stream's versions).
     versions: list[list[int]] = field(default_factory=list)
+    made_before: list[MadeBefore] = field(default_factory=list)  # oldest publish first
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -156,6 +170,7 @@ class SampleRecord:
         self.token_ids.clear()
         self.logprobs.clear()
         self.versions.clear()
+        self.made_before.clear()
         self.preemptions = 0
         self.resumed_tokens = 0
         self.spec_proposed_tokens = 0
@@ -168,6 +183,17 @@ class SampleRecord:
         """Cancelled or failed, unless it already ended."""
         if not self.state.is_terminal:
             self._move(state)
+
+    def labels(self) -> list[VersionSegment]:
+        """The policy version of each token, as runs over token_ids: the version it arrived
+        under, or that of a publish it was made before if older."""
+        if not self.made_before:
+            return [VersionSegment(v, n) for v, n in self.versions]
+        label = [v for v, n in self.versions for _ in range(n)]
+        for made in self.made_before:
+            end = len(label) if made.end is None else min(made.end, len(label))
+            label[:end] = [min(v, made.version) for v in label[:end]]
+        return [VersionSegment(v, len(list(run))) for v, run in itertools.groupby(label)]
 
 
 @dataclass(slots=True)
@@ -300,7 +326,7 @@ class GroupRecord:
                     logprobs=list(s.logprobs),
                     finish_reason=s.finish_reason,
                     engine_id=s.engine_id,
-                    versions=[VersionSegment(v, n) for v, n in s.versions],
+                    versions=s.labels(),
                     num_prompt_tokens=s.num_prompt_tokens,
                     cached_prompt_tokens=s.cached_prompt_tokens,
                     preemptions=s.preemptions,
