@@ -805,7 +805,7 @@ async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) ->
         await eventually(first_halves, "both samples' first 3 tokens")
         await asyncio.wait_for(runtime.publish_version(run, 7), WAIT_S)
         await asyncio.wait_for(runtime.publish_version(run, 8), WAIT_S)
-        assert runtime.status().publishes_awaiting_counts == 2
+        assert SchedulerStatus.from_proto(runtime.status()).publishes_awaiting_counts == 2
         await abort(0)
 
         async def sample_0_done() -> bool:
@@ -823,6 +823,28 @@ async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) ->
     first, second = result.samples
     assert [(v.version, v.length) for v in first.versions] == [(6, 5), (7, 1)]
     assert [(v.version, v.length) for v in second.versions] == [(6, 5), (8, 1)]
+
+
+async def test_a_scheduler_stops_while_an_engine_owes_it_a_count(redis_url: str) -> None:
+    """The question a publish left running is the runtime's task: stop cancels it."""
+    held = await FakeEngine("held", holds=(0,), made_ahead=2, progress_gate=asyncio.Event()).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        await eventually(running(runtime, 1), "the group running")
+
+        async def first_half() -> bool:
+            record = next(iter(runtime._groups.values()))
+            return len(record.samples[0].token_ids) == 3
+
+        await eventually(first_half, "the sample's first 3 tokens")
+        await runtime.publish_version(run, 1)
+        assert runtime.status().publishes_awaiting_counts == 1
+        await asyncio.wait_for(runtime.stop(), WAIT_S)
+        assert runtime.status().publishes_awaiting_counts == 0
+    finally:
+        await held.stop()
 
 
 async def test_a_restarted_scheduler_keeps_each_run_s_policy_version(
