@@ -825,6 +825,32 @@ async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) ->
     assert [(v.version, v.length) for v in second.versions] == [(6, 5), (8, 1)]
 
 
+async def test_a_trainer_that_publishes_faster_than_engines_count_is_held_back(
+    redis_url: str,
+) -> None:
+    """Four publishes may await counts at once; the fifth waits for the first answer."""
+    gate = asyncio.Event()
+    held = await FakeEngine("held", holds=(0,), made_ahead=2, progress_gate=gate).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        await eventually(running(runtime, 1), "the group running")
+        for version in range(1, 5):
+            await asyncio.wait_for(runtime.publish_version(run, version), WAIT_S)
+        fifth = asyncio.create_task(runtime.publish_version(run, 5))
+        done, _ = await asyncio.wait({fifth}, timeout=0.5)  # a Redis write takes ms
+        assert not done
+        assert runtime.status().publishes_awaiting_counts == 4
+        assert (await runtime.publish_version(run, 4)).version == 4  # no new version: no wait
+        gate.set()
+        assert (await asyncio.wait_for(fifth, WAIT_S)).version == 5
+        await eventually(counted(runtime), "every count")
+    finally:
+        await runtime.stop()
+        await held.stop()
+
+
 async def test_a_scheduler_stops_while_an_engine_owes_it_a_count(redis_url: str) -> None:
     """The question a publish left running is the runtime's task: stop cancels it."""
     held = await FakeEngine("held", holds=(0,), made_ahead=2, progress_gate=asyncio.Event()).start()

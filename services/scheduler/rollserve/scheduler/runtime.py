@@ -114,6 +114,8 @@ _REJECTIONS = frozenset(
     }
 )
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
+# Publishes without weights of one run whose counts may be awaited at once; the next waits.
+_MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
 PREDICTOR_SCORE_WINDOW = 4096
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
@@ -231,9 +233,9 @@ class SchedulerRuntime:
         self._boot = uuid.uuid4().hex[:8]  # keeps request ids unique across restarts
         self._background: list[asyncio.Task[None]] = []
         # Questions of what samples had made at a publish (``_ask_made``) not answered yet,
-        # and each run's latest
+        # all and each run's in order
         self._questions: set[asyncio.Task[None]] = set()
-        self._last_question: dict[str, asyncio.Task[None]] = {}
+        self._asking: dict[str, list[asyncio.Task[None]]] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -391,7 +393,7 @@ class SchedulerRuntime:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background.clear()
         self._questions.clear()
-        self._last_question.clear()
+        self._asking.clear()
         self._tasks.clear()
         self._watches.clear()
         self._calls.clear()
@@ -461,8 +463,9 @@ class SchedulerRuntime:
         weights first; those that fail are taken out of service until they load them, and
         if none could, nothing changes (WeightsNotLoaded). Without, the tokens its running
         samples made before count as the version before (``_ask_made``, which does not wait
-        for the engines). Raises VersionBehind if the run's version is higher, and LeaseLost
-        if this scheduler is stopping."""
+        for the engines unless the run has ``_MAX_COUNTS_AWAITED`` such counts due). Raises
+        VersionBehind if the run's version is higher, and LeaseLost if this scheduler is
+        stopping."""
         self._check_lease()
         if run_id not in self._versions:
             self._versions.update(await self._store.load_versions([run_id]))
@@ -471,10 +474,14 @@ class SchedulerRuntime:
         updated = 0
         failed: tuple[str, ...] = ()
         if weights_path:
-            asking = self._last_question.get(run_id)
-            if asking is not None:  # its tokens' labels before these weights come first
-                await asyncio.wait({asking})
+            # The labels of the tokens made before these weights are settled first.
+            while asking := self._asking.get(run_id):
+                await asyncio.wait({asking[-1]})
             updated, failed = await self._update_fleet(run_id, weights_path, version)
+        elif version > self._versions[run_id]:
+            # Engines that answer slower than the trainer publishes hold it back here.
+            while len(asking := self._asking.get(run_id, [])) >= _MAX_COUNTS_AWAITED:
+                await asyncio.wait({asking[0]})
         ok, current = await self._store.publish_version(run_id, version)
         before, self._versions[run_id] = self._versions[run_id], current
         if not ok:
@@ -1065,18 +1072,22 @@ class SchedulerRuntime:
                     asked.setdefault(call.engine.engine_id, []).append((call, index, made))
         if not asked:
             return
-        previous = self._last_question.get(run_id)
+        asking = self._asking.setdefault(run_id, [])
+        previous = asking[-1] if asking else None
         task = asyncio.create_task(
             self._hear_made(run_id, version, asked, previous), name=f"made under {version}"
         )
         self._questions.add(task)
-        self._last_question[run_id] = task
+        asking.append(task)
         task.add_done_callback(functools.partial(self._question_ended, run_id))
 
     def _question_ended(self, run_id: str, task: asyncio.Task[None]) -> None:
         self._questions.discard(task)
-        if self._last_question.get(run_id) is task:
-            del self._last_question[run_id]
+        asking = self._asking.get(run_id, [])
+        if task in asking:
+            asking.remove(task)
+        if not asking:
+            self._asking.pop(run_id, None)
         _log_crash(task)
 
     async def _hear_made(
