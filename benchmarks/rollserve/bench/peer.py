@@ -46,11 +46,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
@@ -674,12 +674,24 @@ def round_ratios(all_gps: dict[str, list[float]], base: str = PEER) -> dict[str,
     }
 
 
-def pooled_ratios(summaries: dict[str, list[RowSummary]], base: str = PEER) -> dict[str, float]:
+class RoundRate(Protocol):
+    """What pooling needs of a row's round: the groups it delivered and its wall time."""
+
+    @property
+    def groups(self) -> int: ...
+
+    @property
+    def wall_s(self) -> float: ...
+
+
+def pooled_ratios(
+    summaries: Mapping[str, Sequence[RoundRate]], base: str = PEER
+) -> dict[str, float]:
     """Each other row's groups over its time in all rounds together, over the ``base`` row's
     (vllm-router's by default): a round that ran slow weighs by its length, where the median
     of per-round ratios does not see how far apart the rounds were."""
 
-    def rate(rows: list[RowSummary]) -> float:
+    def rate(rows: Sequence[RoundRate]) -> float:
         wall = sum(r.wall_s for r in rows)
         return sum(r.groups for r in rows) / wall if wall > 0 else 0.0
 
@@ -692,7 +704,7 @@ def pooled_ratios(summaries: dict[str, list[RowSummary]], base: str = PEER) -> d
 
 
 def pooled_interval(
-    summaries: dict[str, list[RowSummary]],
+    summaries: Mapping[str, Sequence[RoundRate]],
     base: str = PEER,
     level: float = 0.9,
     draws: int = 4000,

@@ -161,3 +161,30 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
         raise SystemExit(f"rollserve bench peer: {e}") from None
     run_peer(cfg)
     return 0
+
+
+def add_bench_peer_pool(bench_sub: Any) -> None:
+    """Registers ``peer-pool`` under ``rollserve bench``."""
+    p: argparse.ArgumentParser = bench_sub.add_parser(
+        "peer-pool",
+        help="pool the rounds of several `bench peer` runs of one setting (the figure to quote)",
+    )
+    p.add_argument("files", nargs="+", type=Path, help="`bench peer --json` files")
+    p.add_argument("--json", type=output_file, help="write the pooled figures here")
+    p.set_defaults(func=_cmd_bench_peer_pool)
+
+
+def _cmd_bench_peer_pool(args: argparse.Namespace) -> int:
+    import json
+
+    from rollserve.bench.peer_pool import load_run, pool_runs, print_pooled, to_json
+
+    try:
+        pooled = pool_runs([load_run(path) for path in args.files])
+    except ValueError as e:
+        raise SystemExit(f"rollserve bench peer-pool: {e}") from None
+    print_pooled(pooled)
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(pooled), indent=1))
+        print(f"wrote {args.json}")
+    return 0

@@ -368,9 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.bench.fidelity import add_bench_fidelity
 
     add_bench_fidelity(bench_sub)
-    from rollserve.bench.peer_cli import add_bench_peer
+    from rollserve.bench.peer_cli import add_bench_peer, add_bench_peer_pool
 
     add_bench_peer(bench_sub)
+    add_bench_peer_pool(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )

@@ -1,0 +1,71 @@
+"""``rollserve bench peer-pool`` on hand-made ``bench peer`` JSON files (nothing is run)."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollserve.bench.peer_pool import load_run, pool_runs, to_json
+
+
+def write_run(path: Path, rows: dict[str, list[tuple[int, float]]], **settings: Any) -> Path:
+    """A file as ``bench peer --json`` writes it, with each row's rounds as (groups, wall s)."""
+    data = {
+        "settings": {"steps": 10, "oversample": 1.0, "json_path": str(path), "repeats": 3}
+        | settings,
+        "router_policy": "round_robin",
+        "runs": {
+            name: [{"summary": {"groups": g, "wall_s": w}, "steps": []} for g, w in rounds]
+            for name, rounds in rows.items()
+        },
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_rounds_of_runs_pool_by_groups_over_time(tmp_path: Path) -> None:
+    a = write_run(
+        tmp_path / "a.json",
+        {
+            "vllm-router": [(160, 16.0), (160, 20.0), (160, 16.0)],
+            "rollserve": [(160, 10.0), (160, 12.0), (160, 10.0)],
+            "rollserve B": [(160, 11.0), (160, 11.0), (160, 11.0)],
+        },
+    )
+    b = write_run(
+        tmp_path / "b.json",
+        {
+            "vllm-router": [(160, 18.0), (160, 18.0), (160, 18.0), (160, 18.0)],
+            "rollserve": [(160, 15.0), (160, 15.0), (160, 15.0), (160, 15.0)],
+        },
+        json_path="elsewhere.json",
+        repeats=4,
+    )
+    pooled = pool_runs([load_run(a), load_run(b)])
+    assert pooled.rows == ("rollserve",)  # B is not in every run
+    assert pooled.rounds == 7
+    assert pooled.per_run[0]["rollserve"] == pytest.approx((480 / 32) / (480 / 52))
+    assert pooled.per_run[1]["rollserve"] == pytest.approx(18 / 15)
+    assert pooled.pooled["rollserve"] == pytest.approx((1120 / 92) / (1120 / 124))
+    low, high = pooled.interval["rollserve"]
+    assert low <= pooled.pooled["rollserve"] <= high
+    assert to_json(pooled)["rows"]["rollserve"]["vs_router_pooled"] == pooled.pooled["rollserve"]
+
+
+def test_runs_of_different_settings_or_files_of_another_kind_do_not_pool(tmp_path: Path) -> None:
+    rows = {"vllm-router": [(160, 16.0)], "rollserve": [(160, 10.0)]}
+    a = load_run(write_run(tmp_path / "a.json", rows))
+    b = load_run(write_run(tmp_path / "b.json", rows, oversample=0.5))
+    with pytest.raises(ValueError, match=r"different things: oversample: 1\.0 against 0\.5"):
+        pool_runs([a, b])
+    with pytest.raises(ValueError, match="at least two runs"):
+        pool_runs([a])
+    other = tmp_path / "fleet.json"
+    other.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match=r"fleet\.json: not the JSON of `rollserve bench peer`"):
+        load_run(other)
+    with pytest.raises(ValueError, match=r"missing\.json: not a readable JSON file"):
+        load_run(tmp_path / "missing.json")
+    no_router = write_run(tmp_path / "c.json", {"rollserve": [(160, 10.0)]})
+    with pytest.raises(ValueError, match="no vllm-router row"):
+        load_run(no_router)
