@@ -1097,8 +1097,19 @@ class SchedulerRuntime:
         asked: dict[str, list[tuple[_Call, int, MadeBefore]]],
         previous: asyncio.Task[None] | None,
     ) -> None:
-        if previous is not None:  # counts must come in the order of the publishes
-            await asyncio.wait({previous})
+        try:
+            if previous is not None:  # counts must come in the order of the publishes
+                await asyncio.wait({previous})
+            await self._count_made(run_id, version, asked)
+        finally:  # whatever stopped it, no sample's tokens stay the old version for good
+            for entries in asked.values():
+                for _, _, made in entries:
+                    if made.end is None:
+                        made.end = made.start
+
+    async def _count_made(
+        self, run_id: str, version: int, asked: dict[str, list[tuple[_Call, int, MadeBefore]]]
+    ) -> None:
         engines = [entries[0][0].engine for entries in asked.values()]
         replies = await asyncio.gather(
             *(e.stats(self.settings.health_timeout_s, with_progress=True) for e in engines),
