@@ -31,6 +31,7 @@ from rollserve.bench.peer import (
     _stack_config,
     _variant_report,
     delivered_group,
+    offpolicy_over_rounds,
     pooled_interval,
     pooled_ratios,
     print_tables,
@@ -274,6 +275,13 @@ def test_the_pooled_ratios_interval_holds_the_rounds_spread() -> None:
     assert interval[ROLLSERVE_SYNC] == (1.0, 1.0)  # every round alike: no spread
     assert pooled_interval(summaries) == interval  # seeded: the same every run
     assert reward_over_rounds(summaries[PEER]) == summaries[PEER][0].mean_reward
+    first, second = summaries[ROLLSERVE][:2]
+    weighed = [  # 10% of 100 tokens and 40% of 300: 130 of 400 tokens, not the 25% mean
+        dataclasses.replace(first, output_tokens=100, offpolicy_token_fraction=0.1),
+        dataclasses.replace(second, output_tokens=300, offpolicy_token_fraction=0.4),
+    ]
+    assert offpolicy_over_rounds(weighed) == pytest.approx(130 / 400)
+    assert offpolicy_over_rounds([]) == 0.0
 
 
 def test_interleaved_rounds_rotate_the_rows_evenly() -> None:

@@ -732,6 +732,14 @@ def pooled_interval(
     return out
 
 
+def offpolicy_over_rounds(rows: list[RowSummary]) -> float:
+    """The share of every output token a row delivered in all rounds that was made under an
+    older policy version than the trainer's when it took it."""
+    tokens = sum(r.output_tokens for r in rows)
+    old = sum(r.offpolicy_token_fraction * r.output_tokens for r in rows)
+    return old / tokens if tokens else 0.0
+
+
 def reward_over_rounds(rows: list[RowSummary]) -> float:
     """The mean reward of every sample a row delivered in all rounds."""
     groups = sum(r.groups for r in rows)
@@ -995,6 +1003,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "mean reward over all rounds (the table's column is each row's median round): "
         + ", ".join(f"{name} {reward_over_rounds(summaries[name]):.3f}" for name in names)
     )
+    offpolicy = {name: offpolicy_over_rounds(summaries[name]) for name in names}
+    console.print(
+        "delivered tokens made under an older policy version than the trainer's when it took "
+        "them, all rounds: " + ", ".join(f"{name} {offpolicy[name]:.1%}" for name in names)
+    )
     report: dict[str, Any] = {
         "goal": GOAL,
         "ratio": ratio,
@@ -1030,6 +1043,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         "ratios_per_round": {name: ratios[name] for name in names if name != PEER},
         "bubble_ratio_pooled": bubbles,
         "cpu_wait_share_pooled": waits,
+        "offpolicy_token_fraction_pooled": offpolicy,
         "idle_side_cpu": [asdict(e) for e in env.idle_cpu],
         "machine": {**start_machine, "load_average_end": os.getloadavg()},
         "bench_wall_s": time.perf_counter() - began,
