@@ -1,6 +1,8 @@
 """``rollserve bench peer-pool`` on hand-made ``bench peer`` JSON files (nothing is run)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +71,27 @@ def test_runs_of_different_settings_or_files_of_another_kind_do_not_pool(tmp_pat
     no_router = write_run(tmp_path / "c.json", {"rollserve": [(160, 10.0)]})
     with pytest.raises(ValueError, match="no vllm-router row"):
         load_run(no_router)
+
+
+def test_the_command_prints_the_pooled_table_and_refuses_with_a_reason(tmp_path: Path) -> None:
+    rows = {"vllm-router": [(160, 16.0)] * 3, "rollserve": [(160, 10.0)] * 3}
+    a = write_run(tmp_path / "a.json", rows)
+    b = write_run(tmp_path / "b.json", rows)
+    out = tmp_path / "pooled.json"
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "rollserve.cli.main", "bench", "peer-pool", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    done = command(str(a), str(b), "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "1.60x" in done.stdout  # 16 s against 10 s for the same groups, every round
+    assert json.loads(out.read_text())["rows"]["rollserve"]["vs_router_pooled"] == 1.6
+    refused = command(str(a), str(write_run(tmp_path / "c.json", rows, steps=12)))
+    assert refused.returncode != 0
+    assert "measured different things: steps: 10 against 12" in refused.stderr
