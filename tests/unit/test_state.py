@@ -1,3 +1,6 @@
+import itertools
+import random
+
 import pytest
 from rollserve.client.wire import FinishReason
 from rollserve.scheduler.state import GroupRecord, MadeBefore, SampleState
@@ -224,6 +227,29 @@ def test_tokens_made_before_a_publish_keep_its_version_before_however_they_arriv
     assert [(v.version, v.length) for v in sample.labels()] == [(1, 4), (2, 2), (3, 1)]
     pending.end = 99  # a count beyond what arrived caps only what arrives
     assert [(v.version, v.length) for v in sample.labels()] == [(1, 4), (2, 3)]
+
+
+def test_labels_agree_with_capping_token_by_token() -> None:
+    """``labels()`` works on runs; the reference caps every token on its own."""
+    rng = random.Random(7)
+    for _ in range(500):
+        record = GroupRecord.new(spec(n=1, max_tokens=4096), seq=1)
+        record.start([0], "e0", now=1.0)
+        sample = record.samples[0]
+        version = 0
+        for _ in range(rng.randrange(1, 6)):
+            count = rng.randrange(1, 9)
+            record.add_tokens(0, [1] * count, [-0.1] * count, version)
+            if rng.random() < 0.6:  # a publish now, its count somewhere around here
+                end = rng.choice([None, rng.randrange(0, len(sample.token_ids) + 12)])
+                sample.made_before.append(MadeBefore(version, len(sample.token_ids), end))
+            version += rng.randrange(0, 3)
+        arrived = [v for v, n in sample.versions for _ in range(n)]
+        for made in sample.made_before:
+            stop = len(arrived) if made.end is None else made.end
+            arrived = [min(v, made.version) if p < stop else v for p, v in enumerate(arrived)]
+        expected = [(v, len(list(run))) for v, run in itertools.groupby(arrived)]
+        assert [(seg.version, seg.length) for seg in sample.labels()] == expected
 
 
 def test_a_sample_started_over_forgets_the_versions_of_its_lost_tokens() -> None:

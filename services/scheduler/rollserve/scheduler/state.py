@@ -19,7 +19,6 @@ restarted scheduler re-runs exactly the groups that were not delivered.
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -189,11 +188,22 @@ class SampleRecord:
         under, or that of a publish it was made before if older."""
         if not self.made_before:
             return [VersionSegment(v, n) for v, n in self.versions]
-        label = [v for v, n in self.versions for _ in range(n)]
-        for made in self.made_before:
-            end = len(label) if made.end is None else min(made.end, len(label))
-            label[:end] = [min(v, made.version) for v in label[:end]]
-        return [VersionSegment(v, len(list(run))) for v, run in itertools.groupby(label)]
+        total = len(self.token_ids)
+        caps = [
+            (total if m.end is None else min(m.end, total), m.version) for m in self.made_before
+        ]
+        runs: list[VersionSegment] = []
+        start = 0
+        for arrived, count in self.versions:  # split each run where a cap ends inside it
+            cuts = sorted({start + count, *(end for end, _ in caps if start < end < start + count)})
+            for stop in cuts:
+                version = min([arrived, *(v for end, v in caps if start < end)])
+                if runs and runs[-1].version == version:
+                    runs[-1] = VersionSegment(version, runs[-1].length + stop - start)
+                else:
+                    runs.append(VersionSegment(version, stop - start))
+                start = stop
+        return runs
 
 
 @dataclass(slots=True)
