@@ -846,9 +846,51 @@ async def test_a_trainer_that_publishes_faster_than_engines_count_is_held_back(
         gate.set()
         assert (await asyncio.wait_for(fifth, WAIT_S)).version == 5
         await eventually(counted(runtime), "every count")
+        await runtime.cancel(run, ["g0"])  # nothing left for the next test's scheduler
     finally:
         await runtime.stop()
         await held.stop()
+
+
+async def test_a_sample_started_over_while_its_count_is_due_takes_its_new_tokens_labels(
+    redis_url: str,
+) -> None:
+    """Version 7 comes out while the sample runs; its engine dies before it answers, so the
+    sample starts over from nothing: every token it delivers came after the publish."""
+    gate = asyncio.Event()
+    held = await FakeEngine(
+        "held", holds=(0,), made_ahead=2, progress_gate=gate, on_abort=AbortOutcome.DIES
+    ).start()
+    runtime = await make_runtime(redis_url, [held])
+    run = new_run()
+
+    async def abort() -> None:
+        async with grpc.aio.insecure_channel(held.address) as channel:
+            await pb_grpc.EngineStub(channel).Abort(
+                pb.AbortRequest(request_id=held.requests[-1].request_id)
+            )
+
+    try:
+        await runtime.publish_version(run, 6)
+        await runtime.submit(run, specs(run, 1, n=1))
+
+        async def held_at(calls: int) -> bool:
+            record = next(iter(runtime._groups.values()))
+            return len(held.requests) == calls and len(record.samples[0].token_ids) == 3
+
+        await eventually(lambda: held_at(1), "the sample's first 3 tokens")
+        await runtime.publish_version(run, 7)
+        await abort()  # the call dies: the sample goes back to the queue with nothing
+        await eventually(lambda: held_at(2), "the sample started over")
+        gate.set()
+        await eventually(counted(runtime), "the dead call's count")
+        held.on_abort = AbortOutcome.ENDS_FULL
+        await abort()
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await held.stop()
+    assert [(v.version, v.length) for v in result.samples[0].versions] == [(7, 6)]
 
 
 async def test_a_scheduler_stops_while_an_engine_owes_it_a_count(redis_url: str) -> None:
@@ -866,6 +908,7 @@ async def test_a_scheduler_stops_while_an_engine_owes_it_a_count(redis_url: str)
 
         await eventually(first_half, "the sample's first 3 tokens")
         await runtime.publish_version(run, 1)
+        await runtime.cancel(run, ["g0"])  # nothing left for the next test's scheduler
         assert runtime.status().publishes_awaiting_counts == 1
         await asyncio.wait_for(runtime.stop(), WAIT_S)
         assert runtime.status().publishes_awaiting_counts == 0
