@@ -232,9 +232,8 @@ class SchedulerRuntime:
         self._calls_started = 0
         self._boot = uuid.uuid4().hex[:8]  # keeps request ids unique across restarts
         self._background: list[asyncio.Task[None]] = []
-        # Questions of what samples had made at a publish (``_ask_made``) not answered yet,
-        # all and each run's in order
-        self._questions: set[asyncio.Task[None]] = set()
+        # Run -> its questions of what samples had made at a publish (``_ask_made``) not
+        # answered yet, in the order of the publishes
         self._asking: dict[str, list[asyncio.Task[None]]] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
@@ -351,7 +350,7 @@ class SchedulerRuntime:
         runs again only to unwind."""
         self._lost = lost
         current = asyncio.current_task()
-        for task in (*self._background, *self._tasks, *self._questions):
+        for task in (*self._background, *self._tasks, *self._questions()):
             if task is not current:
                 task.cancel()
 
@@ -386,13 +385,12 @@ class SchedulerRuntime:
             *self._background,
             *self._tasks,
             *self._watches.values(),
-            *self._questions,
+            *self._questions(),
         ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background.clear()
-        self._questions.clear()
         self._asking.clear()
         self._tasks.clear()
         self._watches.clear()
@@ -648,7 +646,7 @@ class SchedulerRuntime:
             ],
             fleet_weights_path="" if self._weights is None else self._weights.path,
             fleet_weights_version=0 if self._weights is None else self._weights.version,
-            publishes_awaiting_counts=len(self._questions),
+            publishes_awaiting_counts=len(self._questions()),
         )
 
     # ------------------------------------------------------------ queue and dispatch
@@ -1077,12 +1075,13 @@ class SchedulerRuntime:
         task = asyncio.create_task(
             self._hear_made(run_id, version, asked, previous), name=f"made under {version}"
         )
-        self._questions.add(task)
         asking.append(task)
         task.add_done_callback(functools.partial(self._question_ended, run_id))
 
+    def _questions(self) -> list[asyncio.Task[None]]:
+        return [task for tasks in self._asking.values() for task in tasks]
+
     def _question_ended(self, run_id: str, task: asyncio.Task[None]) -> None:
-        self._questions.discard(task)
         asking = self._asking.get(run_id, [])
         if task in asking:
             asking.remove(task)
