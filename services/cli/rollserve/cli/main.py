@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_peer(bench_sub)
     add_bench_peer_pool(bench_sub)
+    from rollserve.bench.drafts import add_bench_drafts
+
+    add_bench_drafts(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )

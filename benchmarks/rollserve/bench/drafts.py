@@ -1,0 +1,605 @@
+"""``rollserve bench drafts``: what a model-free drafter would give speculative decoding on a
+model's own rollouts, measured without speculating.
+
+Speculative decoding with a model-free drafter (vLLM's ``ngram``, suffix trees) proposes ``k``
+tokens and the target model verifies them in one pass. vLLM's rejection sampler treats such a
+draft as certain, so it accepts a drafted token ``d`` with probability ``p(d | context)``, the
+very probability that plain sampling draws ``d`` there. The number of leading drafted tokens a
+pass accepts therefore has the same distribution as the number of leading drafted tokens that
+equal the tokens a plain sampled rollout went on to draw, and the rollout after a rejection is
+distributed as the model's either way. So walking a plain rollout pass by pass (draft from what
+came before, count the leading matches, move on by the matches plus the one token the pass
+samples itself) gives what speculation would have given on that rollout, for any drafter,
+without running it. This works at any temperature; it needs only that the drafts are made from
+tokens that already exist when the pass runs.
+
+Drafters compared (each sees only what exists when the pass runs):
+
+- ``ngram``: vLLM's prompt-lookup drafter, exactly: the longest n-gram (``--min-n`` to
+  ``--max-n``) ending the sample's prompt and output so far that occurs earlier in them, its
+  earliest occurrence, and the ``k`` tokens after it.
+- ``group``: the sample's siblings (the other samples of its group, same prompt, launched
+  together): the longest suffix match in their prompt and output so far, taken to have made as
+  many tokens as the sample itself (they decode side by side); the continuation most of the
+  matches took, token by token. Seer's grouped drafts; in the tail the siblings are done.
+- ``history``: the same prompt's rollouts in earlier epochs (by ``prompt_key``), the same way.
+- ``group+ngram`` and ``all``: the longest match among those sources (a tie goes to the
+  siblings, then to history).
+
+The tail: a step's samples start together, so the tokens past the step's 90th percentile of
+response length (``--tail-quantile``) are made while at most a tenth of its samples still run,
+where an engine speculates (``--spec-max-batch``). The tail column is over those passes.
+
+The rollouts are made here on the dev stack (the shipped trained reasoner by default, the
+peer benchmark's sampling), or read with ``--samples FILE``: JSON lines, one group a line,
+``{"prompt_key": str, "epoch": int, "prompt_token_ids": [int], "responses": [[int]]}``, which is
+also what ``--save FILE`` writes; a trainer can write its own rollouts that way to measure them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+DRAFTERS = ("ngram", "group", "history", "group+ngram", "all")
+_SOURCES = {
+    "ngram": (True, False, False),  # (self, siblings, history)
+    "group": (False, True, False),
+    "history": (False, False, True),
+    "group+ngram": (True, True, False),
+    "all": (True, True, True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSettings:
+    """How a drafter matches and how much it proposes; vLLM's ngram defaults here."""
+
+    k: int = 4  # draft tokens a pass (vLLM: num_speculative_tokens)
+    min_n: int = 2  # shortest suffix matched (prompt_lookup_min)
+    max_n: int = 5  # longest suffix matched (prompt_lookup_max)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k ({self.k}) must be at least 1")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"min_n ({self.min_n}) and max_n ({self.max_n}) need 1 <= min_n <= max_n"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One group of one epoch: its prompt and its samples' response tokens."""
+
+    prompt_key: str
+    epoch: int
+    prompt_token_ids: tuple[int, ...]
+    responses: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    length: int  # the matched suffix's length (0: none)
+    draft: tuple[int, ...]
+
+
+_NO_MATCH = Match(0, ())
+
+
+class _Index:
+    """Where each n-gram (``min_n`` to ``max_n`` long) of a sequence ends, in order."""
+
+    def __init__(self, tokens: Sequence[int], settings: DraftSettings) -> None:
+        self.tokens = tuple(tokens)
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        for n in range(settings.min_n, settings.max_n + 1):
+            for end in range(n, len(self.tokens) + 1):
+                self.ends.setdefault(self.tokens[end - n : end], []).append(end)
+
+
+def corpus_match(
+    context: Sequence[int],
+    corpus: Sequence[tuple[_Index, int]],
+    settings: DraftSettings,
+) -> Match:
+    """The longest suffix of ``context`` found in the corpus (each index with how many of its
+    tokens exist yet), and the continuation most of its occurrences took, token by token (a
+    tie goes to the occurrence met first)."""
+    for n in range(min(settings.max_n, len(context)), settings.min_n - 1, -1):
+        key = tuple(context[len(context) - n :])
+        found: list[tuple[tuple[int, ...], int, int]] = []  # (tokens, next, available)
+        for index, available in corpus:
+            for end in index.ends.get(key, ()):
+                if end >= available:
+                    break  # ends are ascending: the rest do not exist yet
+                found.append((index.tokens, end, available))
+        if not found:
+            continue
+        draft: list[int] = []
+        for j in range(settings.k):
+            votes: Counter[int] = Counter()
+            first: dict[int, int] = {}
+            for order, (tokens, end, available) in enumerate(found):
+                if end + j < available:
+                    token = tokens[end + j]
+                    votes[token] += 1
+                    first.setdefault(token, order)
+            if not votes:
+                break
+            token = max(votes, key=lambda t: (votes[t], -first[t]))
+            draft.append(token)
+            found = [f for f in found if f[1] + j < f[2] and f[0][f[1] + j] == token]
+        return Match(n, tuple(draft))
+    return _NO_MATCH
+
+
+class SelfMatcher:
+    """vLLM's ``ngram`` drafter on one growing sequence (prompt, then the output so far):
+    the longest suffix (``min_n`` to ``max_n``) that occurs earlier, at its earliest
+    occurrence, and up to ``k`` tokens after it (no further than the sequence goes)."""
+
+    def __init__(self, settings: DraftSettings) -> None:
+        self.settings = settings
+        self.tokens: list[int] = []
+        self._first: dict[tuple[int, ...], int] = {}  # n-gram -> its earliest start
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        s = self.settings
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(s.min_n, min(s.max_n, end) + 1):
+                self._first.setdefault(tuple(self.tokens[end - n : end]), end - n)
+
+    def match(self) -> Match:
+        s, total = self.settings, len(self.tokens)
+        for n in range(min(s.max_n, total), s.min_n - 1, -1):
+            start = self._first.get(tuple(self.tokens[total - n :]))
+            if start is not None and start < total - n:
+                after = start + n
+                return Match(n, tuple(self.tokens[after : min(after + s.k, total)]))
+        return _NO_MATCH
+
+
+@dataclass(slots=True)
+class PassCounts:
+    """Verification passes over some tokens, and what the drafts did in them."""
+
+    passes: int = 0
+    tokens: int = 0
+    drafted_passes: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafted: int, accepted: int, advanced: int) -> None:
+        self.passes += 1
+        self.tokens += advanced
+        if drafted:
+            self.drafted_passes += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+
+    def merge(self, other: PassCounts) -> None:
+        self.passes += other.passes
+        self.tokens += other.tokens
+        self.drafted_passes += other.drafted_passes
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passes": self.passes,
+            "tokens": self.tokens,
+            "tokens_per_pass": round(self.tokens_per_pass, 4) if self.passes else None,
+            "drafted_passes": self.drafted_passes,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_acceptance": (
+                round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else None
+            ),
+        }
+
+
+class Drafter(Protocol):
+    def __call__(self, t: int) -> Match:
+        """The draft for the pass that makes output token ``t`` onward."""
+        ...
+
+
+def walk(
+    response: Sequence[int], drafter: Drafter, tail_from: int
+) -> tuple[PassCounts, PassCounts]:
+    """Runs ``response`` pass by pass: each pass drafts from what exists, accepts the drafted
+    tokens that match the response in order, and adds one more (the token the pass samples
+    itself), or what is left of the response. The second counts are the passes that start at
+    output token ``tail_from`` or later."""
+    every, tail = PassCounts(), PassCounts()
+    t = 0
+    while t < len(response):
+        draft = drafter(t).draft
+        accepted = 0
+        while accepted < len(draft) and t + accepted < len(response):
+            if draft[accepted] != response[t + accepted]:
+                break
+            accepted += 1
+        advanced = min(accepted + 1, len(response) - t)
+        every.add(len(draft), accepted, advanced)
+        if t >= tail_from:
+            tail.add(len(draft), accepted, advanced)
+        t += advanced
+    return every, tail
+
+
+class _SampleDrafter:
+    """The drafts one sample would get from the chosen sources, pass by pass."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        prompt: Sequence[int],
+        response: Sequence[int],
+        siblings: Sequence[_Index],
+        history: Sequence[_Index],
+        settings: DraftSettings,
+    ) -> None:
+        use_self, use_siblings, use_history = _SOURCES[name]
+        self.prompt_len = len(prompt)
+        self.response = response
+        self.settings = settings
+        self.own: SelfMatcher | None = None
+        if use_self:
+            self.own = SelfMatcher(settings)
+            self.own.extend(prompt)
+        self.siblings = siblings if use_siblings else ()
+        self.history = history if use_history else ()
+        self.context = list(prompt)
+
+    def __call__(self, t: int) -> Match:
+        grown = self.response[len(self.context) - self.prompt_len : t]
+        self.context.extend(grown)
+        if self.own is not None:
+            self.own.extend(grown)
+        available = self.prompt_len + t  # siblings have made as many tokens by now
+        best = _NO_MATCH
+        sources = (
+            [(i, min(available, len(i.tokens))) for i in self.siblings],
+            [(i, len(i.tokens)) for i in self.history],
+        )
+        for corpus in sources:
+            if corpus:
+                found = corpus_match(self.context, corpus, self.settings)
+                if found.length > best.length:
+                    best = found
+        if self.own is not None:
+            own = self.own.match()
+            if own.length > best.length:
+                best = own
+        return best
+
+
+@dataclass
+class DrafterResult:
+    name: str
+    every: PassCounts = field(default_factory=PassCounts)
+    tail: PassCounts = field(default_factory=PassCounts)
+
+
+def tail_start(lengths: Sequence[int], quantile: float) -> int:
+    """The output position past which at most ``1 - quantile`` of the samples still run."""
+    ordered = sorted(lengths)
+    if not ordered:
+        return 0
+    return ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)]
+
+
+def measure(
+    rollouts: Sequence[Rollout],
+    drafters: Sequence[str],
+    settings: DraftSettings,
+    tail_quantile: float = 0.9,
+) -> list[DrafterResult]:
+    """Every drafter over every sample of ``rollouts``; an epoch's groups are one step (the
+    tail is past that step's ``tail_quantile`` of response length)."""
+    unknown = [d for d in drafters if d not in _SOURCES]
+    if unknown:
+        raise ValueError(f"unknown drafter {unknown[0]!r}; choose from {', '.join(DRAFTERS)}")
+    indexes = [
+        [_Index((*r.prompt_token_ids, *resp), settings) for resp in r.responses] for r in rollouts
+    ]
+    tails: dict[int, int] = {}
+    for epoch in sorted({r.epoch for r in rollouts}):
+        lengths = [len(x) for r in rollouts if r.epoch == epoch for x in r.responses]
+        tails[epoch] = tail_start(lengths, tail_quantile)
+    results = []
+    for name in drafters:
+        result = DrafterResult(name)
+        for g, rollout in enumerate(rollouts):
+            history = [
+                index
+                for h, earlier in enumerate(rollouts)
+                if earlier.prompt_key == rollout.prompt_key and earlier.epoch < rollout.epoch
+                for index in indexes[h]
+            ]
+            for i, response in enumerate(rollout.responses):
+                siblings = [x for j, x in enumerate(indexes[g]) if j != i]
+                drafter = _SampleDrafter(
+                    name,
+                    prompt=rollout.prompt_token_ids,
+                    response=response,
+                    siblings=siblings,
+                    history=history,
+                    settings=settings,
+                )
+                every, tail = walk(response, drafter, tails[rollout.epoch])
+                result.every.merge(every)
+                result.tail.merge(tail)
+        results.append(result)
+    return results
+
+
+# --- reading, writing and making rollouts ---------------------------------------------------
+
+
+def read_rollouts(path: Path) -> list[Rollout]:
+    """JSON lines, one group a line; a ValueError that names the line and the field."""
+    rollouts = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a group is a JSON object, got {type(row).__name__}")
+            rollouts.append(_rollout(row, where))
+    if not rollouts:
+        raise ValueError(f"{path}: no groups")
+    return rollouts
+
+
+def _tokens(value: Any, where: str, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ValueError(f"{where}: {name} must be a list of token ids (integers >= 0)")
+    return tuple(value)
+
+
+def _rollout(row: dict[str, Any], where: str) -> Rollout:
+    key, epoch = row.get("prompt_key"), row.get("epoch")
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{where}: prompt_key must be a non-empty string")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"{where}: epoch must be an integer >= 0, got {epoch!r}")
+    prompt = _tokens(row.get("prompt_token_ids"), where, "prompt_token_ids")
+    responses = row.get("responses")
+    if not isinstance(responses, list) or not responses:
+        raise ValueError(f"{where}: responses must be a non-empty list of token-id lists")
+    return Rollout(
+        key,
+        epoch,
+        prompt,
+        tuple(_tokens(r, where, f"responses[{i}]") for i, r in enumerate(responses)),
+    )
+
+
+def write_rollouts(path: Path, rollouts: Sequence[Rollout]) -> None:
+    with path.open("w") as f:
+        for r in rollouts:
+            row = {
+                "prompt_key": r.prompt_key,
+                "epoch": r.epoch,
+                "prompt_token_ids": list(r.prompt_token_ids),
+                "responses": [list(x) for x in r.responses],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def make_rollouts(
+    model: Path, *, groups: int, n: int, epochs: int, max_tokens: int, seed: int, engines: int
+) -> list[Rollout]:
+    """``epochs`` passes over the same ``groups`` prompts on the dev stack, each epoch's groups
+    at once, new sampling seeds each epoch, temperature 1 (the peer benchmark's sampling)."""
+    import uuid
+
+    from rollserve.bench.workload import bench_groups
+    from rollserve.cli.stack import DevStack, StackConfig
+    from rollserve.client import PromptGroup, RolloutClient, SamplingParams
+
+    chosen = bench_groups(model, groups, n, max_tokens, seed)
+    rollouts = []
+    with (
+        DevStack(StackConfig(model=model, engines=engines)) as stack,
+        RolloutClient(
+            stack.scheduler_address, stack.redis_url, f"drafts-{uuid.uuid4().hex[:8]}"
+        ) as client,
+    ):
+        for epoch in range(epochs):
+            by_id = {f"e{epoch}-g{g.index}": g for g in chosen}
+            client.submit(
+                [
+                    PromptGroup(
+                        group_id=group_id,
+                        prompt_token_ids=g.prompt_token_ids,
+                        n=n,
+                        sampling=SamplingParams(
+                            temperature=1.0, max_tokens=max_tokens, seed=g.seed + 100_000 * epoch
+                        ),
+                        prompt_key=g.prompt_key,
+                        epoch=epoch,
+                    )
+                    for group_id, g in by_id.items()
+                ]
+            )
+            for item in client.groups(limit=len(by_id), timeout_s=1800):
+                result = item.result
+                if result.error:
+                    raise RuntimeError(f"group {result.group_id} failed: {result.error}")
+                g = by_id[result.group_id]
+                ordered = sorted(result.samples, key=lambda s: s.index)
+                rollouts.append(
+                    Rollout(
+                        g.prompt_key,
+                        epoch,
+                        tuple(g.prompt_token_ids),
+                        tuple(tuple(s.token_ids) for s in ordered),
+                    )
+                )
+                item.done()
+    return rollouts
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _quantile(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
+    return value
+
+
+def add_bench_drafts(bench_sub: Any) -> None:
+    """Registers ``drafts`` under ``rollserve bench``."""
+    from rollserve.cli.paths import output_file
+
+    p: argparse.ArgumentParser = bench_sub.add_parser(
+        "drafts",
+        help="tokens a verification pass would give with model-free drafters (ngram, siblings, "
+        "history), measured on plain rollouts",
+    )
+    p.add_argument("--samples", type=Path, help="rollouts as JSON lines (default: make them)")
+    p.add_argument("--save", type=output_file, help="write the rollouts used as JSON lines")
+    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    p.add_argument("--groups", type=_positive, default=64, help="prompts, one group each")
+    p.add_argument("--n", type=_positive, default=4, help="samples per group")
+    p.add_argument("--epochs", type=_positive, default=2, help="passes over the same prompts")
+    p.add_argument("--max-tokens", type=_positive, default=1024)
+    p.add_argument("--engines", type=_positive, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
+    p.add_argument("--k", type=_positive, default=4, help="draft tokens a pass")
+    p.add_argument("--min-n", type=_positive, default=2, help="shortest suffix matched")
+    p.add_argument("--max-n", type=_positive, default=5, help="longest suffix matched")
+    p.add_argument(
+        "--tail-quantile",
+        type=_quantile,
+        default=0.9,
+        help="the tail: output past this quantile of a step's response lengths",
+    )
+    p.add_argument("--json", type=output_file)
+    p.set_defaults(func=_cmd_drafts)
+
+
+def _cmd_drafts(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    try:
+        settings = DraftSettings(k=args.k, min_n=args.min_n, max_n=args.max_n)
+        drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+        unknown = [d for d in drafters if d not in _SOURCES]
+        if not drafters or unknown:
+            raise ValueError(f"--drafters ({args.drafters!r}): choose from {', '.join(DRAFTERS)}")
+        if args.samples is not None:
+            rollouts = read_rollouts(args.samples)
+            source = str(args.samples)
+        else:
+            from rollserve.assets import reasoner_dir
+
+            model = args.model or reasoner_dir()
+            console.print(
+                f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
+                f"{args.epochs} epoch(s), {model} …"
+            )
+            rollouts = make_rollouts(
+                model,
+                groups=args.groups,
+                n=args.n,
+                epochs=args.epochs,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+                engines=args.engines,
+            )
+            source = f"{model} (made here, seed {args.seed})"
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    if args.save is not None:
+        write_rollouts(args.save, rollouts)
+    results = measure(rollouts, drafters, settings, args.tail_quantile)
+    samples = sum(len(r.responses) for r in rollouts)
+    tokens = sum(len(x) for r in rollouts for x in r.responses)
+    table = Table(
+        title=f"model-free drafts on {samples} plain rollouts ({tokens} tokens), k={settings.k}, "
+        f"n-grams {settings.min_n}-{settings.max_n}; tail: past the {args.tail_quantile:g} "
+        "quantile of a step's lengths"
+    )
+    for column in (
+        "drafter",
+        "tokens a pass",
+        "tail: tokens a pass",
+        "passes drafted",
+        "drafts accepted",
+        "tail: drafts accepted",
+    ):
+        table.add_column(column, justify="left" if column == "drafter" else "right")
+    for r in results:
+        table.add_row(
+            r.name,
+            f"{r.every.tokens_per_pass:.2f}",
+            f"{r.tail.tokens_per_pass:.2f}",
+            _share(r.every.drafted_passes, r.every.passes),
+            _share(r.every.accepted_tokens, r.every.draft_tokens),
+            _share(r.tail.accepted_tokens, r.tail.draft_tokens),
+        )
+    console.print(table)
+    console.print(
+        "tokens a pass = the --spec-accept of `rollserve bench policies` (its +spec rows "
+        "speculate in the tail: use the tail's figure)"
+    )
+    if args.json is not None:
+        report = {
+            "source": source,
+            "settings": {
+                "k": settings.k,
+                "min_n": settings.min_n,
+                "max_n": settings.max_n,
+                "tail_quantile": args.tail_quantile,
+            },
+            "groups": len(rollouts),
+            "samples": samples,
+            "tokens": tokens,
+            "drafters": {
+                r.name: {"all": r.every.to_json(), "tail": r.tail.to_json()} for r in results
+            },
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
