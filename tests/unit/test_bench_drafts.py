@@ -5,6 +5,7 @@ model where the claim is checked, and vLLM's own ngram search is the reference f
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -234,3 +235,25 @@ def test_settings_and_drafters_are_checked() -> None:
         DraftSettings(k=0)
     with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
         measure([Rollout("p", 0, (1,), ((1,),))], ["eagle"], DraftSettings())
+
+
+def test_the_command_measures_rollouts_from_a_file(tmp_path: Path) -> None:
+    from rollserve.cli.main import main
+
+    solution = tuple(range(100, 130))
+    rollouts = [
+        Rollout("p", 0, (20, 21), (solution, (*solution[:10], 7, 7))),
+        Rollout("p", 1, (20, 21), (solution,)),
+    ]
+    samples, report = tmp_path / "r.jsonl", tmp_path / "d.json"
+    write_rollouts(samples, rollouts)
+    argv = ["bench", "drafts", "--samples", str(samples), "--drafters", "ngram,history"]
+    assert main([*argv, "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert (data["groups"], data["samples"], data["tokens"]) == (2, 3, 72)
+    assert set(data["drafters"]) == {"ngram", "history"}
+    history = data["drafters"]["history"]["all"]
+    assert history["tokens"] == 72
+    assert history["accepted_tokens"] > 0  # epoch 1 repeats epoch 0
+    assert main([*argv[:-1], "eagle"]) == 2  # an unknown drafter: a clear error, no run
+    assert main([*argv, "--speculate"]) == 2  # --speculate makes rollouts; not with a file

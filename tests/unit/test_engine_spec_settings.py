@@ -4,6 +4,7 @@ runs: vLLM is not imported; the Stats test uses a backend with fixed counters.""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -216,3 +217,33 @@ async def test_stats_reports_the_speculative_counters() -> None:
     servicer.attach(cast(GenerationBackend, CountingBackend()))
     stats = await servicer.Stats(pb.StatsRequest(), cast(Any, None))
     assert (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens) == (3, 11, 7)
+
+
+def test_an_ngram_engine_on_cpu_gets_as_many_numba_threads_as_openmp_threads(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollserve.engine.settings import apply_environment
+
+    # apply_environment writes several variables: on a copy, so none outlives the test
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the dev stack starts each engine
+    apply_environment(EngineSettings(model=model_dir, spec_method="ngram"), "cpu")
+    assert os.environ["NUMBA_NUM_THREADS"] == "1"
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS")
+    apply_environment(
+        EngineSettings(model=model_dir, spec_method="ngram", omp_num_threads=3), "cpu"
+    )
+    assert os.environ["NUMBA_NUM_THREADS"] == "3"
+
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")  # the operator's own choice stays
+    apply_environment(
+        EngineSettings(model=model_dir, spec_method="ngram", omp_num_threads=1), "cpu"
+    )
+    assert os.environ["NUMBA_NUM_THREADS"] == "2"
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS")
+    apply_environment(EngineSettings(model=model_dir), "cpu")  # no drafter: left alone
+    apply_environment(EngineSettings(model=model_dir, spec_method="ngram"), "cuda")
+    assert "NUMBA_NUM_THREADS" not in os.environ
