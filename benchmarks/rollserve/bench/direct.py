@@ -26,6 +26,24 @@ from typing import Any
 from rollserve.bench.workload import BenchGroup
 
 
+def sample_params(max_tokens: int, seed: int) -> Any:
+    """vLLM's SamplingParams for one sample as the engine service asks for it: n=1,
+    temperature 1, its own seed, the sampled token's logprob, token ids only, delta outputs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        logprobs=0,
+        flat_logprobs=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
 async def _one_sample(llm: Any, params: Any, prompt: Any, request_id: str) -> int:
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -49,9 +67,7 @@ async def _serve(model: Path, groups: list[BenchGroup], frontend_nice: int) -> N
     device = resolve_device(settings)
     apply_environment(settings, device)
 
-    from vllm import SamplingParams
     from vllm.inputs import tokens_input
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
@@ -69,16 +85,7 @@ async def _serve(model: Path, groups: list[BenchGroup], frontend_nice: int) -> N
             for g in groups:
                 prompt = tokens_input(list(g.prompt_token_ids))
                 for i in range(g.n):
-                    params = SamplingParams(
-                        n=1,
-                        max_tokens=g.max_tokens,
-                        temperature=1.0,
-                        seed=g.seed + i,
-                        logprobs=0,
-                        flat_logprobs=True,
-                        detokenize=False,
-                        output_kind=RequestOutputKind.DELTA,
-                    )
+                    params = sample_params(g.max_tokens, g.seed + i)
                     jobs.append(_one_sample(llm, params, prompt, f"r{rep}-{g.index}/{i}"))
             counts = await asyncio.gather(*jobs)
             wall = time.perf_counter() - start

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollserve.bench.direct import sample_params
 from rollserve.bench.workload import BenchGroup
 
 
@@ -64,9 +65,7 @@ async def _run(
     device = resolve_device(settings)
     apply_environment(settings, device)
 
-    from vllm import SamplingParams
     from vllm.inputs import tokens_input
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(build_engine_args(settings, device))
@@ -78,16 +77,7 @@ async def _run(
                 for g in groups:
                     prompt = tokens_input(list(g.prompt_token_ids))
                     for i in range(g.n):
-                        params = SamplingParams(
-                            n=1,
-                            max_tokens=g.max_tokens,
-                            temperature=1.0,
-                            seed=g.seed + 100_000 * epoch + i,
-                            logprobs=0,
-                            flat_logprobs=True,
-                            detokenize=False,
-                            output_kind=RequestOutputKind.DELTA,
-                        )
+                        params = sample_params(g.max_tokens, g.seed + 100_000 * epoch + i)
                         jobs.append(_sample(llm, params, prompt, f"e{epoch}-{g.index}/{i}"))
                 results = await asyncio.gather(*jobs)
                 first = 0
