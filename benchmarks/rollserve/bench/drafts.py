@@ -31,7 +31,8 @@ response length (``--tail-quantile``) are made while at most a tenth of its samp
 where an engine speculates (``--spec-max-batch``). The tail column is over those passes.
 
 The rollouts are made here on the dev stack (the shipped trained reasoner by default, the
-peer benchmark's sampling), or read with ``--samples FILE``: JSON lines, one group a line,
+peer benchmark's sampling), read from a run's Redis stream (``--stream RUN --redis-url URL``,
+without consuming it), or read with ``--samples FILE``: JSON lines, one group a line,
 ``{"prompt_key": str, "epoch": int, "prompt_token_ids": [int], "responses": [[int]]}``, which is
 also what ``--save FILE`` writes; a trainer can write its own rollouts that way to measure them.
 """
@@ -45,7 +46,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 DRAFTERS = ("ngram", "group", "history", "group+ngram", "all")
 _SOURCES = {
@@ -408,6 +409,53 @@ def _rollout(row: dict[str, Any], where: str) -> Rollout:
     )
 
 
+def read_stream(redis_url: str, run_id: str) -> list[Rollout]:
+    """A run's delivered groups from its Redis stream, read without consuming them (XRANGE:
+    no consumer group, nothing acknowledged). The k-th group of a ``prompt_key`` by
+    submission is its epoch k; failed groups (no samples) are left out."""
+    import redis
+    from rollserve.client.wire import GroupStatus, decode_entry, stream_key
+
+    results = []
+    try:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            start = "-"
+            while page := cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                client.xrange(stream_key(run_id), min=start, max="+", count=500),
+            ):
+                for entry_id, fields in page:
+                    result = decode_entry(fields)
+                    if result.status == GroupStatus.DELIVERED and result.samples:
+                        results.append(result)
+                    start = f"({entry_id.decode()}"
+        finally:
+            client.close()
+    except redis.RedisError as e:
+        raise ValueError(f"cannot read run {run_id!r} at {redis_url}: {e}") from None
+    if not results:
+        raise ValueError(f"run {run_id!r} has no delivered groups in the stream at {redis_url}")
+    results.sort(key=lambda r: (r.submitted_at, r.group_id))
+    seen: Counter[str] = Counter()
+    rollouts = []
+    for r in results:
+        key = r.prompt_key or r.group_id  # no key: no history, each group its own prompt
+        ordered = sorted(r.samples, key=lambda s: s.index)
+        rollouts.append(
+            Rollout(
+                key,
+                seen[key],
+                tuple(r.prompt_token_ids),
+                tuple(tuple(s.token_ids) for s in ordered),
+                sum(s.spec_proposed_tokens for s in ordered),
+                sum(s.spec_accepted_tokens for s in ordered),
+            )
+        )
+        seen[key] += 1
+    return rollouts
+
+
 def write_rollouts(path: Path, rollouts: Sequence[Rollout]) -> None:
     with path.open("w") as f:
         for r in rollouts:
@@ -563,6 +611,13 @@ def add_bench_drafts(bench_sub: Any) -> None:
         "history), measured on plain rollouts",
     )
     p.add_argument("--samples", type=Path, help="rollouts as JSON lines (default: make them)")
+    p.add_argument(
+        "--stream",
+        metavar="RUN",
+        help="a run's delivered groups, read from its Redis stream (--redis-url) without "
+        "consuming them",
+    )
+    p.add_argument("--redis-url", help="the Redis of --stream")
     p.add_argument("--save", type=output_file, help="write the rollouts used as JSON lines")
     p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     p.add_argument("--groups", type=_positive, default=64, help="prompts, one group each")
@@ -602,12 +657,19 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         unknown = [d for d in drafters if d not in _SOURCES]
         if not drafters or unknown:
             raise ValueError(f"--drafters ({args.drafters!r}): choose from {', '.join(DRAFTERS)}")
-        if args.speculate and args.samples is not None:
-            raise ValueError("--speculate makes rollouts; it cannot go with --samples")
+        if args.samples is not None and args.stream is not None:
+            raise ValueError("give --samples or --stream, not both")
+        if args.speculate and (args.samples is not None or args.stream is not None):
+            raise ValueError("--speculate makes rollouts; it cannot go with --samples or --stream")
+        if (args.stream is None) != (args.redis_url is None):
+            raise ValueError("--stream RUN and --redis-url URL go together")
         nan_logprobs: int | None = None
         if args.samples is not None:
             rollouts = read_rollouts(args.samples)
             source = str(args.samples)
+        elif args.stream is not None:
+            rollouts = read_stream(args.redis_url, args.stream)
+            source = f"run {args.stream} at {args.redis_url}"
         else:
             from rollserve.assets import reasoner_dir
 
