@@ -69,3 +69,16 @@ def test_the_plugin_makes_vllms_cpu_expand_write_float_outputs() -> None:
         cpu_tl._expand_kernel_impl = original
     if not getattr(original, "_rollserve_fixed", False) and not broken:
         pytest.fail("vLLM's CPU expand_kernel writes float outputs now: drop the plugin")
+
+
+def test_the_engine_knows_whether_vllm_loads_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed package declares the plugin (pyproject's entry point); VLLM_PLUGINS, an
+    allowlist when set, can leave it out, and a speculating CPU engine then warns."""
+    from rollserve.engine.service import _cpu_fix_loaded
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert _cpu_fix_loaded()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,rollserve_cpu_fixes")
+    assert _cpu_fix_loaded()
+    monkeypatch.setenv("VLLM_PLUGINS", "none")
+    assert not _cpu_fix_loaded()
