@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from rollserve.cli.argtypes import positive_int
+
 DRAFTERS = ("ngram", "group", "history", "group+ngram", "all")
 _SOURCES = {
     "ngram": (True, False, False),  # (self, siblings, history)
@@ -587,13 +589,6 @@ def make_speculated_rollouts(
 # --- the command ------------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def _quantile(text: str) -> float:
     value = float(text)
     if not 0.0 < value < 1.0:
@@ -620,11 +615,11 @@ def add_bench_drafts(bench_sub: Any) -> None:
     p.add_argument("--redis-url", help="the Redis of --stream")
     p.add_argument("--save", type=output_file, help="write the rollouts used as JSON lines")
     p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
-    p.add_argument("--groups", type=_positive, default=64, help="prompts, one group each")
-    p.add_argument("--n", type=_positive, default=4, help="samples per group")
-    p.add_argument("--epochs", type=_positive, default=2, help="passes over the same prompts")
-    p.add_argument("--max-tokens", type=_positive, default=1024)
-    p.add_argument("--engines", type=_positive, default=2)
+    p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
+    p.add_argument("--epochs", type=positive_int, default=2, help="passes over the same prompts")
+    p.add_argument("--max-tokens", type=positive_int, default=1024)
+    p.add_argument("--engines", type=positive_int, default=2)
     p.add_argument(
         "--speculate",
         action="store_true",
@@ -633,9 +628,9 @@ def add_bench_drafts(bench_sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
-    p.add_argument("--k", type=_positive, default=4, help="draft tokens a pass")
-    p.add_argument("--min-n", type=_positive, default=2, help="shortest suffix matched")
-    p.add_argument("--max-n", type=_positive, default=5, help="longest suffix matched")
+    p.add_argument("--k", type=positive_int, default=4, help="draft tokens a pass")
+    p.add_argument("--min-n", type=positive_int, default=2, help="shortest suffix matched")
+    p.add_argument("--max-n", type=positive_int, default=5, help="longest suffix matched")
     p.add_argument(
         "--tail-quantile",
         type=_quantile,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollserve.bench.workload import BenchGroup, bench_groups
+from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_dir, output_file
 from rollserve.sim.calibrate import default_engines
 from rollserve.sim.scenarios import SimGroup
@@ -771,13 +772,6 @@ def _step_label(row: StepComparison, rounds: int) -> str:
     return f"{row.step}" if rounds == 1 else f"{row.step} (round {row.round})"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def add_bench_fidelity(bench_sub: Any) -> None:
     """Adds ``fidelity`` to the ``rollserve bench`` subcommands."""
     d = FidelityConfig()
@@ -787,12 +781,12 @@ def add_bench_fidelity(bench_sub: Any) -> None:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
-    p.add_argument("--groups", type=_positive, default=d.groups, help=f"per step ({d.groups})")
-    p.add_argument("--n", type=_positive, default=d.n, help=f"samples per group ({d.n})")
-    p.add_argument("--max-tokens", type=_positive, default=d.max_tokens)
+    p.add_argument("--groups", type=positive_int, default=d.groups, help=f"per step ({d.groups})")
+    p.add_argument("--n", type=positive_int, default=d.n, help=f"samples per group ({d.n})")
+    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
     p.add_argument(
         "--engines",
-        type=_positive,
+        type=positive_int,
         default=d.engines,
         help=f"default one per two CPUs ({d.engines} here), as `sim calibrate`: more starve "
         "the engines' front ends of CPU (docs/calibration.md)",
@@ -800,11 +794,11 @@ def add_bench_fidelity(bench_sub: Any) -> None:
     p.add_argument("--policy", default=d.policy)
     p.add_argument("--capacity-factor", type=float, default=d.capacity_factor)
     p.add_argument(
-        "--repeats", type=_positive, default=d.repeats, help="timed steps after one warm-up"
+        "--repeats", type=positive_int, default=d.repeats, help="timed steps after one warm-up"
     )
     p.add_argument(
         "--rounds",
-        type=_positive,
+        type=positive_int,
         default=d.rounds,
         help="run the timed steps this many times, the same work each time; a step's real "
         "makespan is the median of its rounds",
@@ -826,7 +820,7 @@ def add_bench_fidelity(bench_sub: Any) -> None:
     )
     p.add_argument(
         "--pairs",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="K >= 2: K times a fresh `sim calibrate` and at once a check against it, then "
         "every check replayed with every fit and pooled (2.5 to 4 minutes a pair here)",

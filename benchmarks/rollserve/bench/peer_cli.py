@@ -7,14 +7,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_dir, output_file
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def _split(flag: str, text: str) -> tuple[str, ...]:
@@ -33,12 +27,12 @@ def add_bench_peer(bench_sub: Any) -> None:
     )
     p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     p.add_argument("--prompts", type=Path, help="prompt set (default: the shipped one)")
-    p.add_argument("--engines", type=_positive, default=2)
-    p.add_argument("--steps", type=_positive, default=12, help="measured trainer steps (K)")
+    p.add_argument("--engines", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=12, help="measured trainer steps (K)")
     p.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first")
-    p.add_argument("--groups", type=_positive, default=16, help="groups per step (B)")
-    p.add_argument("--n", type=_positive, default=4, help="samples per group")
-    p.add_argument("--max-tokens", type=_positive, default=1024)
+    p.add_argument("--groups", type=positive_int, default=16, help="groups per step (B)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
+    p.add_argument("--max-tokens", type=positive_int, default=1024)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="least_outstanding", help="rollserve's scheduler policy")
@@ -53,8 +47,8 @@ def add_bench_peer(bench_sub: Any) -> None:
         "(default: all that need no KV events)",
     )
     p.add_argument("--router-policy", help="measure this vllm-router policy, no trial")
-    p.add_argument("--trial-steps", type=_positive, default=3, help="steps per router policy")
-    p.add_argument("--repeats", type=_positive, default=1, help="rounds, alternating the order")
+    p.add_argument("--trial-steps", type=positive_int, default=3, help="steps per router policy")
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds, alternating the order")
     p.add_argument(
         "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
     )

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from rich.console import Console
+from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_dir, output_file
 
 
@@ -159,7 +160,7 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
 
     run_decisions(
         DecisionsConfig(
-            engines=tuple(_positive(e) for e in args.engines.split(",") if e),
+            engines=tuple(positive_int(e) for e in args.engines.split(",") if e),
             policies=tuple(p for p in args.policies.split(",") if p) or DEFAULT_POLICIES,
             groups=args.groups,
             n=args.n,
@@ -190,19 +191,12 @@ def _cmd_bench_bound(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start Redis, engines and the scheduler; Ctrl-C stops them")
-    up.add_argument("--engines", type=_positive, default=1)
+    up.add_argument("--engines", type=positive_int, default=1)
     up.add_argument("--model", type=Path, help="model dir (default: the shipped trained reasoner)")
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
@@ -218,14 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_cmd_up)
 
     demo = sub.add_parser("demo", help="dev stack plus a small trainer loop, with a summary")
-    demo.add_argument("--engines", type=_positive, default=1)
+    demo.add_argument("--engines", type=positive_int, default=1)
     demo.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     demo.add_argument("--prompts", type=Path, help="prompt set (default: the shipped one)")
     demo.add_argument("--redis-url")
-    demo.add_argument("--steps", type=_positive, default=4)
-    demo.add_argument("--groups", type=_positive, default=16, help="groups per step")
-    demo.add_argument("--n", type=_positive, default=4, help="samples per group")
-    demo.add_argument("--max-tokens", type=_positive, default=1024)
+    demo.add_argument("--steps", type=positive_int, default=4)
+    demo.add_argument("--groups", type=positive_int, default=16, help="groups per step")
+    demo.add_argument("--n", type=positive_int, default=4, help="samples per group")
+    demo.add_argument("--max-tokens", type=positive_int, default=1024)
     demo.add_argument("--temperature", type=float, default=1.0)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", type=output_file, help="also write the summary here")
@@ -254,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     reasoner.add_argument("dir", type=output_dir)
     reasoner.add_argument("--seed", type=int, default=0)
     reasoner.add_argument(
-        "--steps", type=_positive, help="optimiser steps (default: those of the shipped model)"
+        "--steps", type=positive_int, help="optimiser steps (default: those of the shipped model)"
     )
     reasoner.set_defaults(func=_cmd_model_train_reasoner)
 
@@ -262,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload_sub = workload.add_subparsers(dest="workload_command", required=True)
     make = workload_sub.add_parser("make", help="write a seeded prompt set (JSON lines)")
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--size", type=_positive, default=1000)
+    make.add_argument("--size", type=positive_int, default=1000)
     make.add_argument("out", type=output_file)
     make.set_defaults(func=_cmd_workload_make)
     shape = workload_sub.add_parser(
@@ -270,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shape.add_argument("model", type=Path, nargs="?", help="default: the shipped model")
     shape.add_argument("data", type=Path, nargs="?", help="default: the shipped prompt set")
-    shape.add_argument("--samples", type=_positive, default=8, help="samples per prompt")
-    shape.add_argument("--prompts", type=_positive, help="use only the first N prompts")
+    shape.add_argument("--samples", type=positive_int, default=8, help="samples per prompt")
+    shape.add_argument("--prompts", type=positive_int, help="use only the first N prompts")
     shape.add_argument(
         "--out-dir", type=output_dir, default=Path("workload-stats"), help="where the PNGs go"
     )
@@ -285,10 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     overhead = bench_sub.add_parser("overhead", help="rollserve vs AsyncLLM directly")
     overhead.add_argument("--model", type=Path)
-    overhead.add_argument("--groups", type=_positive, default=256)
-    overhead.add_argument("--n", type=_positive, default=4)
-    overhead.add_argument("--max-tokens", type=_positive, default=1024)
-    overhead.add_argument("--repeats", type=_positive, default=7)
+    overhead.add_argument("--groups", type=positive_int, default=256)
+    overhead.add_argument("--n", type=positive_int, default=4)
+    overhead.add_argument("--max-tokens", type=positive_int, default=1024)
+    overhead.add_argument("--repeats", type=positive_int, default=7)
     overhead.add_argument(
         "--omp-threads", type=int, default=0, help="per engine, both sides (0: stack default)"
     )
@@ -302,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="S1",
         help="S1..S4 (drawn lengths), P1 (a recorded trace) or a scenario TOML file",
     )
-    policies.add_argument("--steps", type=_positive, help="override the scenario's steps")
-    policies.add_argument("--engines", type=_positive, help="override the scenario's engines")
+    policies.add_argument("--steps", type=positive_int, help="override the scenario's steps")
+    policies.add_argument("--engines", type=positive_int, help="override the scenario's engines")
     policies.add_argument(
         "--policies",
         help="comma-separated (default: the baselines, rl and the oracles; also rl_moves: rl "
@@ -345,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         "advances a sequence (1 to --spec-tokens + 1; measured on the model and task)",
     )
     policies.add_argument(
-        "--spec-tokens", type=_positive, default=4, help="draft tokens a sequence a pass"
+        "--spec-tokens", type=positive_int, default=4, help="draft tokens a sequence a pass"
     )
     policies.add_argument(
         "--spec-max-batch",
@@ -380,9 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decisions.add_argument("--engines", default="8,64,512", help="comma-separated fleet sizes")
     decisions.add_argument("--policies", default="", help="comma-separated (default: all)")
-    decisions.add_argument("--groups", type=_positive, default=128)
-    decisions.add_argument("--n", type=_positive, default=8)
-    decisions.add_argument("--repeats", type=_positive, default=5)
+    decisions.add_argument("--groups", type=positive_int, default=128)
+    decisions.add_argument("--n", type=positive_int, default=8)
+    decisions.add_argument("--repeats", type=positive_int, default=5)
     decisions.add_argument("--json", type=output_file)
     decisions.set_defaults(func=_cmd_bench_decisions)
     bound = bench_sub.add_parser(
@@ -391,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sample is long, against the clairvoyant oracle",
     )
     bound.add_argument("--scenario", default="S1", help="a shipped scenario's name or a file")
-    bound.add_argument("--engines", type=_positive, help="override the scenario's engines")
+    bound.add_argument("--engines", type=positive_int, help="override the scenario's engines")
     bound.add_argument(
         "--warm-steps",
         type=int,
@@ -399,10 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the step after this many (the step bench policies measures)",
     )
     bound.add_argument(
-        "--draws", type=_positive, default=200, help="length draws to score on (and to search on)"
+        "--draws",
+        type=positive_int,
+        default=200,
+        help="length draws to score on (and to search on)",
     )
     bound.add_argument(
-        "--max-passes", type=_positive, default=8, help="passes of the one-sample-move search"
+        "--max-passes", type=positive_int, default=8, help="passes of the one-sample-move search"
     )
     bound.add_argument("--seed", type=int, default=0)
     bound.add_argument("--json", type=output_file)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rollserve.cli.argtypes import positive_float, positive_int
 from rollserve.cli.paths import output_dir, output_file
 
 
@@ -47,20 +48,6 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
-    return value
-
-
 def add_bench_fleet(bench_sub: Any) -> None:
     """Adds ``fleet`` to the ``rollserve bench`` subcommands."""
     from rollserve.bench.fleet import FleetConfig
@@ -82,17 +69,17 @@ def add_bench_fleet(bench_sub: Any) -> None:
     )
     fleet.add_argument(
         "--groups",
-        type=_positive_int,
+        type=positive_int,
         default=defaults.groups_per_engine,
         help=f"groups per engine: the load grows with the fleet "
         f"(default: {defaults.groups_per_engine})",
     )
     fleet.add_argument(
-        "--n", type=_positive_int, default=defaults.n, help=f"samples per group ({defaults.n})"
+        "--n", type=positive_int, default=defaults.n, help=f"samples per group ({defaults.n})"
     )
     fleet.add_argument(
         "--time-scale",
-        type=_positive_float,
+        type=positive_float,
         default=defaults.time_scale,
         help=f"real seconds per simulated second ({defaults.time_scale})",
     )
@@ -106,13 +93,13 @@ def add_bench_fleet(bench_sub: Any) -> None:
     fleet.add_argument("--profile", default=defaults.profile, help="sim cost profile")
     fleet.add_argument(
         "--median",
-        type=_positive_float,
+        type=positive_float,
         default=defaults.response_median,
         help=f"median response length, tokens ({defaults.response_median:g})",
     )
     fleet.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=defaults.max_tokens,
         help=f"max_tokens of every group ({defaults.max_tokens})",
     )
