@@ -32,6 +32,7 @@ def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
         ({"draft_tokens": 3, "accept_len": 0.9}, r"accept_len \(0.9\) must be between 1 and"),
         ({"draft_tokens": 3, "accept_len": 2.0, "max_batch": -1}, r"max_batch \(-1\)"),
         ({"draft_tokens": 3, "accept_len": 2.0, "draft_s": -1e-6}, r"draft_s \(-1e-06\)"),
+        ({"draft_tokens": 3, "accept_len": 2.0, "pass_s": -1e-3}, r"pass_s \(-0.001\)"),
     ],
 )
 def test_spec_validation_names_the_field(kwargs: dict[str, float], message: str) -> None:
@@ -50,6 +51,10 @@ def test_a_speculating_step_is_a_share_of_a_verification_pass() -> None:
     # Above max_batch, and with nothing decoding, no speculation: the plain model.
     assert profile.step_time(5, 20, 100) == pytest.approx(plain.step_time(5, 20, 100))
     assert profile.step_time(0, 20, 0) == pytest.approx(plain.step_time(0, 20, 0))
+    # The speculative path's own cost: once a pass, whatever the batch or the drafts.
+    fixed = make_profile(replace(spec, pass_s=0.5))
+    assert fixed.step_time(4, 20, 100) == pytest.approx((verify + 0.5) / 2.5 + PER_PREFILL * 20)
+    assert fixed.step_time(5, 20, 100) == pytest.approx(plain.step_time(5, 20, 100))
     # max_batch 0: every step speculates.
     always = make_profile(replace(spec, max_batch=0))
     assert always.step_time(8, 0, 0) < plain.step_time(8, 0, 0) * 2
@@ -114,6 +119,12 @@ def test_a_profile_file_may_hold_a_spec_table(tmp_path: Path) -> None:
     path.write_text("\n".join([*PROFILE_LINES, "[spec]", "draft_tokens = 4", "accept_len = 2"]))
     profile = load_profile(path)
     assert profile.spec == SpecDecoding(draft_tokens=4, accept_len=2.0)
+    path.write_text(
+        "\n".join(
+            [*PROFILE_LINES, "[spec]", "draft_tokens = 4", "accept_len = 2", "pass_s = 0.0015"]
+        )
+    )
+    assert load_profile(path).spec == SpecDecoding(draft_tokens=4, accept_len=2.0, pass_s=0.0015)
     path.write_text("\n".join(PROFILE_LINES))
     assert load_profile(path).spec is None
 

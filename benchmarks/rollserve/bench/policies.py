@@ -147,7 +147,8 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     if speculating and cfg.spec is not None:
         console.print(
             f"  {', '.join(speculating)}: engines speculate ({cfg.spec.describe()}; "
-            f"drafting {cfg.spec.draft_s * 1e6:g} µs a sequence a pass)"
+            f"drafting {cfg.spec.draft_s * 1e6:g} µs a sequence a pass, "
+            f"{cfg.spec.pass_s * 1e3:g} ms a pass for the speculative path)"
         )
 
     def predictor() -> LengthPredictor:
@@ -234,6 +235,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
             "accept_len": cfg.spec.accept_len,
             "max_batch": cfg.spec.max_batch,
             "draft_s": cfg.spec.draft_s,
+            "pass_s": cfg.spec.pass_s,
             "rows": speculating,
         }
         out["step_floor_spec_s"] = spec_floor

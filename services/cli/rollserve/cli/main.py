@@ -132,6 +132,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 accept_len=args.spec_accept,
                 max_batch=args.spec_max_batch,
                 draft_s=args.spec_draft_s,
+                pass_s=args.spec_pass_s,
             )
         )
         run_policies(
@@ -352,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="drafting time a sequence a pass, seconds (a model-free drafter's CPU lookups)",
+    )
+    policies.add_argument(
+        "--spec-pass-s",
+        type=float,
+        default=0.0,
+        help="time the speculative path adds to a verification pass whatever is drafted, "
+        "seconds (the proposer's call, the rejection sampler)",
     )
     policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
     policies.add_argument("--json", type=output_file)

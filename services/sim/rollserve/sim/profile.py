@@ -20,17 +20,19 @@ forward pass verifies them all. In a step where it applies (at most ``max_batch`
 sequences: vLLM's ``num_speculative_tokens_per_batch_size`` schedule, which speculates in the
 tail of a step, when few sequences are left) the pass costs
 
-    step_base_s + per_decode_seq_s * (draft_tokens + 1) * decode sequences
+    step_base_s + pass_s + per_decode_seq_s * (draft_tokens + 1) * decode sequences
     + per_kv_token_s * attended KV tokens + draft_s * decode sequences
 
 (the weights and each sequence's context are read once, the per-token compute is paid for every
-verified position) and advances every sequence by ``accept_len`` tokens on average. The
-simulated engine advances one token per step, so a speculative step is charged as ``accept_len``
-steps of a ``1 / accept_len`` share each (plus the step's own prefill). What this leaves out:
-the spread of accepted tokens around the mean (a sample of ``L`` tokens takes ``L / accept_len``
-passes in the model, about as many as the mean over its passes gives), the KV slots the drafts
-take for one step, and any dependence of acceptance on the text (suffix drafts from a group's
-finished siblings accept more than from unrelated prompts). ``accept_len`` is the workload's,
+verified position; ``pass_s`` is what the speculative path itself adds to a step whatever is
+drafted: the proposer's call, the rejection sampler, the bookkeeping) and advances every
+sequence by ``accept_len`` tokens on average. The simulated engine advances one token per step,
+so a speculative step is charged as ``accept_len`` steps of a ``1 / accept_len`` share each
+(plus the step's own prefill). What this leaves out: the spread of accepted tokens around the
+mean (a sample of ``L`` tokens takes ``L / accept_len`` passes in the model, about as many as
+the mean over its passes gives), the KV slots the drafts take for one step, and any dependence
+of acceptance on the text (suffix drafts from a group's finished siblings accept more than from
+unrelated prompts). ``accept_len`` is the workload's,
 not the hardware's: it is measured on the model and task, never derived.
 
 **Chunked prefill** (optional ``chunked_prefill``, false when absent): vLLM v1 on a GPU
@@ -79,6 +81,7 @@ class SpecDecoding:
     accept_len: float  # mean tokens a sequence advances per verification pass, 1..draft_tokens+1
     max_batch: int = 0  # speculate only in steps of at most this many decoding sequences; 0: all
     draft_s: float = 0.0  # drafting time per sequence per step
+    pass_s: float = 0.0  # fixed time the speculative path adds to a verification pass
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
@@ -90,8 +93,10 @@ class SpecDecoding:
             )
         if self.max_batch < 0:
             raise ValueError(f"spec max_batch ({self.max_batch}) must be at least 0 (0: always)")
-        if not (math.isfinite(self.draft_s) and self.draft_s >= 0):
-            raise ValueError(f"spec draft_s ({self.draft_s}) must be at least 0 seconds")
+        for name in ("draft_s", "pass_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"spec {name} ({value}) must be at least 0 seconds")
 
     def applies(self, decode_seqs: int) -> bool:
         """Whether a step decoding ``decode_seqs`` sequences speculates."""
@@ -193,6 +198,7 @@ class CostProfile:
         if spec is not None and spec.applies(decode_seqs):
             verify = (
                 self.step_base_s
+                + spec.pass_s
                 + (self.per_decode_seq_s * (spec.draft_tokens + 1) + spec.draft_s) * decode_seqs
                 + self.per_kv_token_s * attended_kv_tokens
             )
