@@ -269,7 +269,8 @@ class _SampleDrafter:
             self.own = SelfMatcher(settings)
             self.own.extend(prompt)
         self.siblings = siblings if use_siblings else ()
-        self.history = history if use_history else ()
+        # earlier epochs exist whole from the start; siblings grow with the sample (below)
+        self.history = [(i, len(i.tokens)) for i in history] if use_history else []
         self.context = list(prompt)
 
     def __call__(self, t: int) -> Match:
@@ -279,10 +280,7 @@ class _SampleDrafter:
             self.own.extend(grown)
         available = self.prompt_len + t  # siblings have made as many tokens by now
         best = _NO_MATCH
-        sources = (
-            [(i, min(available, len(i.tokens))) for i in self.siblings],
-            [(i, len(i.tokens)) for i in self.history],
-        )
+        sources = ([(i, min(available, len(i.tokens))) for i in self.siblings], self.history)
         for corpus in sources:
             if corpus:
                 found = corpus_match(self.context, corpus, self.settings)
