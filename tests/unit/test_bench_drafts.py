@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rollserve.bench.drafts import (
-    DraftSettings,
-    Match,
     PassCounts,
     Rollout,
     SelfMatcher,
@@ -26,6 +24,7 @@ from rollserve.bench.drafts import (
     walk,
     write_rollouts,
 )
+from rollserve.engine.drafting import DraftSettings, Match
 
 
 def test_self_matcher_drafts_what_vllms_ngram_proposer_drafts() -> None:
@@ -168,7 +167,8 @@ def test_siblings_that_solve_alike_draft_each_other_and_history_helps_a_new_epoc
         Rollout("q", 0, (23, 24), (other,)),
         Rollout("p", 1, prompt, (solution,)),
     ]
-    results = {r.name: r for r in measure(rollouts, ["ngram", "group", "history", "all"], s)}
+    names = ["ngram", "group", "history", "all", "rollout"]
+    results = {r.name: r for r in measure(rollouts, names, s)}
     assert results["ngram"].every.drafted_passes == 0
     assert results["ngram"].every.tokens_per_pass == 1.0
     # Side by side, a sibling has made as many tokens as the sample: the prompt's n-grams
@@ -177,6 +177,8 @@ def test_siblings_that_solve_alike_draft_each_other_and_history_helps_a_new_epoc
     history = results["history"].every
     assert history.accepted_tokens == history.draft_tokens > 0  # epoch 1 repeats epoch 0
     assert results["all"].every.tokens_per_pass > 1.0
+    # the engine's drafter: nothing from the siblings here, all from the earlier epoch
+    assert results["rollout"].every == history
 
 
 def test_siblings_that_ended_draft_the_tail() -> None:
@@ -184,7 +186,7 @@ def test_siblings_that_ended_draft_the_tail() -> None:
     short = tuple(range(1, 9))
     rechecked = (*short, *short)  # solves it, then checks by solving it again
     rollouts = [Rollout("p", 0, (50, 51), (short, rechecked, short))]
-    (group,) = measure(rollouts, ["group"], s, tail_quantile=0.5)
+    group, rollout = measure(rollouts, ["group", "rollout"], s, tail_quantile=0.5)
     # Side by side the three make the same 8 tokens and none is ahead to draft from: 8
     # passes each. Then the siblings are done; at output 10 the suffix (1, 2) is in them and
     # they went on with 3 4 5 6: all taken, plus the pass's own 7; at 15, (6, 7) -> 8, the end.
@@ -195,6 +197,16 @@ def test_siblings_that_ended_draft_the_tail() -> None:
     assert (group.tail.passes, group.tail.tokens) == (4, 8)
     assert group.tail.tokens_per_pass == 2.0
     assert tail_start([8, 16, 8], 0.9) == 16
+    # The engine's drafter advances the same: its own first half matches as the siblings do,
+    # and at output 15 all three occurrences match seven tokens back and go on with 8; its own
+    # first half goes on past 8 (1 2 3), so that draft is 4 tokens long, not 1.
+    for mine, theirs in ((rollout.every, group.every), (rollout.tail, group.tail)):
+        assert (mine.passes, mine.tokens, mine.accepted_tokens) == (
+            theirs.passes,
+            theirs.tokens,
+            theirs.accepted_tokens,
+        )
+    assert (rollout.every.draft_tokens, group.every.draft_tokens) == (8, 5)
 
 
 def test_rollouts_round_trip_and_bad_lines_are_named(tmp_path: Path) -> None:

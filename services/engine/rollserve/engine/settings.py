@@ -25,12 +25,12 @@ __all__ = [
 ]
 
 Device = Literal["cpu", "cuda"]
-SpecMethod = Literal["ngram", "suffix"]
+SpecMethod = Literal["ngram", "rollout", "suffix"]
 
 MAX_SPECULATIVE_TOKENS = 32
 """Most draft tokens per step: verifying more costs more than the rare long match repays."""
 MAX_PROMPT_LOOKUP = 64
-"""Longest n-gram the ngram drafter may match."""
+"""Longest n-gram the ngram and rollout drafters may match."""
 SPECULATIVE_FIELDS = (
     "num_speculative_tokens",
     "prompt_lookup_min",
@@ -149,8 +149,9 @@ class EngineSettings(BaseModel):
     spec_method: SpecMethod | None = Field(
         None,
         description=(
-            "Speculative decoding: ngram (drafts from the sample's own prompt and output) or "
-            "suffix (needs arctic-inference); unset: off."
+            "Speculative decoding: ngram (drafts from the sample's own prompt and output), "
+            "rollout (also from its group's other samples and earlier samples of the same "
+            "prompt) or suffix (needs arctic-inference); unset: off."
         ),
     )
     num_speculative_tokens: int = Field(
@@ -163,13 +164,15 @@ class EngineSettings(BaseModel):
         2,
         ge=1,
         le=MAX_PROMPT_LOOKUP,
-        description="ngram: shortest n-gram of the sample's recent tokens matched earlier on.",
+        description=(
+            "ngram and rollout: shortest n-gram of the sample's recent tokens matched earlier on."
+        ),
     )
     prompt_lookup_max: int = Field(
         5,
         ge=1,
         le=MAX_PROMPT_LOOKUP,
-        description="ngram: longest n-gram matched (the longest match found drafts).",
+        description="ngram and rollout: longest n-gram matched (the longest match found drafts).",
     )
     spec_max_batch: int = Field(
         0,
@@ -201,11 +204,11 @@ class EngineSettings(BaseModel):
                     "(ngram or suffix) to turn speculative decoding on, or drop them"
                 )
             return self
-        if self.spec_method != "ngram":
+        if self.spec_method == "suffix":
             given = [name for name in _NGRAM_FIELDS if name in self.model_fields_set]
             if given:
                 raise ValueError(
-                    f"{', '.join(given)} apply to spec_method ngram only, not "
+                    f"{', '.join(given)} apply to spec_method ngram and rollout only, not "
                     f"{self.spec_method}; drop them"
                 )
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -256,7 +259,9 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
     - a CPU engine with the ngram drafter gets as many numba threads as OpenMP threads
       (unless NUMBA_NUM_THREADS is set): numba starts one a core, and on the dev stack (two
       engines of one OpenMP thread on two cores) they made every step ten times slower
-      (64 groups x 4 of the trained reasoner: 45-56 s a batch against 4.5-4.7 s).
+      (64 groups x 4 of the trained reasoner: 45-56 s a batch against 4.5-4.7 s);
+    - the rollout drafter runs in the engine core, where vLLM gives it only vLLM's config:
+      its n-gram lengths travel in ROLLSERVE_DRAFTER.
     """
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -279,4 +284,10 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
         and int(threads) > 0
     ):
         env["NUMBA_NUM_THREADS"] = threads
+    if settings.spec_method == "rollout":
+        from rollserve.engine.drafter import DRAFTER_ENV, DrafterConfig
+
+        env[DRAFTER_ENV] = DrafterConfig(
+            min_n=settings.prompt_lookup_min, max_n=settings.prompt_lookup_max
+        ).to_env()
     os.environ.update(env)

@@ -1,0 +1,233 @@
+"""The engine's ``rollout`` drafter: vLLM speculative decoding with drafts from the sample's
+own tokens, its group's siblings and earlier responses to the same prompt.
+
+vLLM loads it as a ``custom_class`` proposer (``speculative_config = {"method":
+"custom_class", "model": "rollserve.engine.drafter.RolloutDrafter", ...}``). That interface
+hands a proposer the batch's token rows but not which request each row is, nor when a request
+finishes, and both are what drafting across requests needs. So the drafter, when vLLM builds
+it inside the model runner, wraps two of the runner's methods (once a process, for runners
+whose drafter is a :class:`RolloutDrafter`; any other drafter goes through unchanged):
+
+- ``propose_draft_token_ids``: called after every step's bookkeeping, with the batch
+  (``input_batch.req_ids`` names the rows) and the draft length vLLM's batch-size schedule
+  chose for the step (``num_spec_tokens_to_schedule``; 0 in a step too big to speculate);
+- ``_on_request_state_removed``: vLLM's hook when a finished or aborted request's state goes,
+  with its prompt and output tokens.
+
+Samples of one prompt are told apart from other prompts by their prompt tokens (the engine
+service sends a group's samples, and the same prompt in later epochs, with the same tokens).
+Drafting itself is :class:`rollserve.engine.drafting.PromptCorpus`. A sample resumed after a
+partial-rollout preemption has its partial response in its prompt, so it drafts from its own
+tokens only (and from samples resumed with the very same tokens).
+
+The settings come from ``ROLLSERVE_DRAFTER`` (JSON), which
+:func:`rollserve.engine.settings.apply_environment` writes: the engine core is another process
+and vLLM passes a custom proposer nothing but its own config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollserve.engine.drafting import DraftSettings, History, PromptCorpus
+
+__all__ = ["DRAFTER_CLASS", "DRAFTER_ENV", "DrafterConfig", "RolloutDrafter"]
+
+DRAFTER_CLASS = "rollserve.engine.drafter.RolloutDrafter"
+DRAFTER_ENV = "ROLLSERVE_DRAFTER"
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterConfig:
+    """What the ``rollout`` drafter needs besides vLLM's config."""
+
+    min_n: int = 2
+    max_n: int = 5
+    history_tokens: int = 4_000_000  # prompt and output tokens kept of finished samples
+    history_per_prompt: int = 64  # finished outputs kept a prompt (the newest)
+
+    def __post_init__(self) -> None:
+        DraftSettings(1, self.min_n, self.max_n)  # raises for lengths out of order
+        if self.history_tokens < 1 or self.history_per_prompt < 1:
+            raise ValueError(
+                f"history_tokens ({self.history_tokens}) and history_per_prompt "
+                f"({self.history_per_prompt}) must be at least 1"
+            )
+
+    def to_env(self) -> str:
+        return json.dumps(
+            {
+                "min_n": self.min_n,
+                "max_n": self.max_n,
+                "history_tokens": self.history_tokens,
+                "history_per_prompt": self.history_per_prompt,
+            }
+        )
+
+    @classmethod
+    def from_env(cls) -> DrafterConfig:
+        text = os.environ.get(DRAFTER_ENV)
+        return cls() if not text else cls(**json.loads(text))
+
+
+@dataclass(slots=True)
+class _Live:
+    prompt: tuple[int, ...]
+    corpus: PromptCorpus
+    seq: int
+
+
+class RolloutDrafter:
+    """vLLM's custom proposer for the ``rollout`` method (built by vLLM with its config)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        config: DrafterConfig | None = None,
+        *,
+        install_hooks: bool = True,
+    ) -> None:
+        spec = vllm_config.speculative_config
+        config = config or DrafterConfig.from_env()
+        self.settings = DraftSettings(spec.num_speculative_tokens, config.min_n, config.max_n)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.history = History(
+            max_tokens=config.history_tokens, max_per_prompt=config.history_per_prompt
+        )
+        self._corpora: dict[tuple[int, ...], PromptCorpus] = {}  # prompts with live samples
+        self._live: dict[str, _Live] = {}
+        self._live_per_prompt: Counter[tuple[int, ...]] = Counter()
+        if install_hooks:
+            install_runner_hooks()
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No model to load (vLLM calls this on every drafter)."""
+
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """vLLM's plain custom-proposer call, which does not say which request a row is;
+        the runner hook calls :meth:`propose_rows` instead, so reaching this is a bug."""
+        raise RuntimeError(
+            "RolloutDrafter.propose was called without the request ids; the model runner's "
+            "propose_draft_token_ids is not wrapped (install_runner_hooks), which this vLLM "
+            "version may have renamed"
+        )
+
+    def propose_rows(
+        self, k: int, batch: Any, sampled_token_ids: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """Drafts for the next step, a row of ``batch`` (vLLM's input batch) each: at most
+        ``k`` tokens, none for rows that sampled nothing this step (a prefill in chunks)."""
+        if k < 1:
+            return [[] for _ in sampled_token_ids]
+        token_ids = batch.token_ids_cpu
+        drafts: list[list[int]] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            total = int(batch.num_tokens_no_spec[row])
+            room = min(k, self.max_model_len - total - 1)
+            if not sampled or room < 1:
+                drafts.append([])
+                continue
+            req_id = batch.req_ids[row]
+            live = self._live.get(req_id)
+            prompt_len = int(batch.num_prompt_tokens[row])
+            if live is None:
+                live = self._start(req_id, tuple(token_ids[row, :prompt_len].tolist()))
+            have = prompt_len + live.corpus.output_len(live.seq)
+            if total < have:  # never seen: tokens only accumulate
+                raise RuntimeError(
+                    f"request {req_id} has {total} tokens, fewer than the {have} seen before"
+                )
+            if total > have:
+                live.corpus.extend(live.seq, token_ids[row, have:total].tolist())
+            drafts.append(list(live.corpus.match(live.seq, room).draft))
+        return drafts
+
+    def finished(
+        self, req_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]
+    ) -> None:
+        """A request finished or was aborted: its output joins the prompt's history."""
+        output = [t for t in output_token_ids if t >= 0]  # -1: a placeholder never filled
+        live = self._live.pop(req_id, None)
+        if live is not None:
+            prompt = live.prompt
+            have = live.corpus.output_len(live.seq)
+            if len(output) > have:
+                live.corpus.extend(live.seq, output[have:])
+            self._live_per_prompt[prompt] -= 1
+            if self._live_per_prompt[prompt] <= 0:
+                del self._live_per_prompt[prompt]
+                del self._corpora[prompt]
+        else:
+            prompt = tuple(prompt_token_ids)
+            corpus = self._corpora.get(prompt)
+            if corpus is not None:  # its siblings draft from it from now on
+                corpus.add_sample(output)
+        self.history.add(prompt, output)
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
+
+    @property
+    def live_prompts(self) -> int:
+        return len(self._corpora)
+
+    def _start(self, req_id: str, prompt: tuple[int, ...]) -> _Live:
+        corpus = self._corpora.get(prompt)
+        if corpus is None:
+            corpus = PromptCorpus(prompt, self.settings)
+            for output in self.history.outputs(prompt):
+                corpus.add_sample(output)
+            self._corpora[prompt] = corpus
+        live = _Live(prompt, corpus, corpus.add_sample())
+        self._live[req_id] = live
+        self._live_per_prompt[prompt] += 1
+        return live
+
+
+_HOOKED = "_rollserve_rollout_drafter_hooks"
+
+
+def install_runner_hooks() -> None:
+    """Wraps vLLM's model runner so that a :class:`RolloutDrafter` learns which request each
+    row is and when requests finish (see the module's docstring); once a process."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, _HOOKED, False):
+        return
+    propose = GPUModelRunner.propose_draft_token_ids
+    removed = GPUModelRunner._on_request_state_removed
+
+    @functools.wraps(propose)
+    def propose_draft_token_ids(
+        self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, RolloutDrafter):
+            return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        return drafter.propose_rows(
+            scheduler_output.num_spec_tokens_to_schedule, self.input_batch, sampled_token_ids
+        )
+
+    @functools.wraps(removed)
+    def on_request_state_removed(self: Any, req_id: str, req_state: Any) -> None:
+        drafter = getattr(self, "drafter", None)
+        if (
+            isinstance(drafter, RolloutDrafter)
+            and req_state is not None
+            and req_state.prompt_token_ids is not None
+        ):
+            drafter.finished(req_id, req_state.prompt_token_ids, req_state.output_token_ids)
+        removed(self, req_id, req_state)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._on_request_state_removed = on_request_state_removed
+    setattr(GPUModelRunner, _HOOKED, True)

@@ -1,0 +1,93 @@
+"""Speculative decoding with rollserve's ``rollout`` drafter (``rollserve.engine.drafter``) on
+a real vLLM engine on CPU, with the tiny random model: drafts from the sample's own tokens, its
+siblings, and earlier samples of the same prompt.
+
+The session's shared engine does not speculate and is the reference for greedy output, as in
+``test_engine_spec.py``. The drafter is loaded by vLLM itself (``custom_class``), in the
+engine core process, with its hooks into vLLM's model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.integration.engine_proc import EngineProcess, start_engine_process
+from tests.integration.test_engine_spec import LOGPROB_TOLERANCE, PROMPTS, SPEC_TOKENS, greedy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """host:port of an engine that speculates with the rollout drafter in every step."""
+    engine: EngineProcess = start_engine_process(
+        tiny_model_dir,
+        "engine-rollout",
+        ["--spec-method=rollout", f"--num-speculative-tokens={SPEC_TOKENS}"],
+        log_dir=tmp_path_factory.mktemp("engine-rollout-logs"),
+    )
+    try:
+        yield engine.address
+    finally:
+        engine.stop()
+    assert engine.leftover_pids == [], "processes of the engine outlived it"
+
+
+@pytest.fixture
+async def rollout_stub(rollout_engine: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    async with grpc.aio.insecure_channel(rollout_engine) as channel:
+        yield pb_grpc.EngineStub(channel)
+
+
+@pytest.fixture
+async def plain_stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    async with grpc.aio.insecure_channel(engine_address) as channel:
+        yield pb_grpc.EngineStub(channel)
+
+
+async def test_rollout_drafts_keep_greedy_output(
+    rollout_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
+) -> None:
+    before = await rollout_stub.Stats(pb.StatsRequest())
+    for i, prompt in enumerate(PROMPTS):
+        spec = await greedy(rollout_stub, f"keep-{i}", prompt, n=2)
+        plain = (await greedy(plain_stub, f"keep-plain-{i}", prompt))[0]
+        for sample in spec.values():
+            assert list(sample.token_ids) == list(plain.token_ids), f"prompt {i}"
+            assert sample.finish_reason == plain.finish_reason
+            worst = max(abs(a - b) for a, b in zip(sample.logprobs, plain.logprobs, strict=True))
+            assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {worst}"
+            assert sample.spec_accepted_tokens <= sample.spec_draft_tokens
+    after = await rollout_stub.Stats(pb.StatsRequest())
+    assert after.spec_drafts > before.spec_drafts
+    assert after.spec_accepted_tokens - before.spec_accepted_tokens > 0
+
+
+async def test_a_prompt_asked_again_drafts_from_its_earlier_samples(
+    rollout_stub: pb_grpc.EngineAsyncStub,
+) -> None:
+    """Greedy decoding of a prompt asked before makes the tokens it made then, and the
+    drafter has them whole: nearly every draft token is accepted, and each pass advances by
+    about the draft length. The first time, only the sample's own repeats can be drafted."""
+    prompt = [7 + 3 * j for j in range(40)]  # a prompt no other test sends
+    first = (await greedy(rollout_stub, "again-0", prompt))[0]
+    second = (await greedy(rollout_stub, "again-1", prompt))[0]
+    assert list(second.token_ids) == list(first.token_ids)
+    tokens = len(second.token_ids)
+    assert second.spec_draft_tokens > 0
+    assert second.spec_accepted_tokens >= 0.9 * second.spec_draft_tokens, (
+        second.spec_accepted_tokens,
+        second.spec_draft_tokens,
+    )
+    # all but the tokens the passes sampled themselves came from drafts
+    assert second.spec_accepted_tokens >= 0.7 * tokens, (second.spec_accepted_tokens, tokens)
+    assert second.spec_accepted_tokens > first.spec_accepted_tokens, (
+        second.spec_accepted_tokens,
+        first.spec_accepted_tokens,
+    )

@@ -1,0 +1,313 @@
+"""The ``rollout`` drafter: drafts from a sample's own tokens, its siblings and earlier samples
+of the same prompt (``rollserve.engine.drafting``), and the vLLM-facing proposer around it
+(``rollserve.engine.drafter``). Faked edge: vLLM's input batch (a few numpy arrays with the
+fields vLLM's model runner gives a proposer) and its config; the hooks into vLLM's real model
+runner class are checked against it at the end."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from rollserve.engine.drafter import DRAFTER_ENV, DrafterConfig, RolloutDrafter
+from rollserve.engine.drafting import NO_MATCH, DraftSettings, History, Match, PromptCorpus
+
+S = DraftSettings(k=4, min_n=2, max_n=5)
+
+
+def test_a_sample_drafts_from_its_prompt_like_vllms_ngram() -> None:
+    corpus = PromptCorpus([1, 2, 3, 4, 5, 9, 1, 2, 3], S)
+    seq = corpus.add_sample()
+    # the context ends "1 2 3" (the 5- and 4-grams occur only at the end): what followed it
+    assert corpus.match(seq, 4).length == 3
+    assert corpus.match(seq, 4).draft == (4, 5, 9, 1)
+    assert corpus.match(seq, 2).draft == (4, 5)
+    corpus.extend(seq, [4, 5])  # now "9 1 2 3 4 5"... ends "2 3 4 5": earlier at 1..4
+    assert corpus.match(seq, 4).length == 5
+    assert corpus.match(seq, 4).draft == (9, 1, 2, 3)
+
+
+def test_no_draft_without_a_match_of_min_n_tokens() -> None:
+    corpus = PromptCorpus([1, 2, 3, 4], S)
+    seq = corpus.add_sample([5, 1])  # "5 1": no 2-gram repeats; the 1-gram "1" does
+    assert corpus.match(seq, 4) is NO_MATCH
+    assert corpus.match(seq, 0) is NO_MATCH
+
+
+def test_a_sample_drafts_what_its_sibling_wrote_after_the_same_prompt() -> None:
+    corpus = PromptCorpus([7, 8, 9], S)
+    first = corpus.add_sample([20, 21, 22, 23, 24, 25])
+    second = corpus.add_sample()
+    # right after the prompt: the prompt's end occurs in the first sample with its output next
+    assert corpus.match(second, 4).draft == (20, 21, 22, 23)
+    corpus.extend(second, [20, 21, 22])
+    assert corpus.match(second, 4).draft == (23, 24, 25)  # no further than the sibling went
+    assert corpus.output_len(second) == 3
+    assert corpus.output_len(first) == 6
+    assert corpus.samples == 2
+    # a sibling only as far as it has got (the walk in ``bench drafts``)
+    limited = corpus.match(second, 4, limits={first: len([7, 8, 9]) + 4})
+    assert limited.draft == (23,)
+
+
+def test_the_continuation_most_occurrences_take_wins_token_by_token() -> None:
+    corpus = PromptCorpus([1, 2], S)
+    corpus.add_sample([5, 6, 7, 8])
+    corpus.add_sample([5, 6, 9, 9])
+    corpus.add_sample([5, 6, 9, 10])
+    seq = corpus.add_sample([5, 6])
+    # after "5 6": 7 once, 9 twice; after "5 6 9": 9 once, 10 once (the first met wins)
+    assert corpus.match(seq, 4).draft == (9, 9)
+    tie = PromptCorpus([1, 2], S)
+    tie.add_sample([3, 4])
+    tie.add_sample([3, 5])
+    assert tie.match(tie.add_sample(), 2).draft == (3, 4)
+
+
+def test_the_longest_matching_suffix_drafts_even_if_shorter_ones_occur_more() -> None:
+    corpus = PromptCorpus([0], S)
+    corpus.add_sample([1, 2, 3, 4, 50])
+    for _ in range(3):
+        corpus.add_sample([9, 3, 4, 60])
+    seq = corpus.add_sample([1, 2, 3, 4])
+    assert corpus.match(seq, 1).length == 5  # the prompt's "0" starts it
+    assert corpus.match(seq, 1).draft == (50,)
+
+
+def _brute_force(
+    prompt: list[int], outputs: list[list[int]], seq: int, k: int, settings: DraftSettings
+) -> tuple[int, tuple[int, ...]]:
+    """The same drafting by scanning every position of every sequence. Sequence 0 is the
+    prompt, sequence i the prompt and output i - 1; an occurrence is a position with a token
+    after it, found (as the index finds it) only by the n-gram inside its stored tokens (a
+    sample stores the prompt's last max_n tokens and its output), then followed back through
+    the prompt."""
+    skipped = max(0, len(prompt) - settings.max_n)
+    full = [prompt] + [prompt + o for o in outputs]
+    first_stored = [0] + [skipped] * len(outputs)  # where each sequence's stored part starts
+    context = full[seq]
+
+    def back(tokens: list[int], end: int) -> int:
+        m = 0
+        while (
+            m < min(end, len(context), settings.max_match)
+            and tokens[end - m - 1] == context[len(context) - m - 1]
+        ):
+            m += 1
+        return m
+
+    occ: list[tuple[list[int], int, int, int]] = []  # (tokens, end, looked up, followed)
+    for i, tokens in enumerate(full):
+        for end in range(first_stored[i] + 1, len(tokens)):
+            m = back(tokens, end)
+            looked_up = min(m, end - first_stored[i], settings.max_n)
+            if looked_up >= settings.min_n:
+                occ.append((tokens, end, looked_up, m))
+    if not occ:
+        return 0, ()
+    n = max(o[2] for o in occ)
+    occ = [o for o in occ if o[2] == n]
+    if n == settings.max_n and len(occ) > 1:
+        n = max(o[3] for o in occ)
+        occ = [o for o in occ if o[3] == n]
+    draft: list[int] = []
+    pairs = [(t, e) for t, e, _, _ in occ]
+    for j in range(k):
+        options = [(t[e + j], i) for i, (t, e) in enumerate(pairs) if e + j < len(t)]
+        if not options:
+            break
+        counts: dict[int, int] = {}
+        for token, _ in options:
+            counts[token] = counts.get(token, 0) + 1
+        best = max(counts, key=lambda t: (counts[t], -min(i for x, i in options if x == t)))
+        draft.append(best)
+        pairs = [(t, e) for t, e in pairs if e + j < len(t) and t[e + j] == best]
+    return n, tuple(draft)
+
+
+def test_drafts_equal_a_brute_force_scan_on_random_rollouts() -> None:
+    rng = random.Random(7)
+    for case in range(400):
+        max_n = rng.randint(2, 5)
+        settings = DraftSettings(
+            k=rng.randint(1, 5),
+            min_n=rng.randint(1, max_n),
+            max_n=max_n,
+            max_match=rng.choice([max_n, 8, 24]),
+        )
+        vocab = rng.randint(2, 5)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        corpus = PromptCorpus(prompt, settings)
+        outputs = []
+        for _ in range(rng.randint(1, 4)):
+            output = [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
+            corpus.add_sample(output)
+            outputs.append(output)
+        seq = rng.randint(1, len(outputs))
+        got = corpus.match(seq, settings.k)
+        want = _brute_force(prompt, outputs, seq, settings.k, settings)
+        assert (got.length, got.draft) == want, f"case {case}: {settings} {prompt} {outputs}"
+
+
+def test_a_long_match_in_an_earlier_sample_outvotes_short_repeats_of_its_own() -> None:
+    settings = DraftSettings(k=2, min_n=2, max_n=3, max_match=24)
+    corpus = PromptCorpus([50, 51, 52], settings)
+    corpus.add_sample([1, 1, 1, 1, 2, 2])  # an earlier sample of the prompt
+    seq = corpus.add_sample([1, 1, 1, 1])
+    # "1 1 1" recurs in the sample's own output followed by 1; the earlier sample matches
+    # the whole context and went on with 2 2
+    assert corpus.match(seq, 2) == Match(7, (2, 2))
+    short = PromptCorpus([50, 51, 52], DraftSettings(k=2, min_n=2, max_n=3, max_match=3))
+    short.add_sample([1, 1, 1, 1, 2, 2])
+    assert short.match(short.add_sample([1, 1, 1, 1]), 2).draft == (1, 2)  # 1 by 2 votes to 1
+
+
+def test_history_keeps_the_newest_outputs_within_its_budgets() -> None:
+    history = History(max_tokens=20, max_per_prompt=2)
+    history.add((1, 2), [10, 11])
+    history.add((1, 2), [12])
+    history.add((1, 2), [13, 14, 15])  # the oldest output of the prompt goes
+    assert history.outputs((1, 2)) == ((12,), (13, 14, 15))
+    assert history.tokens == 2 + 1 + 3
+    history.add((3,) * 5, [4] * 6)
+    assert history.tokens == 6 + 11
+    history.outputs((1, 2))  # used: the other prompt is now the least recent
+    history.add((8,), [9, 9, 9])  # 21 tokens: the least recently used prompt goes
+    assert history.outputs((3,) * 5) == ()
+    assert history.outputs((1, 2)) == ((12,), (13, 14, 15))
+    assert len(history) == 2
+    with pytest.raises(ValueError, match="max_tokens"):
+        History(max_tokens=0, max_per_prompt=1)
+
+
+class _Batch:
+    """The fields of vLLM's input batch that a proposer reads."""
+
+    def __init__(self, max_len: int = 64) -> None:
+        self.max_len = max_len
+        self.req_ids: list[str] = []
+        self.token_ids_cpu = np.zeros((8, max_len), dtype=np.int32)
+        self.num_tokens_no_spec = np.zeros(8, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(8, dtype=np.int32)
+
+    def set(self, rows: list[tuple[str, list[int], list[int]]]) -> None:
+        self.req_ids = [req_id for req_id, _, _ in rows]
+        for row, (_, prompt, output) in enumerate(rows):
+            tokens = prompt + output
+            self.token_ids_cpu[row, : len(tokens)] = tokens
+            self.num_tokens_no_spec[row] = len(tokens)
+            self.num_prompt_tokens[row] = len(prompt)
+
+
+def _drafter(k: int = 4, max_model_len: int = 64, **config: Any) -> RolloutDrafter:
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+    )
+    return RolloutDrafter(vllm_config, DrafterConfig(**config), install_hooks=False)
+
+
+PROMPT = [1, 2, 3, 4, 5, 6]
+
+
+def test_the_drafter_drafts_a_request_from_a_sibling_that_finished() -> None:
+    drafter = _drafter()
+    batch = _Batch()
+    batch.set([("g/0", PROMPT, [20, 21]), ("g/1", PROMPT, [30])])
+    assert drafter.propose_rows(4, batch, [[21], [30]]) == [[], []]  # nothing to match yet
+    assert (drafter.live_requests, drafter.live_prompts) == (2, 1)
+    drafter.finished("g/0", PROMPT, [20, 21, 22, 23, 24, 25, 26])
+    # g/1 took 20 21 where g/0 took them: it drafts what g/0 went on with
+    batch.set([("g/1", PROMPT, [30, 20, 21])])
+    assert drafter.propose_rows(4, batch, [[20, 21]]) == [[22, 23, 24, 25]]
+    assert drafter.propose_rows(2, batch, [[20, 21]]) == [[22, 23]]  # the step's k
+    drafter.finished("g/1", PROMPT, [30, 20, 21, 22])
+    assert (drafter.live_requests, drafter.live_prompts) == (0, 0)
+
+
+def test_a_later_round_of_the_prompt_drafts_from_the_earlier_ones() -> None:
+    drafter = _drafter()
+    drafter.finished("e0/0", PROMPT, [40, 41, 42, 43, 44])  # never drafted: history only
+    drafter.finished("e0/1", PROMPT, [40, 41, 42, 50, -1])  # -1: a placeholder, dropped
+    assert drafter.history.outputs(tuple(PROMPT)) == ((40, 41, 42, 43, 44), (40, 41, 42, 50))
+    batch = _Batch()
+    batch.set([("e1/0", PROMPT, [40]), ("other", [9, 9, 8], [7])])
+    assert drafter.propose_rows(4, batch, [[40], [7]]) == [[41, 42, 43, 44], []]
+    # another prompt does not draft from it
+    assert drafter.live_prompts == 2
+
+
+def test_no_drafts_in_steps_vllm_does_not_speculate_nor_past_the_model_length() -> None:
+    drafter = _drafter(max_model_len=12)
+    drafter.finished("a", PROMPT, [40, 41, 42, 43, 44])
+    batch = _Batch()
+    batch.set([("b", PROMPT, [40])])
+    assert drafter.propose_rows(0, batch, [[40]]) == [[]]
+    assert drafter.live_requests == 0  # a step without drafts costs nothing
+    assert drafter.propose_rows(4, batch, [[]]) == [[]]  # a row that sampled nothing
+    assert drafter.propose_rows(4, batch, [[40]]) == [[41, 42, 43, 44]]
+    batch.set([("b", PROMPT, [40, 41, 42])])  # 9 tokens of 12: room for 2 drafts
+    assert drafter.propose_rows(4, batch, [[41, 42]]) == [[43, 44]]
+    batch.set([("b", PROMPT, [40, 41, 42, 43, 44])])  # 11 of 12: none
+    assert drafter.propose_rows(4, batch, [[43, 44]]) == [[]]
+
+
+def test_settings_reach_the_drafter_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = DrafterConfig(min_n=3, max_n=7, history_tokens=100, history_per_prompt=5)
+    monkeypatch.setenv(DRAFTER_ENV, config.to_env())
+    assert DrafterConfig.from_env() == config
+    monkeypatch.delenv(DRAFTER_ENV)
+    assert DrafterConfig.from_env() == DrafterConfig()
+    monkeypatch.setenv(DRAFTER_ENV, json.dumps({"min_n": 4, "max_n": 3}))
+    with pytest.raises(ValueError, match="min_n"):
+        DrafterConfig.from_env()
+    with pytest.raises(ValueError, match="history_tokens"):
+        DrafterConfig(history_tokens=0)
+
+
+def test_the_plain_custom_proposer_call_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="request ids"):
+        _drafter().propose([[1]], np.zeros(1), np.zeros((1, 4)))
+
+
+def test_the_hooks_wrap_vllms_model_runner_methods_as_they_are() -> None:
+    """vLLM 0.32's model runner methods the drafter wraps exist with the arguments it passes
+    on; a vLLM upgrade that renames them fails here, not in a running engine."""
+    pytest.importorskip("vllm")
+    from rollserve.engine.drafter import install_runner_hooks
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install_runner_hooks()
+    install_runner_hooks()  # once a process
+    wrapped = inspect.signature(GPUModelRunner.propose_draft_token_ids.__wrapped__)
+    assert list(wrapped.parameters)[:3] == ["self", "scheduler_output", "sampled_token_ids"]
+    removed = inspect.signature(GPUModelRunner._on_request_state_removed.__wrapped__)
+    assert list(removed.parameters) == ["self", "req_id", "req_state"]
+
+    class _Runner:
+        propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
+        _on_request_state_removed = GPUModelRunner._on_request_state_removed
+
+        def __init__(self) -> None:
+            self.drafter = _drafter()
+            self.input_batch = _Batch()
+            self._draft_probs: object = "stale"
+
+    runner = _Runner()
+    runner.drafter.finished("a", PROMPT, [40, 41, 42, 43])
+    runner.input_batch.set([("b", PROMPT, [40])])
+    out = runner.propose_draft_token_ids(SimpleNamespace(num_spec_tokens_to_schedule=4), [[40]])
+    assert out == [[41, 42, 43]]
+    assert runner._draft_probs is None
+    runner._on_request_state_removed(
+        "b", SimpleNamespace(prompt_token_ids=PROMPT, output_token_ids=[40, 41])
+    )
+    assert runner.drafter.live_requests == 0
+    assert runner.drafter.history.outputs(tuple(PROMPT))[-1] == (40, 41)
