@@ -117,6 +117,9 @@ def _brute_force(
         occ = [o for o in occ if o[3] == n]
     draft: list[int] = []
     pairs = [(t, e) for t, e, _, _ in occ]
+    if settings.spec_factor > 0:
+        k = min(k, max(1, int(settings.spec_factor * n)))
+    confidence = 1.0
     for j in range(k):
         options = [(t[e + j], i) for i, (t, e) in enumerate(pairs) if e + j < len(t)]
         if not options:
@@ -125,6 +128,10 @@ def _brute_force(
         for token, _ in options:
             counts[token] = counts.get(token, 0) + 1
         best = max(counts, key=lambda t: (counts[t], -min(i for x, i in options if x == t)))
+        if len(pairs) > 1:  # one occurrence left: its tokens, as they are
+            confidence *= counts[best] / len(options)
+        if confidence < settings.min_share:
+            break
         draft.append(best)
         pairs = [(t, e) for t, e in pairs if e + j < len(t) and t[e + j] == best]
     return n, tuple(draft)
@@ -139,6 +146,8 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts() -> None:
             min_n=rng.randint(1, max_n),
             max_n=max_n,
             max_match=rng.choice([max_n, 8, 24]),
+            spec_factor=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]),
+            min_share=rng.choice([0.0, 0.0, 0.3, 0.6]),
         )
         vocab = rng.randint(2, 5)
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
@@ -165,6 +174,28 @@ def test_a_long_match_in_an_earlier_sample_outvotes_short_repeats_of_its_own() -
     short = PromptCorpus([50, 51, 52], DraftSettings(k=2, min_n=2, max_n=3, max_match=3))
     short.add_sample([1, 1, 1, 1, 2, 2])
     assert short.match(short.add_sample([1, 1, 1, 1]), 2).draft == (1, 2)  # 1 by 2 votes to 1
+
+
+def test_short_matches_and_split_votes_draft_less_when_asked() -> None:
+    corpus = PromptCorpus([0], DraftSettings(k=4, min_n=2, max_n=5, spec_factor=1.0))
+    corpus.add_sample([1, 2, 3, 4, 5, 6])
+    seq = corpus.add_sample([9, 1, 2])  # "1 2": a match of 2 tokens drafts 2
+    assert corpus.match(seq, 4) == Match(2, (3, 4))
+    half = PromptCorpus([0], DraftSettings(k=4, min_n=2, max_n=5, spec_factor=0.5))
+    half.add_sample([1, 2, 3, 4, 5, 6])
+    assert half.match(half.add_sample([9, 1, 2]), 4).draft == (3,)
+
+    def split(min_share: float) -> tuple[int, ...]:
+        c = PromptCorpus([0], DraftSettings(k=4, min_n=2, max_n=5, min_share=min_share))
+        for output in ([1, 2, 7, 8, 9], [1, 2, 7, 5, 5], [1, 2, 6, 6, 6]):
+            c.add_sample(output)
+        # after "1 2": 7 by 2 of 3 (0.67), then 8 or 5 by 1 of 2 (0.33 in all), then 9 alone
+        return c.match(c.add_sample([1, 2]), 4).draft
+
+    assert split(0.0) == (7, 8, 9)
+    assert split(0.3) == (7, 8, 9)
+    assert split(0.5) == (7,)
+    assert split(0.7) == ()
 
 
 def test_history_keeps_the_newest_outputs_within_its_budgets() -> None:

@@ -101,6 +101,14 @@ def test_speculative_settings_without_a_method_are_refused(model_dir: Path, fiel
     assert f"{field} set but spec_method is not" in message
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_rollout_draft_lengths_are_refused_for_other_methods(model_dir: Path, method: str) -> None:
+    message = error_of(model_dir, spec_method=method, spec_min_share=0.5)
+    assert f"spec_min_share apply to spec_method rollout only, not {method}" in message
+    message = error_of(model_dir, spec_method="rollout", spec_min_share=1.5)
+    assert "spec_min_share" in message and "less than or equal to 1" in message
+
+
 def test_ngram_lookup_settings_are_refused_for_suffix(model_dir: Path) -> None:
     message = error_of(model_dir, spec_method="suffix", prompt_lookup_max=4)
     assert "prompt_lookup_max apply to spec_method ngram and rollout only, not suffix" in message
@@ -262,6 +270,8 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
         prompt_lookup_min=3,
         prompt_lookup_max=6,
         spec_max_batch=8,
+        spec_factor=1.5,
+        spec_min_share=0.25,
     )
     config = build_speculative_config(chosen)
     assert config is not None
@@ -275,6 +285,8 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
     monkeypatch.setattr(os, "environ", os.environ.copy())
     monkeypatch.delenv(DRAFTER_ENV, raising=False)
     apply_environment(chosen, "cpu")
-    assert DrafterConfig.from_env() == DrafterConfig(min_n=3, max_n=6)
+    assert DrafterConfig.from_env() == DrafterConfig(
+        min_n=3, max_n=6, spec_factor=1.5, min_share=0.25
+    )
     module, name = DRAFTER_CLASS.rsplit(".", 1)
     assert getattr(__import__(module, fromlist=[name]), name).__name__ == name

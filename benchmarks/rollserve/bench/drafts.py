@@ -184,11 +184,19 @@ class PassCounts:
     def tokens_per_pass(self) -> float:
         return self.tokens / self.passes if self.passes else math.nan
 
+    @property
+    def tokens_per_position(self) -> float:
+        """Tokens made per position the model verifies (a pass's own and its drafts): what
+        speculation gives where a pass costs by the tokens in it, as on these CPUs."""
+        positions = self.passes + self.draft_tokens
+        return self.tokens / positions if positions else math.nan
+
     def to_json(self) -> dict[str, Any]:
         return {
             "passes": self.passes,
             "tokens": self.tokens,
             "tokens_per_pass": round(self.tokens_per_pass, 4) if self.passes else None,
+            "tokens_per_position": round(self.tokens_per_position, 4) if self.passes else None,
             "drafted_passes": self.drafted_passes,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -673,6 +681,18 @@ def add_bench_drafts(bench_sub: Any) -> None:
     p.add_argument("--min-n", type=positive_int, default=2, help="shortest suffix matched")
     p.add_argument("--max-n", type=positive_int, default=5, help="longest suffix matched")
     p.add_argument(
+        "--spec-factor",
+        type=float,
+        default=0.0,
+        help="rollout: at most this many draft tokens per matched token (0: up to --k)",
+    )
+    p.add_argument(
+        "--min-share",
+        type=float,
+        default=0.0,
+        help="rollout: stop a draft where the share of occurrences agreeing falls below this",
+    )
+    p.add_argument(
         "--tail-quantile",
         type=_quantile,
         default=0.9,
@@ -688,7 +708,13 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
-        settings = DraftSettings(k=args.k, min_n=args.min_n, max_n=args.max_n)
+        settings = DraftSettings(
+            k=args.k,
+            min_n=args.min_n,
+            max_n=args.max_n,
+            spec_factor=args.spec_factor,
+            min_share=args.min_share,
+        )
         drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
         unknown = [d for d in drafters if d not in _SOURCES]
         if not drafters or unknown:
@@ -752,6 +778,7 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         "passes drafted",
         "drafts accepted",
         "tail: drafts accepted",
+        "tail: tokens a position",
     ):
         table.add_column(column, justify="left" if column == "drafter" else "right")
     for r in results:
@@ -762,6 +789,7 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             _share(r.every.drafted_passes, r.every.passes),
             _share(r.every.accepted_tokens, r.every.draft_tokens),
             _share(r.tail.accepted_tokens, r.tail.draft_tokens),
+            f"{r.tail.tokens_per_position:.2f}",
         )
     console.print(table)
     engine = PassCounts(
@@ -798,6 +826,8 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
                 "min_n": settings.min_n,
                 "max_n": settings.max_n,
                 "tail_quantile": args.tail_quantile,
+                "spec_factor": settings.spec_factor,
+                "min_share": settings.min_share,
             },
             "groups": len(rollouts),
             "samples": samples,

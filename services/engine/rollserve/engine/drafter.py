@@ -27,6 +27,7 @@ and vLLM passes a custom proposer nothing but its own config.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -49,26 +50,30 @@ class DrafterConfig:
 
     min_n: int = 2
     max_n: int = 5
+    spec_factor: float = 0.0  # see DraftSettings
+    min_share: float = 0.0
     history_tokens: int = 4_000_000  # prompt and output tokens kept of finished samples
     history_per_prompt: int = 64  # finished outputs kept a prompt (the newest)
 
     def __post_init__(self) -> None:
-        DraftSettings(1, self.min_n, self.max_n)  # raises for lengths out of order
+        self.draft_settings(1)  # raises for values out of range
         if self.history_tokens < 1 or self.history_per_prompt < 1:
             raise ValueError(
                 f"history_tokens ({self.history_tokens}) and history_per_prompt "
                 f"({self.history_per_prompt}) must be at least 1"
             )
 
-    def to_env(self) -> str:
-        return json.dumps(
-            {
-                "min_n": self.min_n,
-                "max_n": self.max_n,
-                "history_tokens": self.history_tokens,
-                "history_per_prompt": self.history_per_prompt,
-            }
+    def draft_settings(self, k: int) -> DraftSettings:
+        return DraftSettings(
+            k=k,
+            min_n=self.min_n,
+            max_n=self.max_n,
+            spec_factor=self.spec_factor,
+            min_share=self.min_share,
         )
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_env(cls) -> DrafterConfig:
@@ -95,7 +100,7 @@ class RolloutDrafter:
     ) -> None:
         spec = vllm_config.speculative_config
         config = config or DrafterConfig.from_env()
-        self.settings = DraftSettings(spec.num_speculative_tokens, config.min_n, config.max_n)
+        self.settings = config.draft_settings(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.history = History(
             max_tokens=config.history_tokens, max_per_prompt=config.history_per_prompt

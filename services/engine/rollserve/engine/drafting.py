@@ -21,7 +21,7 @@ Used by the engine's drafter (:mod:`rollserve.engine.drafter`, speculative metho
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +36,9 @@ class DraftSettings:
     min_n: int = 2  # shortest suffix matched (prompt_lookup_min)
     max_n: int = 5  # longest suffix looked up (prompt_lookup_max)
     max_match: int = 24  # a match of max_n tokens is followed back this far at most
+    # Shorter drafts where they are less likely to be taken (suffix decoding's two knobs):
+    spec_factor: float = 0.0  # at most this many tokens per matched token (0: up to k)
+    min_share: float = 0.0  # stop where the agreeing occurrences' share falls below this
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -46,6 +49,16 @@ class DraftSettings:
             )
         if self.max_match < self.max_n:
             raise ValueError(f"max_match ({self.max_match}) must be at least max_n ({self.max_n})")
+        if self.spec_factor < 0:
+            raise ValueError(f"spec_factor ({self.spec_factor}) must be at least 0")
+        if not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(f"min_share ({self.min_share}) must be between 0 and 1")
+
+    def draft_len(self, k: int, matched: int) -> int:
+        """Tokens to draft at most after a match of ``matched`` tokens, ``k`` allowed."""
+        if self.spec_factor > 0:
+            k = min(k, max(1, int(self.spec_factor * matched)))
+        return k
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +156,16 @@ class PromptCorpus:
                     sources.append(other)
             if not occurrences:
                 continue
+            matched = n
             if n == settings.max_n and settings.max_match > n and len(occurrences) > 1:
                 lengths = [
                     self._match_back(seq, other, end, n)
                     for other, (_, end, _) in zip(sources, occurrences, strict=True)
                 ]
-                longest = max(lengths)
-                occurrences = [o for o, m in zip(occurrences, lengths, strict=True) if m == longest]
-                return Match(longest, _vote(occurrences, k))
-            return Match(n, _vote(occurrences, k))
+                matched = max(lengths)
+                occurrences = [o for o, m in zip(occurrences, lengths, strict=True) if m == matched]
+            k = settings.draft_len(k, matched)
+            return Match(matched, _vote(occurrences, k, settings.min_share))
         return NO_MATCH
 
     def _match_back(self, seq: int, other: int, end: int, n: int) -> int:
@@ -176,27 +190,35 @@ class PromptCorpus:
         return length
 
 
-def _vote(occurrences: list[tuple[list[int], int, int]], k: int) -> tuple[int, ...]:
+def _vote(
+    occurrences: list[tuple[list[int], int, int]], k: int, min_share: float
+) -> tuple[int, ...]:
     """Token by token, the continuation most occurrences take (a tie: the one met first),
-    keeping only the occurrences that agree so far."""
+    keeping only the occurrences that agree so far; it stops where the product of the
+    winners' shares (their votes over the occurrences that go on) falls below ``min_share``."""
     draft: list[int] = []
+    confidence = 1.0
     for j in range(k):
         if len(occurrences) == 1:
             tokens, end, available = occurrences[0]
             draft.extend(tokens[end + j : min(end + k, available)])
             break
-        votes: Counter[int] = Counter()
-        first: dict[int, int] = {}
-        for order, (tokens, end, available) in enumerate(occurrences):
+        counts: dict[int, int] = {}
+        for tokens, end, available in occurrences:
             if end + j < available:
                 token = tokens[end + j]
-                votes[token] += 1
-                first.setdefault(token, order)
-        if not votes:
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
             break
-        token = max(votes, key=lambda t: (votes[t], -first[t]))
-        draft.append(token)
-        occurrences = [o for o in occurrences if o[1] + j < o[2] and o[0][o[1] + j] == token]
+        best, votes = -1, 0
+        for token, count in counts.items():  # in the order first met
+            if count > votes:
+                best, votes = token, count
+        confidence *= votes / sum(counts.values())
+        if confidence < min_share:
+            break
+        draft.append(best)
+        occurrences = [o for o in occurrences if o[1] + j < o[2] and o[0][o[1] + j] == best]
     return tuple(draft)
 
 

@@ -36,9 +36,12 @@ SPECULATIVE_FIELDS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "spec_max_batch",
+    "spec_factor",
+    "spec_min_share",
 )
 """Settings that mean something only with a `spec_method`."""
 _NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
+_ROLLOUT_FIELDS = ("spec_factor", "spec_min_share")
 
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
@@ -174,6 +177,24 @@ class EngineSettings(BaseModel):
         le=MAX_PROMPT_LOOKUP,
         description="ngram and rollout: longest n-gram matched (the longest match found drafts).",
     )
+    spec_factor: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_SPECULATIVE_TOKENS,
+        description=(
+            "rollout: draft at most this many tokens per token matched (a short match drafts "
+            "little); 0: always up to num_speculative_tokens."
+        ),
+    )
+    spec_min_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "rollout: end a draft where the share of matches that agree on it (multiplied "
+            "token by token) falls below this; 0: never."
+        ),
+    )
     spec_max_batch: int = Field(
         0,
         ge=0,
@@ -209,6 +230,13 @@ class EngineSettings(BaseModel):
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to spec_method ngram and rollout only, not "
+                    f"{self.spec_method}; drop them"
+                )
+        if self.spec_method != "rollout":
+            given = [name for name in _ROLLOUT_FIELDS if name in self.model_fields_set]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to spec_method rollout only, not "
                     f"{self.spec_method}; drop them"
                 )
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -261,7 +289,7 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
       engines of one OpenMP thread on two cores) they made every step ten times slower
       (64 groups x 4 of the trained reasoner: 45-56 s a batch against 4.5-4.7 s);
     - the rollout drafter runs in the engine core, where vLLM gives it only vLLM's config:
-      its n-gram lengths travel in ROLLSERVE_DRAFTER.
+      its settings travel in ROLLSERVE_DRAFTER.
     """
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -288,6 +316,9 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
         from rollserve.engine.drafter import DRAFTER_ENV, DrafterConfig
 
         env[DRAFTER_ENV] = DrafterConfig(
-            min_n=settings.prompt_lookup_min, max_n=settings.prompt_lookup_max
+            min_n=settings.prompt_lookup_min,
+            max_n=settings.prompt_lookup_max,
+            spec_factor=settings.spec_factor,
+            min_share=settings.spec_min_share,
         ).to_env()
     os.environ.update(env)
