@@ -21,6 +21,7 @@ Used by the engine's drafter (:mod:`rollserve.engine.drafter`, speculative metho
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -226,7 +227,8 @@ class History:
     """Finished samples' outputs by prompt, for drafting later samples of the same prompt.
 
     At most ``max_per_prompt`` outputs a prompt (the newest) and ``max_tokens`` tokens in all
-    (prompts and outputs): the prompt used least recently goes first."""
+    (prompts and outputs): the prompt used least recently goes first. Outputs are kept as
+    4-byte integers (a tuple of Python ints takes about nine times that)."""
 
     def __init__(self, *, max_tokens: int, max_per_prompt: int) -> None:
         if max_tokens < 1 or max_per_prompt < 1:
@@ -236,7 +238,7 @@ class History:
             )
         self.max_tokens = max_tokens
         self.max_per_prompt = max_per_prompt
-        self._by_prompt: OrderedDict[tuple[int, ...], deque[tuple[int, ...]]] = OrderedDict()
+        self._by_prompt: OrderedDict[tuple[int, ...], deque[array[int]]] = OrderedDict()
         self.tokens = 0
 
     def __len__(self) -> int:
@@ -248,7 +250,7 @@ class History:
             outputs = self._by_prompt[prompt] = deque()
             self.tokens += len(prompt)
         self._by_prompt.move_to_end(prompt)
-        outputs.append(tuple(output))
+        outputs.append(array("i", output))
         self.tokens += len(output)
         if len(outputs) > self.max_per_prompt:
             self.tokens -= len(outputs.popleft())
@@ -256,7 +258,7 @@ class History:
             old_prompt, old = self._by_prompt.popitem(last=False)
             self.tokens -= len(old_prompt) + sum(len(o) for o in old)
 
-    def outputs(self, prompt: tuple[int, ...]) -> Sequence[tuple[int, ...]]:
+    def outputs(self, prompt: tuple[int, ...]) -> Sequence[Sequence[int]]:
         """The outputs kept for ``prompt``, oldest first (the prompt counts as used)."""
         outputs = self._by_prompt.get(prompt)
         if outputs is None:
