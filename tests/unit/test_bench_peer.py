@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import json
 import math
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -100,6 +102,36 @@ def test_the_peer_servers_get_the_engine_services_arguments() -> None:
     env = server_env(settings, omp_threads=1)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == str(settings.kv_cache_space_gib)
     assert env["OMP_NUM_THREADS"] == "1"
+    assert "--speculative-config" not in argv
+    assert "NUMBA_NUM_THREADS" not in env
+
+
+def test_the_peer_servers_speculate_with_vllms_ngram_when_asked() -> None:
+    from rollserve.bench.peer import router_engine_settings
+
+    settings = router_engine_settings(
+        reasoner_dir(), ["--spec-method=ngram", "--spec-max-batch=8", "--prompt-lookup-max=4"]
+    )
+    flags = dict(itertools.pairwise(server_argv(settings, 8123)))
+    assert json.loads(flags["--speculative-config"]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, settings.max_num_seqs, 0]],
+    }
+    assert server_env(settings, omp_threads=1)["NUMBA_NUM_THREADS"] == "1"
+    for args, message in (
+        (["--spec-method=rollout"], "vLLM's own drafters (ngram), not rollout"),
+        (
+            ["--spec-method=ngram", "--max-num-seqs=32"],
+            "speculative decoding only, not max_num_seqs",
+        ),
+        (["--spec-max-batch=8"], "spec_max_batch set but spec_method is not"),
+        (["--no-such-flag"], "are not engine flags"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            router_engine_settings(reasoner_dir(), args)
 
 
 def test_a_request_is_one_sample_with_its_own_seed_and_logprobs() -> None:

@@ -175,6 +175,9 @@ class PeerConfig:
     # on fresh prompts), so that the machine's own drift hits every row alike
     interleave: bool = False
     variant: Variant | None = None  # a fourth row, "rollserve B", on its own stack
+    # Speculative decoding on the vllm-router side's servers, as engine flags (vLLM's own
+    # drafters only): the peer's best configuration where rollserve's rows speculate
+    router_engine_args: tuple[str, ...] = ()
 
     @property
     def rows(self) -> tuple[str, ...]:
@@ -264,18 +267,45 @@ def run_router_side(env: Environment, rep: int) -> SideRun:
             return router_round(env, servers, url, start=0)
 
 
-def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
-    from rollserve.engine.settings import EngineSettings
+def router_engine_settings(model: Path, args: Sequence[str]) -> Any:
+    """The vllm-router side's engine settings: the engine's defaults, with the speculative
+    decoding flags ``args`` (``--spec-method ngram`` and its knobs; nothing else: the two
+    sides run the same engines otherwise). Raises ValueError naming what is refused."""
+    from pydantic import ValidationError
+    from rollserve.engine.server import parse_settings
+    from rollserve.engine.settings import SPECULATIVE_FIELDS
 
+    try:
+        settings = parse_settings([f"--model={model}", *args])
+    except ValidationError as e:
+        raise ValueError(f"router engine args {' '.join(args)!r}: {e}") from None
+    except SystemExit:  # argparse has printed what it does not know
+        raise ValueError(f"router engine args {' '.join(args)!r} are not engine flags") from None
+    allowed = {"model", "spec_method", *SPECULATIVE_FIELDS}
+    others = sorted(set(settings.model_fields_set) - allowed)
+    if others:
+        raise ValueError(
+            f"router engine args may set speculative decoding only, not {', '.join(others)}"
+        )
+    if settings.spec_method not in (None, "ngram"):
+        raise ValueError(
+            f"router engine args: the peer's servers run vLLM's own drafters (ngram), not "
+            f"{settings.spec_method}"
+        )
+    return settings
+
+
+def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
     cfg = env.cfg
     log_dir = env.log_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
     env.console.print(
         f"[bold]{PEER}[/bold]: starting {cfg.engines} vLLM OpenAI servers "
-        f"({env.omp_threads} OpenMP thread(s) each) …"
+        f"({env.omp_threads} OpenMP thread(s) each"
+        f"{', ' + ' '.join(cfg.router_engine_args) if cfg.router_engine_args else ''}) …"
     )
     return (
-        EngineSettings(model=env.model),
+        router_engine_settings(env.model, cfg.router_engine_args),
         cfg.engines,
         env.omp_threads,
         cfg.control_plane_nice,

@@ -78,6 +78,12 @@ def add_bench_peer(bench_sub: Any) -> None:
         help="more scheduler flags, one string, after --scheduler-args",
     )
     variant.add_argument("--variant-engine-args", default="", help="engine flags, one string")
+    p.add_argument(
+        "--router-engine-args",
+        default="",
+        help="speculative decoding on the vllm-router side's servers, as engine flags in one "
+        'string (vLLM\'s ngram only), e.g. "--spec-method=ngram --spec-max-batch=8"',
+    )
     variant.add_argument(
         "--variant-control-plane-nice",
         type=int,
@@ -149,8 +155,14 @@ def _cmd_bench_peer(args: argparse.Namespace) -> int:
             out_dir=args.out_dir,
             trace_path=args.trace,
             variant=variant,
+            router_engine_args=_split("--router-engine-args", args.router_engine_args),
             **nice,
         )
+        if cfg.router_engine_args:  # refused here, before anything starts
+            from rollserve.assets import reasoner_dir
+            from rollserve.bench.peer import router_engine_settings
+
+            router_engine_settings(args.model or reasoner_dir(), cfg.router_engine_args)
     except ValueError as e:
         raise SystemExit(f"rollserve bench peer: {e}") from None
     run_peer(cfg)

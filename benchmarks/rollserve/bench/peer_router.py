@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import sys
 import time
@@ -64,7 +65,9 @@ class Sampling:
 def server_env(settings: EngineSettings, omp_threads: int) -> dict[str, str]:
     """The environment rollserve's engine sets for vLLM (``apply_environment``), plus the dev
     routes that reset the prefix cache between runs."""
+    numba = {"NUMBA_NUM_THREADS": str(omp_threads)} if settings.spec_method == "ngram" else {}
     return {
+        **numba,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -78,7 +81,11 @@ def server_env(settings: EngineSettings, omp_threads: int) -> dict[str, str]:
 
 
 def server_argv(settings: EngineSettings, port: int) -> list[str]:
-    """The OpenAI server with the engine arguments of ``build_engine_args``."""
+    """The OpenAI server with the engine arguments of ``build_engine_args`` (speculative
+    decoding with vLLM's own drafters included)."""
+    from rollserve.engine.service import build_speculative_config
+
+    spec = build_speculative_config(settings)
     return [
         sys.executable,
         "-m",
@@ -119,6 +126,7 @@ def server_argv(settings: EngineSettings, port: int) -> list[str]:
         "--disable-uvicorn-access-log",
         "--uvicorn-log-level",
         "warning",
+        *(["--speculative-config", json.dumps(spec)] if spec is not None else []),
     ]
 
 
