@@ -54,6 +54,29 @@ def test_rounds_of_runs_pool_by_groups_over_time(tmp_path: Path) -> None:
     assert to_json(pooled)["rows"]["rollserve"]["vs_router_pooled"] == pooled.pooled["rollserve"]
 
 
+def test_row_b_pools_only_where_every_run_ran_the_same_variant(tmp_path: Path) -> None:
+    rows = {
+        "vllm-router": [(160, 16.0)],
+        "rollserve": [(160, 10.0)],
+        "rollserve B": [(160, 8.0)],
+    }
+    spec = {"engine_args": ["--spec-method=rollout"]}
+    a = load_run(write_run(tmp_path / "a.json", rows, variant=spec))
+    b = load_run(write_run(tmp_path / "b.json", rows, variant=spec))
+    other = load_run(write_run(tmp_path / "c.json", rows, variant={"policy": "rl"}))
+    assert pool_runs([a, b]).rows == ("rollserve", "rollserve B")
+    assert pool_runs([a, other]).rows == ("rollserve",)
+    # a setting added to `bench peer` later: a file without it ran with its default
+    old = load_run(write_run(tmp_path / "d.json", rows, variant=spec))
+    new = load_run(write_run(tmp_path / "e.json", rows, variant=spec, router_engine_args=[]))
+    assert pool_runs([old, new]).rounds == 2
+    spec_router = write_run(
+        tmp_path / "f.json", rows, variant=spec, router_engine_args=["--spec-method=ngram"]
+    )
+    with pytest.raises(ValueError, match="router_engine_args"):
+        pool_runs([old, load_run(spec_router)])
+
+
 def test_runs_of_different_settings_or_files_of_another_kind_do_not_pool(tmp_path: Path) -> None:
     rows = {"vllm-router": [(160, 16.0)], "rollserve": [(160, 10.0)]}
     a = load_run(write_run(tmp_path / "a.json", rows))

@@ -292,6 +292,18 @@ def test_no_drafts_in_steps_vllm_does_not_speculate_nor_past_the_model_length() 
     assert drafter.propose_rows(4, batch, [[43, 44]]) == [[]]
 
 
+def test_a_request_whose_prompt_vllm_replaced_drafts_as_a_new_sample() -> None:
+    drafter = _drafter()
+    drafter.finished("a", [*PROMPT, 40], [41, 42, 43, 44])
+    batch = _Batch()
+    batch.set([("s", PROMPT, [40, 41])])
+    assert drafter.propose_rows(4, batch, [[41]]) == [[]]
+    # a streaming session folds the output into the prompt: same id, another prompt
+    batch.set([("s", [*PROMPT, 40], [41])])
+    assert drafter.propose_rows(4, batch, [[41]]) == [[42, 43, 44]]
+    assert (drafter.live_requests, drafter.live_prompts) == (1, 1)
+
+
 def test_settings_reach_the_drafter_through_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -346,3 +358,11 @@ def test_the_hooks_wrap_vllms_model_runner_methods_as_they_are() -> None:
     )
     assert runner.drafter.live_requests == 0
     assert _outputs(runner.drafter.history, tuple(PROMPT))[-1] == (40, 41)
+
+    def broken(*args: Any) -> list[list[int]]:
+        raise IndexError("a drafting bug")
+
+    runner.drafter.propose_rows = broken  # type: ignore[method-assign,assignment]
+    step = SimpleNamespace(num_spec_tokens_to_schedule=4)
+    assert runner.propose_draft_token_ids(step, [[40], [7]]) == [[], []]  # the engine goes on
+    assert runner.drafter.failures == 1

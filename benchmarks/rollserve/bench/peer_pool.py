@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollserve.bench.peer import PEER, pooled_interval, pooled_ratios
+from rollserve.bench.peer import PEER, ROLLSERVE_B, pooled_interval, pooled_ratios
 
 # Settings of a run that say where it wrote or how long it ran, not what it measured.
 _RUN_ONLY = frozenset(
     {"json_path", "out_dir", "trace_path", "run_dir", "repeats", "variant", "router_policies"}
 )
+# Settings added to `bench peer` after some runs were kept: a file without one ran with this.
+_ADDED_LATER: dict[str, Any] = {"router_engine_args": []}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class PeerRun:
     path: Path
     settings: dict[str, Any]  # what it measured (``_RUN_ONLY`` left out), the router's policy
     rows: dict[str, list[Round]]  # row name -> its rounds, in order
+    variant: Any = None  # what its row "rollserve B" ran, if it has one
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,8 @@ def load_run(path: Path) -> PeerRun:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
     try:
-        settings = {k: v for k, v in data["settings"].items() if k not in _RUN_ONLY}
+        given = {**_ADDED_LATER, **data["settings"]}
+        settings = {k: v for k, v in given.items() if k not in _RUN_ONLY}
         settings["measured router policy"] = data["router_policy"]
         rows = {
             name: [Round(r["summary"]["groups"], r["summary"]["wall_s"]) for r in runs]
@@ -69,7 +73,7 @@ def load_run(path: Path) -> PeerRun:
         raise ValueError(f"{path}: not the JSON of `rollserve bench peer` (no {exc})") from None
     if PEER not in rows:
         raise ValueError(f"{path}: has no {PEER} row to compare with")
-    return PeerRun(path, settings, rows)
+    return PeerRun(path, settings, rows, data["settings"].get("variant"))
 
 
 def _difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
@@ -81,7 +85,8 @@ def _difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
 
 def pool_runs(runs: Sequence[PeerRun]) -> PooledRuns:
     """Pools the runs' rounds; ValueError if there are fewer than two runs or their settings
-    differ (naming the setting and the files)."""
+    differ (naming the setting and the files). A row pools only if every run has it, and
+    "rollserve B" only if every run's B ran the same variant."""
     if len(runs) < 2:
         raise ValueError(f"give at least two runs to pool (got {len(runs)})")
     first = runs[0]
@@ -89,7 +94,14 @@ def pool_runs(runs: Sequence[PeerRun]) -> PooledRuns:
         why = _difference(first.settings, run.settings)
         if why is not None:
             raise ValueError(f"{first.path} and {run.path} measured different things: {why}")
-    rows = tuple(name for name in first.rows if name != PEER and all(name in r.rows for r in runs))
+    same_variant = all(run.variant == first.variant for run in runs)
+    rows = tuple(
+        name
+        for name in first.rows
+        if name != PEER
+        and all(name in r.rows for r in runs)
+        and (name != ROLLSERVE_B or same_variant)
+    )
     together = {name: [x for run in runs for x in run.rows[name]] for name in (PEER, *rows)}
     per_run = tuple(pooled_ratios({name: run.rows[name] for name in (PEER, *rows)}) for run in runs)
     return PooledRuns(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ from typing import Any
 from rollserve.engine.drafting import DraftSettings, History, PromptCorpus
 
 __all__ = ["DRAFTER_CLASS", "DRAFTER_ENV", "DrafterConfig", "RolloutDrafter"]
+
+logger = logging.getLogger(__name__)
 
 DRAFTER_CLASS = "rollserve.engine.drafter.RolloutDrafter"
 DRAFTER_ENV = "ROLLSERVE_DRAFTER"
@@ -87,6 +90,11 @@ class _Live:
     corpus: PromptCorpus
     seq: int
 
+    @property
+    def tokens(self) -> int:
+        """Prompt and output tokens indexed so far."""
+        return self.corpus.prompt_len + self.corpus.output_len(self.seq)
+
 
 class RolloutDrafter:
     """vLLM's custom proposer for the ``rollout`` method (built by vLLM with its config)."""
@@ -108,6 +116,7 @@ class RolloutDrafter:
         self._corpora: dict[tuple[int, ...], PromptCorpus] = {}  # prompts with live samples
         self._live: dict[str, _Live] = {}
         self._live_per_prompt: Counter[tuple[int, ...]] = Counter()
+        self.failures = 0  # calls that raised (logged; the step ran without drafts)
         if install_hooks:
             install_runner_hooks()
 
@@ -141,15 +150,15 @@ class RolloutDrafter:
             req_id = batch.req_ids[row]
             live = self._live.get(req_id)
             prompt_len = int(batch.num_prompt_tokens[row])
+            if live is not None and (live.corpus.prompt_len != prompt_len or total < live.tokens):
+                # vLLM replaced the request's prompt (a streaming session folds outputs into
+                # it): a new sample as far as drafting goes
+                self._drop(req_id)
+                live = None
             if live is None:
                 live = self._start(req_id, tuple(token_ids[row, :prompt_len].tolist()))
-            have = prompt_len + live.corpus.output_len(live.seq)
-            if total < have:  # never seen: tokens only accumulate
-                raise RuntimeError(
-                    f"request {req_id} has {total} tokens, fewer than the {have} seen before"
-                )
-            if total > have:
-                live.corpus.extend(live.seq, token_ids[row, have:total].tolist())
+            if total > live.tokens:
+                live.corpus.extend(live.seq, token_ids[row, live.tokens : total].tolist())
             drafts.append(list(live.corpus.match(live.seq, room).draft))
         return drafts
 
@@ -158,16 +167,13 @@ class RolloutDrafter:
     ) -> None:
         """A request finished or was aborted: its output joins the prompt's history."""
         output = [t for t in output_token_ids if t >= 0]  # -1: a placeholder never filled
-        live = self._live.pop(req_id, None)
+        live = self._live.get(req_id)
         if live is not None:
             prompt = live.prompt
             have = live.corpus.output_len(live.seq)
-            if len(output) > have:
+            if len(output) > have:  # the siblings still running draft from it
                 live.corpus.extend(live.seq, output[have:])
-            self._live_per_prompt[prompt] -= 1
-            if self._live_per_prompt[prompt] <= 0:
-                del self._live_per_prompt[prompt]
-                del self._corpora[prompt]
+            self._drop(req_id)
         else:
             prompt = tuple(prompt_token_ids)
             corpus = self._corpora.get(prompt)
@@ -182,6 +188,15 @@ class RolloutDrafter:
     @property
     def live_prompts(self) -> int:
         return len(self._corpora)
+
+    def _drop(self, req_id: str) -> None:
+        """Stops tracking a request; its prompt's corpus goes with its last running sample
+        (the history keeps what later samples need)."""
+        live = self._live.pop(req_id)
+        self._live_per_prompt[live.prompt] -= 1
+        if self._live_per_prompt[live.prompt] <= 0:
+            del self._live_per_prompt[live.prompt]
+            del self._corpora[live.prompt]
 
     def _start(self, req_id: str, prompt: tuple[int, ...]) -> _Live:
         corpus = self._corpora.get(prompt)
@@ -218,9 +233,15 @@ def install_runner_hooks() -> None:
             return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         self._draft_probs = None
         self._draft_prob_req_ids = None
-        return drafter.propose_rows(
-            scheduler_output.num_spec_tokens_to_schedule, self.input_batch, sampled_token_ids
-        )
+        try:
+            return drafter.propose_rows(
+                scheduler_output.num_spec_tokens_to_schedule, self.input_batch, sampled_token_ids
+            )
+        except Exception:  # a drafting bug must not take the engine down: no drafts this step
+            drafter.failures += 1
+            if drafter.failures == 1:
+                logger.exception("rollout drafter failed; this step runs without drafts")
+            return [[] for _ in sampled_token_ids]
 
     @functools.wraps(removed)
     def on_request_state_removed(self: Any, req_id: str, req_state: Any) -> None:
@@ -230,7 +251,11 @@ def install_runner_hooks() -> None:
             and req_state is not None
             and req_state.prompt_token_ids is not None
         ):
-            drafter.finished(req_id, req_state.prompt_token_ids, req_state.output_token_ids)
+            try:
+                drafter.finished(req_id, req_state.prompt_token_ids, req_state.output_token_ids)
+            except Exception:
+                drafter.failures += 1
+                logger.exception("rollout drafter failed to keep a finished request")
         removed(self, req_id, req_state)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
