@@ -6,11 +6,13 @@ test that needs its own engine starts one with `engine_proc.start_engine_process
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from rollserve.engine.tiny_model import make_tiny_model
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.integration.engine_proc import EngineProcess, start_engine_process
 
@@ -45,3 +47,10 @@ def engine_process(
 def engine_address(engine_process: EngineProcess) -> str:
     """host:port of the session's engine, serving."""
     return engine_process.address
+
+
+@pytest.fixture
+async def plain_stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
+    """A client of the session's engine (no speculation: the reference of the spec tests)."""
+    async with grpc.aio.insecure_channel(engine_address) as channel:
+        yield pb_grpc.EngineStub(channel)

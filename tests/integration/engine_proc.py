@@ -13,7 +13,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,3 +97,17 @@ def start_engine_process(
         engine.kill()
         raise
     return engine
+
+
+@contextlib.contextmanager
+def serving_engine(
+    model_dir: Path, engine_id: str, extra_args: Sequence[str], *, log_dir: Path
+) -> Iterator[str]:
+    """An engine of its own for a test module: yields its host:port while it serves, then
+    stops it and checks that none of its processes outlived it."""
+    engine = start_engine_process(model_dir, engine_id, extra_args, log_dir=log_dir)
+    try:
+        yield engine.address
+    finally:
+        engine.stop()
+    assert engine.leftover_pids == [], "processes of the engine outlived it"

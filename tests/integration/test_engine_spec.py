@@ -18,7 +18,7 @@ import pytest
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from tests.integration.engine_proc import EngineProcess, start_engine_process
+from tests.integration.engine_proc import serving_engine
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ verification pass scores several positions at once, which moves bf16 results a l
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """host:port of an engine that speculates with ngram drafts; stopped and reaped after."""
-    engine: EngineProcess = start_engine_process(
+    with serving_engine(
         tiny_model_dir,
         "engine-spec",
         [
@@ -46,23 +46,13 @@ def spec_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             f"--spec-max-batch={SPEC_MAX_BATCH}",
         ],
         log_dir=tmp_path_factory.mktemp("engine-spec-logs"),
-    )
-    try:
-        yield engine.address
-    finally:
-        engine.stop()
-    assert engine.leftover_pids == [], "processes of the engine outlived it"
+    ) as address:
+        yield address
 
 
 @pytest.fixture
 async def spec_stub(spec_engine: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
     async with grpc.aio.insecure_channel(spec_engine) as channel:
-        yield pb_grpc.EngineStub(channel)
-
-
-@pytest.fixture
-async def plain_stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
-    async with grpc.aio.insecure_channel(engine_address) as channel:
         yield pb_grpc.EngineStub(channel)
 
 

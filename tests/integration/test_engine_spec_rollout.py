@@ -17,7 +17,7 @@ import pytest
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from tests.integration.engine_proc import EngineProcess, start_engine_process
+from tests.integration.engine_proc import serving_engine
 from tests.integration.test_engine_spec import LOGPROB_TOLERANCE, PROMPTS, SPEC_TOKENS, greedy
 
 pytestmark = pytest.mark.integration
@@ -26,28 +26,18 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """host:port of an engine that speculates with the rollout drafter in every step."""
-    engine: EngineProcess = start_engine_process(
+    with serving_engine(
         tiny_model_dir,
         "engine-rollout",
         ["--spec-method=rollout", f"--num-speculative-tokens={SPEC_TOKENS}"],
         log_dir=tmp_path_factory.mktemp("engine-rollout-logs"),
-    )
-    try:
-        yield engine.address
-    finally:
-        engine.stop()
-    assert engine.leftover_pids == [], "processes of the engine outlived it"
+    ) as address:
+        yield address
 
 
 @pytest.fixture
 async def rollout_stub(rollout_engine: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
     async with grpc.aio.insecure_channel(rollout_engine) as channel:
-        yield pb_grpc.EngineStub(channel)
-
-
-@pytest.fixture
-async def plain_stub(engine_address: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
-    async with grpc.aio.insecure_channel(engine_address) as channel:
         yield pb_grpc.EngineStub(channel)
 
 
