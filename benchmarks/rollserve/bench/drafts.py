@@ -54,7 +54,7 @@ from typing import Any, Protocol, cast
 
 from rollserve.cli.argtypes import positive_int
 from rollserve.engine.drafting import NO_MATCH as _NO_MATCH
-from rollserve.engine.drafting import DraftSettings, Match, PromptCorpus
+from rollserve.engine.drafting import DraftSettings, Match, PromptCorpus, vote
 
 DRAFTERS = ("ngram", "group", "history", "group+ngram", "all", "rollout")
 _SOURCES = {
@@ -107,23 +107,8 @@ def corpus_match(
                 if end >= available:
                     break  # ends are ascending: the rest do not exist yet
                 found.append((index.tokens, end, available))
-        if not found:
-            continue
-        draft: list[int] = []
-        for j in range(settings.k):
-            votes: Counter[int] = Counter()
-            first: dict[int, int] = {}
-            for order, (tokens, end, available) in enumerate(found):
-                if end + j < available:
-                    token = tokens[end + j]
-                    votes[token] += 1
-                    first.setdefault(token, order)
-            if not votes:
-                break
-            token = max(votes, key=lambda t: (votes[t], -first[t]))
-            draft.append(token)
-            found = [f for f in found if f[1] + j < f[2] and f[0][f[1] + j] == token]
-        return Match(n, tuple(draft))
+        if found:
+            return Match(n, vote(found, settings.k))
     return _NO_MATCH
 
 
@@ -345,29 +330,14 @@ def measure(
         lengths.setdefault(r.epoch, []).extend(len(x) for x in r.responses)
         by_key.setdefault(r.prompt_key, []).append(g)
     tails = {epoch: tail_start(values, tail_quantile) for epoch, values in lengths.items()}
-    histories = [
-        [
-            index
-            for h in by_key[rollout.prompt_key]
-            if rollouts[h].epoch < rollout.epoch
-            for index in indexes[h]
-        ]
-        for rollout in rollouts
-    ]
-    earlier = [
-        [
-            response
-            for h in by_key[rollout.prompt_key]
-            if rollouts[h].epoch < rollout.epoch
-            for response in rollouts[h].responses
-        ]
+    earlier = [  # each group's earlier epochs of its prompt
+        [h for h in by_key[rollout.prompt_key] if rollouts[h].epoch < rollout.epoch]
         for rollout in rollouts
     ]
     results = []
     for name in drafters:
         result = DrafterResult(name)
         for g, rollout in enumerate(rollouts):
-            history = histories[g]
             for i, response in enumerate(rollout.responses):
                 drafter: Drafter
                 if name == "rollout":
@@ -375,7 +345,7 @@ def measure(
                         prompt=rollout.prompt_token_ids,
                         response=response,
                         siblings=[x for j, x in enumerate(rollout.responses) if j != i],
-                        history=earlier[g],
+                        history=[x for h in earlier[g] for x in rollouts[h].responses],
                         settings=settings,
                     )
                 else:
@@ -384,7 +354,7 @@ def measure(
                         prompt=rollout.prompt_token_ids,
                         response=response,
                         siblings=[x for j, x in enumerate(indexes[g]) if j != i],
-                        history=history,
+                        history=[x for h in earlier[g] for x in indexes[h]],
                         settings=settings,
                     )
                 every, tail = walk(response, drafter, tails[rollout.epoch])

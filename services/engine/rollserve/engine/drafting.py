@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["NO_MATCH", "DraftSettings", "History", "Match", "PromptCorpus"]
+__all__ = ["NO_MATCH", "DraftSettings", "History", "Match", "PromptCorpus", "vote"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,37 +166,39 @@ class PromptCorpus:
                 matched = max(lengths)
                 occurrences = [o for o, m in zip(occurrences, lengths, strict=True) if m == matched]
             k = settings.draft_len(k, matched)
-            return Match(matched, _vote(occurrences, k, settings.min_share))
+            return Match(matched, vote(occurrences, k, settings.min_share))
         return NO_MATCH
 
     def _match_back(self, seq: int, other: int, end: int, n: int) -> int:
         """How many tokens before ``end`` in sequence ``other`` equal the last ones of sample
         ``seq``'s context, at most ``max_match``, given that the last ``n`` do. A sample's
         tokens before its boundary are the prompt's."""
-        own, theirs, prompt = self._seqs[seq], self._seqs[other], self._seqs[self.PROMPT]
-        skipped = self.prompt_len - len(self._boundary)  # prompt tokens before a boundary
-        a = len(own) + skipped  # logical ends: the context's and the occurrence's
-        b = end + (skipped if other != self.PROMPT else 0)
+        a = len(self._seqs[seq]) + self._skipped(seq)  # logical ends: the context's and
+        b = end + self._skipped(other)  # the occurrence's
         length = n
         while length < self.settings.max_match and length < min(a, b):
-            i, j = a - length - 1, b - length - 1
-            mine = own[i - skipped] if i >= skipped else prompt[i]
-            if other == self.PROMPT:
-                their = prompt[j]
-            else:
-                their = theirs[j - skipped] if j >= skipped else prompt[j]
-            if mine != their:
+            if self._token(seq, a - length - 1) != self._token(other, b - length - 1):
                 break
             length += 1
         return length
 
+    def _skipped(self, seq: int) -> int:
+        """Prompt tokens before sequence ``seq``'s first (a sample starts at its boundary)."""
+        return 0 if seq == self.PROMPT else self.prompt_len - len(self._boundary)
 
-def _vote(
-    occurrences: list[tuple[list[int], int, int]], k: int, min_share: float
+    def _token(self, seq: int, i: int) -> int:
+        """Token ``i`` of sequence ``seq``'s whole context (prompt included)."""
+        skipped = self._skipped(seq)
+        return self._seqs[seq][i - skipped] if i >= skipped else self._seqs[self.PROMPT][i]
+
+
+def vote(
+    occurrences: Sequence[tuple[Sequence[int], int, int]], k: int, min_share: float = 0.0
 ) -> tuple[int, ...]:
     """Token by token, the continuation most occurrences take (a tie: the one met first),
     keeping only the occurrences that agree so far; it stops where the product of the
-    winners' shares (their votes over the occurrences that go on) falls below ``min_share``."""
+    winners' shares (their votes over the occurrences that go on) falls below ``min_share``.
+    An occurrence is (tokens, where its continuation starts, how many of its tokens exist)."""
     draft: list[int] = []
     confidence = 1.0
     for j in range(k):

@@ -225,19 +225,15 @@ class EngineSettings(BaseModel):
                     "(ngram or suffix) to turn speculative decoding on, or drop them"
                 )
             return self
-        if self.spec_method == "suffix":
-            given = [name for name in _NGRAM_FIELDS if name in self.model_fields_set]
-            if given:
+        for fields, methods in (
+            (_NGRAM_FIELDS, ("ngram", "rollout")),
+            (_ROLLOUT_FIELDS, ("rollout",)),
+        ):
+            given = [name for name in fields if name in self.model_fields_set]
+            if given and self.spec_method not in methods:
                 raise ValueError(
-                    f"{', '.join(given)} apply to spec_method ngram and rollout only, not "
-                    f"{self.spec_method}; drop them"
-                )
-        if self.spec_method != "rollout":
-            given = [name for name in _ROLLOUT_FIELDS if name in self.model_fields_set]
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} apply to spec_method rollout only, not "
-                    f"{self.spec_method}; drop them"
+                    f"{', '.join(given)} apply to spec_method {' and '.join(methods)} only, "
+                    f"not {self.spec_method}; drop them"
                 )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
