@@ -584,6 +584,8 @@ def make_speculated_rollouts(
                 f"--min-n={settings.min_n}",
                 f"--max-n={settings.max_n}",
                 f"--method={method}",
+                f"--spec-factor={settings.spec_factor}",
+                f"--min-share={settings.min_share}",
             ],
             capture_output=True,
             text=True,

@@ -52,6 +52,7 @@ async def _run(
     k: int,
     lookup: tuple[int, int],
     method: str,
+    cuts: tuple[float, float],
     out: Path,
 ) -> None:
     from rollserve.engine.service import build_engine_args
@@ -63,6 +64,8 @@ async def _run(
         num_speculative_tokens=k,
         prompt_lookup_min=lookup[0],
         prompt_lookup_max=lookup[1],
+        # the rollout drafter's draft cuts (spec_factor, min_share); other drafters have none
+        **({"spec_factor": cuts[0], "spec_min_share": cuts[1]} if method == "rollout" else {}),
     )
     device = resolve_device(settings)
     apply_environment(settings, device)
@@ -114,6 +117,8 @@ def main() -> int:
     parser.add_argument("--min-n", type=int, default=2)
     parser.add_argument("--max-n", type=int, default=5)
     parser.add_argument("--method", choices=("ngram", "rollout"), default="ngram")
+    parser.add_argument("--spec-factor", type=float, default=0.0)
+    parser.add_argument("--min-share", type=float, default=0.0)
     args = parser.parse_args()
     spec = json.loads(args.groups.read_text())
     groups = [BenchGroup(**g) for g in spec["groups"]]
@@ -125,6 +130,7 @@ def main() -> int:
             k=args.k,
             lookup=(args.min_n, args.max_n),
             method=args.method,
+            cuts=(args.spec_factor, args.min_share),
             out=args.out,
         )
     )
