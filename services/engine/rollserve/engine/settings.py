@@ -222,7 +222,7 @@ class EngineSettings(BaseModel):
             if given:
                 raise ValueError(
                     f"{', '.join(given)} set but spec_method is not; pass spec_method "
-                    "(ngram or suffix) to turn speculative decoding on, or drop them"
+                    "(ngram, rollout or suffix) to turn speculative decoding on, or drop them"
                 )
             return self
         for fields, methods in (
