@@ -111,7 +111,7 @@ def _brute_force(
     if not occ:
         return 0, ()
     n = max(o[2] for o in occ)
-    occ = [o for o in occ if o[2] == n]
+    occ = [o for o in occ if o[2] == n][-settings.max_occurrences :]  # the newest
     if n == settings.max_n and len(occ) > 1:
         n = max(o[3] for o in occ)
         occ = [o for o in occ if o[3] == n]
@@ -146,6 +146,7 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts() -> None:
             min_n=rng.randint(1, max_n),
             max_n=max_n,
             max_match=rng.choice([max_n, 8, 24]),
+            max_occurrences=rng.choice([64, 64, 1, 2, 5]),
             spec_factor=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]),
             min_share=rng.choice([0.0, 0.0, 0.3, 0.6]),
         )
@@ -174,6 +175,30 @@ def test_a_long_match_in_an_earlier_sample_outvotes_short_repeats_of_its_own() -
     short = PromptCorpus([50, 51, 52], DraftSettings(k=2, min_n=2, max_n=3, max_match=3))
     short.add_sample([1, 1, 1, 1, 2, 2])
     assert short.match(short.add_sample([1, 1, 1, 1]), 2).draft == (1, 2)  # 1 by 2 votes to 1
+
+
+def test_a_match_examines_at_most_the_newest_max_occurrences(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 33 samples of one prompt looping the same 7 tokens (a greedy model stuck in a loop):
+    # the suffix occurs at every turn of every loop, 33 x 73 times.
+    loop = [11, 12, 13, 14, 15, 16, 17] * 73
+    corpus = PromptCorpus([1, 2, 3], DraftSettings(max_occurrences=16))
+    seqs = [corpus.add_sample(loop) for _ in range(33)]
+    followed: list[tuple[int, int]] = []
+    match_back = PromptCorpus._match_back
+
+    def counted(self: PromptCorpus, seq: int, other: int, end: int, n: int) -> int:
+        followed.append((other, end))
+        return match_back(self, seq, other, end, n)
+
+    monkeypatch.setattr(PromptCorpus, "_match_back", counted)
+    assert corpus.match(seqs[0], 4) == Match(24, (11, 12, 13, 14))
+    assert len(followed) == 16  # not 33 x 73
+    # the newest: the last sample's last turns of the loop
+    assert {other for other, _ in followed} == {seqs[-1]}
+    with pytest.raises(ValueError, match=r"max_occurrences \(0\) must be at least 1"):
+        DraftSettings(max_occurrences=0)
 
 
 def test_short_matches_and_split_votes_draft_less_when_asked() -> None:
