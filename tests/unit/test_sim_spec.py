@@ -33,6 +33,12 @@ def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
         ({"draft_tokens": 3, "accept_len": 2.0, "max_batch": -1}, r"max_batch \(-1\)"),
         ({"draft_tokens": 3, "accept_len": 2.0, "draft_s": -1e-6}, r"draft_s \(-1e-06\)"),
         ({"draft_tokens": 3, "accept_len": 2.0, "pass_s": -1e-3}, r"pass_s \(-0.001\)"),
+        ({"draft_tokens": 3, "accept_len": 2.0, "token_s": -1e-6}, r"token_s \(-1e-06\)"),
+        ({"draft_tokens": 3, "accept_len": 2.0, "drafted": 3.5}, r"drafted \(3.5\) must be"),
+        (
+            {"draft_tokens": 3, "accept_len": 2.5, "drafted": 1.2},
+            r"accept_len \(2.5\) must be between 1 and drafted \+ 1 \(2.2\)",
+        ),
     ],
 )
 def test_spec_validation_names_the_field(kwargs: dict[str, float], message: str) -> None:
@@ -59,6 +65,20 @@ def test_a_speculating_step_is_a_share_of_a_verification_pass() -> None:
     always = make_profile(replace(spec, max_batch=0))
     assert always.step_time(8, 0, 0) < plain.step_time(8, 0, 0) * 2
     assert always.step_time(8, 0, 0) != plain.step_time(8, 0, 0)
+
+
+def test_a_pass_pays_each_draft_token_at_its_own_cost_and_for_the_mean_proposed() -> None:
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, draft_s=0.01, pass_s=0.3)
+    # token_s None: a draft token costs what a decoded sequence does (the model before it).
+    same = make_profile(replace(spec, token_s=PER_SEQ))
+    assert same.step_time(3, 0, 50) == pytest.approx(make_profile(spec).step_time(3, 0, 50))
+    # A token of its own cost, and drafts cut to 1.5 tokens a pass on average.
+    cut = make_profile(replace(spec, token_s=0.002, drafted=1.5))
+    verify = BASE + 0.3 + (PER_SEQ + 0.01 + 0.002 * 1.5) * 3 + PER_KV * 50
+    assert cut.step_time(3, 0, 50) == pytest.approx(verify / 2.0)
+    # The counters: every pass proposes the mean.
+    assert cut.spec.counters(40) == (20, 30, 20)  # type: ignore[union-attr]
+    assert "1.5 proposed on average" in cut.spec.describe()  # type: ignore[union-attr]
 
 
 def test_with_spec_turns_it_on_and_off() -> None:

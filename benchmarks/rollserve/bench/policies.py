@@ -148,7 +148,13 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         console.print(
             f"  {', '.join(speculating)}: engines speculate ({cfg.spec.describe()}; "
             f"drafting {cfg.spec.draft_s * 1e6:g} µs a sequence a pass, "
-            f"{cfg.spec.pass_s * 1e3:g} ms a pass for the speculative path)"
+            f"{cfg.spec.pass_s * 1e3:g} ms a pass for the speculative path, "
+            + (
+                "a draft token as a decoded sequence"
+                if cfg.spec.token_s is None
+                else f"{cfg.spec.token_s * 1e6:g} µs a draft token"
+            )
+            + ")"
         )
 
     def predictor() -> LengthPredictor:
@@ -236,6 +242,8 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
             "max_batch": cfg.spec.max_batch,
             "draft_s": cfg.spec.draft_s,
             "pass_s": cfg.spec.pass_s,
+            "token_s": cfg.spec.token_s,
+            "drafted": cfg.spec.drafted,
             "rows": speculating,
         }
         out["step_floor_spec_s"] = spec_floor

