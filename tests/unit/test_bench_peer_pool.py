@@ -64,8 +64,15 @@ def test_row_b_pools_only_where_every_run_ran_the_same_variant(tmp_path: Path) -
     a = load_run(write_run(tmp_path / "a.json", rows, variant=spec))
     b = load_run(write_run(tmp_path / "b.json", rows, variant=spec))
     other = load_run(write_run(tmp_path / "c.json", rows, variant={"policy": "rl"}))
-    assert pool_runs([a, b]).rows == ("rollserve", "rollserve B")
+    both = pool_runs([a, b])
+    assert both.rows == ("rollserve", "rollserve B")
+    # B over the plain row of the same rounds: 10 s against 8 s a round in each run
+    assert both.variant_per_run == pytest.approx((1.25, 1.25))
+    assert both.variant_pooled == pytest.approx(1.25)
+    assert to_json(both)["variant_over_rollserve"]["pooled"] == pytest.approx(1.25)
     assert pool_runs([a, other]).rows == ("rollserve",)
+    assert pool_runs([a, other]).variant_pooled is None
+    assert "variant_over_rollserve" not in to_json(pool_runs([a, other]))
     # a setting added to `bench peer` later: a file without it ran with its default
     old = load_run(write_run(tmp_path / "d.json", rows, variant=spec))
     new = load_run(write_run(tmp_path / "e.json", rows, variant=spec, router_engine_args=[]))

@@ -99,7 +99,7 @@ ROLLSERVE_B = "rollserve B"
 ROWS = (PEER, ROLLSERVE, ROLLSERVE_SYNC)
 _DRAIN_TIMEOUT_S = 30.0
 _IDLE_POLL_S = 0.05  # how often a finished rollserve round asks whether the scheduler is idle
-_TABLE_WIDTH = 132  # the tables' width even where the console reports 80 (not a terminal)
+_TABLE_WIDTH = 150  # the tables' width even where the console reports 80 (not a terminal)
 
 
 @dataclass(frozen=True)
@@ -434,6 +434,8 @@ def delivered_group(
                 offpolicy_tokens=sum(v.length for v in s.versions if v.version < version),
                 started_at=s.started_at,
                 finished_at=s.finished_at,
+                spec_proposed_tokens=s.spec_proposed_tokens,
+                spec_accepted_tokens=s.spec_accepted_tokens,
             )
             for s in result.samples
         ),
@@ -825,6 +827,7 @@ def print_tables(
         "CPU wait",
         "engine split",
         "dropped at end",
+        "drafts accepted",
     )
     for table, columns in ((main, main_columns), (detail, detail_columns)):
         for column in columns:
@@ -859,6 +862,7 @@ def print_tables(
             f"{s.cpu_wait_share:.1%}",
             " / ".join(f"{v:.0%}" for v in s.engine_share.values()),
             str(s.dropped_at_end),
+            _drafts(s),
         )
     console.print(main)
     console.print(detail)
@@ -868,6 +872,15 @@ def print_tables(
                 f"  {name} groups/s per round: {' '.join(f'{v:.3f}' for v in values)}; "
                 f"vs router: {' '.join(f'{r:.2f}x' for r in ratios[name])}"
             )
+
+
+def _drafts(s: RowSummary) -> str:
+    """Draft tokens accepted, and the share of the output tokens they made ("-" where the
+    row did not speculate)."""
+    if not s.draft_tokens:
+        return "-"
+    made = s.accepted_draft_tokens / s.output_tokens if s.output_tokens else 0.0
+    return f"{s.accepted_draft_tokens / s.draft_tokens:.0%} ({made:.0%} of tokens)"
 
 
 def group_record(group: DeliveredGroup) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Each row's ratio to the router is its groups over its time in all rounds of all 
 router's (``pooled_ratios``); the interval resamples the rounds of all runs together
 (``pooled_interval``). Runs pool only if they measured the same thing: every setting but where
 they wrote and how many rounds they ran must be equal, else the first difference is named.
-A row pools where every run has it (the ``--variant-*`` row may be in some runs only).
+A row pools where every run has it (the ``--variant-*`` row may be in some runs only). Where
+"rollserve B" pools, its ratio to the plain "rollserve" row of the same rounds is pooled the
+same way: the A/B figure of a ``--variant-*`` run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollserve.bench.peer import PEER, ROLLSERVE_B, pooled_interval, pooled_ratios
+from rollserve.bench.peer import PEER, ROLLSERVE, ROLLSERVE_B, pooled_interval, pooled_ratios
 
 # Settings of a run that say where it wrote or how long it ran, not what it measured.
 _RUN_ONLY = frozenset(
@@ -53,6 +55,10 @@ class PooledRuns:
     pooled: dict[str, float]  # over every round of every run
     interval: dict[str, tuple[float, float]]  # 90% bootstrap of ``pooled``
     rounds: int
+    # "rollserve B" over "rollserve" where both pool: each run's, all rounds', its interval.
+    variant_per_run: tuple[float, ...] = ()
+    variant_pooled: float | None = None
+    variant_interval: tuple[float, float] | None = None
 
 
 def load_run(path: Path) -> PeerRun:
@@ -104,6 +110,17 @@ def pool_runs(runs: Sequence[PeerRun]) -> PooledRuns:
     )
     together = {name: [x for run in runs for x in run.rows[name]] for name in (PEER, *rows)}
     per_run = tuple(pooled_ratios({name: run.rows[name] for name in (PEER, *rows)}) for run in runs)
+    variant_per_run: tuple[float, ...] = ()
+    variant_pooled: float | None = None
+    variant_interval: tuple[float, float] | None = None
+    if ROLLSERVE in rows and ROLLSERVE_B in rows:
+        pair = (ROLLSERVE, ROLLSERVE_B)
+        variant_per_run = tuple(
+            pooled_ratios({n: run.rows[n] for n in pair}, ROLLSERVE)[ROLLSERVE_B] for run in runs
+        )
+        both = {n: together[n] for n in pair}
+        variant_pooled = pooled_ratios(both, ROLLSERVE)[ROLLSERVE_B]
+        variant_interval = pooled_interval(both, ROLLSERVE).get(ROLLSERVE_B)
     return PooledRuns(
         runs=tuple(runs),
         rows=rows,
@@ -111,6 +128,9 @@ def pool_runs(runs: Sequence[PeerRun]) -> PooledRuns:
         pooled=pooled_ratios(together),
         interval=pooled_interval(together),
         rounds=len(together[PEER]),
+        variant_per_run=variant_per_run,
+        variant_pooled=variant_pooled,
+        variant_interval=variant_interval,
     )
 
 
@@ -127,6 +147,17 @@ def to_json(pooled: PooledRuns) -> dict[str, Any]:
             }
             for name in pooled.rows
         },
+        **(
+            {
+                "variant_over_rollserve": {
+                    "per_run": list(pooled.variant_per_run),
+                    "pooled": pooled.variant_pooled,
+                    "pooled_interval_90": list(pooled.variant_interval or ()),
+                }
+            }
+            if pooled.variant_pooled is not None
+            else {}
+        ),
     }
 
 
@@ -152,5 +183,13 @@ def print_pooled(pooled: PooledRuns) -> None:
         )
     console = Console()
     console.print(table)
+    if pooled.variant_pooled is not None:
+        low_high = pooled.variant_interval
+        span = f" [{low_high[0]:.2f}-{low_high[1]:.2f}]" if low_high else ""
+        console.print(
+            f"  {ROLLSERVE_B} / {ROLLSERVE} (same rounds): "
+            + ", ".join(f"run {i} {r:.2f}x" for i, r in enumerate(pooled.variant_per_run, 1))
+            + f"; all rounds {pooled.variant_pooled:.2f}x{span}"
+        )
     for i, run in enumerate(pooled.runs, 1):
         console.print(f"  run {i}: {run.path}")
