@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rollserve.engine import drafting
 from rollserve.engine.drafter import DRAFTER_ENV, DrafterConfig, RolloutDrafter
 from rollserve.engine.drafting import NO_MATCH, DraftSettings, History, Match, PromptCorpus
 
@@ -137,27 +138,53 @@ def _brute_force(
     return n, tuple(draft)
 
 
-def test_drafts_equal_a_brute_force_scan_on_random_rollouts() -> None:
+@pytest.mark.parametrize(
+    ("bulk", "flush"),
+    [(drafting.BULK_TOKENS, drafting.FLUSH_ENTRIES), (1, 1 << 16), (4, 8), (3, 2)],
+    ids=["as-shipped", "all-in-blocks", "mixed", "mixed-flushed"],
+)
+def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
+    bulk: int, flush: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index's two halves (a dict for a few tokens at a time, sorted numpy blocks for
+    # bulk extends and the dict's occurrences moved there) must find what a scan finds.
+    monkeypatch.setattr(drafting, "BULK_TOKENS", bulk)
+    monkeypatch.setattr(drafting, "FLUSH_ENTRIES", flush)
     rng = random.Random(7)
     for case in range(400):
+        how = rng.choice(["one by one", "together", "grown"])
         max_n = rng.randint(2, 5)
         settings = DraftSettings(
             k=rng.randint(1, 5),
             min_n=rng.randint(1, max_n),
             max_n=max_n,
             max_match=rng.choice([max_n, 8, 24]),
-            max_occurrences=rng.choice([64, 64, 1, 2, 5]),
+            # Samples grown in turns add their occurrences out of (sample, position) order,
+            # which is the order the scan's cap goes by: no cap there.
+            max_occurrences=1000 if how == "grown" else rng.choice([64, 64, 1, 2, 5]),
             spec_factor=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]),
             min_share=rng.choice([0.0, 0.0, 0.3, 0.6]),
         )
         vocab = rng.randint(2, 5)
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
         corpus = PromptCorpus(prompt, settings)
-        outputs = []
-        for _ in range(rng.randint(1, 4)):
-            output = [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
-            corpus.add_sample(output)
-            outputs.append(output)
+        outputs = [
+            [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
+            for _ in range(rng.randint(1, 4))
+        ]
+        if how == "together":  # as earlier epochs' outputs join a new corpus
+            corpus.add_samples(outputs)
+        elif how == "one by one":
+            for output in outputs:
+                corpus.add_sample(output)
+        else:  # running samples, a few tokens a step each, in turns
+            seqs = [corpus.add_sample() for _ in outputs]
+            done = [0] * len(outputs)
+            while any(d < len(o) for d, o in zip(done, outputs, strict=True)):
+                i = rng.randrange(len(outputs))
+                step = rng.randint(1, 5)
+                corpus.extend(seqs[i], outputs[i][done[i] : done[i] + step])
+                done[i] = min(len(outputs[i]), done[i] + step)
         seq = rng.randint(1, len(outputs))
         got = corpus.match(seq, settings.k)
         want = _brute_force(prompt, outputs, seq, settings.k, settings)

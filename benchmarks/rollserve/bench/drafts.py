@@ -281,9 +281,8 @@ class _RolloutSampleDrafter:
         settings: DraftSettings,
     ) -> None:
         self.corpus = PromptCorpus(prompt, settings)
-        for output in history:
-            self.corpus.add_sample(output)
-        self.siblings = [self.corpus.add_sample(output) for output in siblings]
+        self.corpus.add_samples(history)
+        self.siblings = self.corpus.add_samples(siblings)
         self.seq = self.corpus.add_sample()
         self.response = response
         self.k = settings.k

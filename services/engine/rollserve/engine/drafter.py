@@ -202,8 +202,7 @@ class RolloutDrafter:
         corpus = self._corpora.get(prompt)
         if corpus is None:
             corpus = PromptCorpus(prompt, self.settings)
-            for output in self.history.outputs(prompt):
-                corpus.add_sample(output)
+            corpus.add_samples(self.history.outputs(prompt))  # one block, indexed by numpy
             self._corpora[prompt] = corpus
         live = _Live(prompt, corpus, corpus.add_sample())
         self._live[req_id] = live
