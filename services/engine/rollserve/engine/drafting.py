@@ -181,35 +181,23 @@ class PromptCorpus:
             self._flush()
 
     def _keys(self, seq: int, start: int) -> tuple[np.ndarray, np.ndarray]:
-        """The keys and occurrences of every n-gram of ``seq`` that ends after ``start``, in
-        the order :meth:`extend` would add them one token at a time."""
+        """The keys and occurrences of every n-gram of ``seq`` that ends after ``start``. Each
+        key's occurrences come in the order :meth:`extend` adds them (by end: one n-gram
+        length's keys never equal another's but by a hash collision)."""
         tokens_of = self._seqs[seq]
-        lo, hi = self.settings.min_n, self.settings.max_n
-        offset = max(0, start - hi)
+        offset = max(0, start - self.settings.max_n)
         window = np.asarray(tokens_of[offset:], dtype=np.uint64)
         ends = np.arange(start + 1, len(tokens_of) + 1, dtype=np.int64)
         h = np.zeros(len(ends), dtype=np.uint64)
         keys: list[np.ndarray] = []
         occurrences: list[np.ndarray] = []
-        by_n: list[tuple[np.ndarray, np.ndarray]] = []
-        for n in range(1, hi + 1):
+        for n in range(1, self.settings.max_n + 1):
             valid = ends >= n
             h = h + window[np.where(valid, ends - n - offset, 0)] * np.uint64(self._pows[n - 1])
-            if n >= lo:
-                by_n.append(
-                    (
-                        (h ^ np.uint64(self._salts[n]))[valid],
-                        ((seq << _SEQ_SHIFT) | ends)[valid],
-                    )
-                )
-        # One token at a time adds each end's n-grams together: order by end, then by n.
-        for key, occurrence in by_n:
-            keys.append(key)
-            occurrences.append(occurrence)
-        all_keys = np.concatenate(keys) if keys else np.zeros(0, dtype=np.uint64)
-        all_occ = np.concatenate(occurrences) if occurrences else np.zeros(0, dtype=np.int64)
-        order = np.argsort(all_occ, kind="stable")
-        return all_keys[order], all_occ[order]
+            if n >= self.settings.min_n:
+                keys.append((h ^ np.uint64(self._salts[n]))[valid])
+                occurrences.append(((seq << _SEQ_SHIFT) | ends)[valid])
+        return np.concatenate(keys), np.concatenate(occurrences)
 
     def _index_bulk(self, parts: Sequence[tuple[int, int]]) -> None:
         """Indexes every n-gram of each ``(seq, start)`` that ends after ``start`` as a block
