@@ -90,11 +90,12 @@ async def test_ngram_keeps_greedy_output_and_reports_accepted_drafts(
     spec_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
 ) -> None:
     before = await spec_stub.Stats(pb.StatsRequest())
-    proposed_by_sample = accepted_by_sample = 0
+    proposed_by_sample = accepted_by_sample = drafts_by_sample = 0
     for i, prompt in enumerate(PROMPTS):
         spec = (await greedy(spec_stub, f"spec-{i}", prompt))[0]
         proposed_by_sample += spec.spec_draft_tokens
         accepted_by_sample += spec.spec_accepted_tokens
+        drafts_by_sample += spec.spec_drafts
         assert spec.spec_accepted_tokens <= spec.spec_draft_tokens
         plain = (await greedy(plain_stub, f"plain-{i}", prompt))[0]
         assert list(spec.token_ids) == list(plain.token_ids), f"prompt {i}"
@@ -114,6 +115,7 @@ async def test_ngram_keeps_greedy_output_and_reports_accepted_drafts(
     # Each sample's Complete carries its own counts (vLLM's per-request metrics); over the
     # samples they add up to the engine's totals.
     assert (proposed_by_sample, accepted_by_sample) == (draft_tokens, accepted)
+    assert drafts_by_sample == drafts  # the passes that carried drafts, too
     plain_stats = await plain_stub.Stats(pb.StatsRequest())
     assert (plain_stats.spec_drafts, plain_stats.spec_draft_tokens) == (0, 0)
 

@@ -71,7 +71,8 @@ class FakeEngine:
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     first_token: int = 100  # token t of a sample is first_token + t
     logprob: float = -0.5  # of every token
-    spec: tuple[int, int] = (0, 0)  # draft tokens proposed and accepted, per sample's end
+    # draft tokens proposed and accepted, and passes that carried drafts, per sample's end
+    spec: tuple[int, int, int] = (0, 0, 0)
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
@@ -227,6 +228,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 num_cached_tokens=0,
                 spec_draft_tokens=self._e.spec[0],
                 spec_accepted_tokens=self._e.spec[1],
+                spec_drafts=self._e.spec[2],
                 weights_version=self._e.weights[0],
             )
         )

@@ -176,9 +176,16 @@ def run_of(name: str, stream: PromptStream, answers: dict[int, str]) -> SideRun:
     for index, text in answers.items():
         ids = tuple(tokenizer_encode(text).ids)
         samples = (
-            DeliveredSample(ids, "stop", "engine-0", 10, 0, spec_proposed_tokens=8),
+            DeliveredSample(ids, "stop", "engine-0", 10, 0, spec_proposed_tokens=8, spec_drafts=2),
             DeliveredSample(
-                ids[:1], "length", "engine-1", 10, 5, spec_proposed_tokens=4, spec_accepted_tokens=3
+                ids[:1],
+                "length",
+                "engine-1",
+                10,
+                5,
+                spec_proposed_tokens=4,
+                spec_accepted_tokens=3,
+                spec_drafts=1,
             ),
         )
         step = index // 2
@@ -217,8 +224,9 @@ def test_summaries_score_the_delivered_samples() -> None:
     assert summary.offpolicy_token_fraction == 0.0  # no token of an older version
     assert summary.engine_share == {"engine-0": 0.5, "engine-1": 0.5}
     assert (summary.draft_tokens, summary.accepted_draft_tokens) == (48, 12)  # 4 groups
+    assert summary.drafted_passes == 12
     made = 12 / summary.output_tokens
-    assert _drafts(summary) == f"25% ({made:.0%} of tokens)"
+    assert _drafts(summary) == f"25% ({made:.0%} of tokens, 2.00 a drafted pass)"
     assert _drafts(dataclasses.replace(summary, draft_tokens=0, accepted_draft_tokens=0)) == "-"
     both, same = same_draws(run, run_of(PEER, stream, {**answers, 3: "pass 1"}))
     assert (both, same) == (8, 7)  # group 3 differs in its full sample only
@@ -494,6 +502,7 @@ def test_tokens_of_an_older_version_than_the_trainer_s_count_as_off_policy() -> 
         versions=[VersionSegment(3, 4), VersionSegment(4, 6)],
         spec_proposed_tokens=6,
         spec_accepted_tokens=2,
+        spec_drafts=2,
     )
     result = GroupResult(run_id="r", group_id="g3", status=GroupStatus.DELIVERED, samples=[sample])
     # Launched in step 0 (version 3), taken in step 1 (version 4): the first 4 tokens are
@@ -501,7 +510,8 @@ def test_tokens_of_an_older_version_than_the_trainer_s_count_as_off_policy() -> 
     group = delivered_group(result, launch_step=0, delivery_step=1, version=4)
     assert (group.index, group.staleness) == (3, 1)
     assert group.samples[0].offpolicy_tokens == 4
-    assert (group.samples[0].spec_proposed_tokens, group.samples[0].spec_accepted_tokens) == (6, 2)
+    first = group.samples[0]
+    assert (first.spec_proposed_tokens, first.spec_accepted_tokens, first.spec_drafts) == (6, 2, 2)
     assert delivered_group(result, 0, 0, version=3).samples[0].offpolicy_tokens == 0
 
     stream = PromptStream(reasoner_dir(), None, seed=0)

@@ -366,12 +366,15 @@ async def test_a_logprob_that_is_not_finite_ends_the_call_with_an_error_that_is_
 
 
 class SpeculatingBackend(ScriptedBackend):
-    """Ends each sample with speculation counts: 8 draft tokens proposed, 3 accepted."""
+    """Ends each sample with speculation counts: 8 draft tokens proposed, 3 accepted, in 2
+    passes."""
 
     async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
         self.requests.append(request)
         yield SampleOutput([7], [-0.5], None, len(request.prompt_token_ids), 0)
-        yield SampleOutput([8], [-0.5], "length", 3, 0, spec_draft_tokens=8, spec_accepted_tokens=3)
+        yield SampleOutput(
+            [8], [-0.5], "length", 3, 0, spec_draft_tokens=8, spec_accepted_tokens=3, spec_drafts=2
+        )
 
 
 async def test_a_samples_speculation_counts_go_out_with_its_end() -> None:
@@ -382,7 +385,9 @@ async def test_a_samples_speculation_counts_go_out_with_its_end() -> None:
             if message.WhichOneof("kind") == "complete"
         ]
     assert sorted(c.index for c in completes) == [0, 1]
-    assert all((c.spec_draft_tokens, c.spec_accepted_tokens) == (8, 3) for c in completes)
+    assert all(
+        (c.spec_draft_tokens, c.spec_accepted_tokens, c.spec_drafts) == (8, 3, 2) for c in completes
+    )
 
 
 def checkpoint(folder: Path) -> Path:

@@ -197,11 +197,11 @@ async def one_group(redis_url: str, engine: FakeEngine) -> tuple[GroupResult, Sc
 
 
 async def test_each_delivered_sample_carries_its_speculation_counts(redis_url: str) -> None:
-    result, _ = await one_group(redis_url, FakeEngine("e", spec=(8, 3)))
+    result, _ = await one_group(redis_url, FakeEngine("e", spec=(8, 3, 2)))
     assert result.status == GroupStatus.DELIVERED
-    assert [(s.spec_proposed_tokens, s.spec_accepted_tokens) for s in result.samples] == [
-        (8, 3)
-    ] * len(result.samples)
+    assert [
+        (s.spec_proposed_tokens, s.spec_accepted_tokens, s.spec_drafts) for s in result.samples
+    ] == [(8, 3, 2)] * len(result.samples)
 
 
 @pytest.mark.parametrize("logprob", [float("nan"), float("-inf")])

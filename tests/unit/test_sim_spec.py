@@ -271,6 +271,9 @@ async def test_a_sim_engine_on_a_speculating_profile_reports_its_drafts(tmp_path
     proposed = [c.spec_draft_tokens for c in completes.values()]
     accepted = [c.spec_accepted_tokens for c in completes.values()]
     assert all(p == 4 * a for p, a in zip(proposed, accepted, strict=True))
+    # one draft of 4 tokens a pass: as many passes as a quarter of the draft tokens
+    assert all(c.spec_drafts * 4 == c.spec_draft_tokens for c in completes.values())
+    assert abs(sum(c.spec_drafts for c in completes.values()) - stats.spec_drafts) <= len(completes)
     assert abs(sum(proposed) - stats.spec_draft_tokens) <= 4 * len(completes)
     assert sum(accepted) > 0
     assert stats.spec_drafts > 0

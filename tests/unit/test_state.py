@@ -145,24 +145,29 @@ def test_speculation_counts_add_up_over_a_samples_calls_and_go_with_a_restart() 
     record = GroupRecord.new(spec(n=2, max_tokens=8), seq=1)
     record.start([0, 1], "e0", now=1.0)
     record.add_tokens(0, [1, 2], [-0.1, -0.2])
-    record.add_spec(0, 8, 3)  # the preempted call's count
+    record.add_spec(0, 8, 3, 2)  # the preempted call's count
     record.preempt(0)
     record.start([0], "e1", now=2.0)
     record.add_tokens(0, [3], [-0.3])
-    record.add_spec(0, 4, 1)
-    record.add_spec(1, 4, 4)
+    record.add_spec(0, 4, 1, 1)
+    record.add_spec(1, 4, 4, 1)
     for index in (0, 1):
         record.finish_sample(index, FinishReason.STOP, 5, 0)
     resumed, other = record.to_samples()
     assert (resumed.spec_proposed_tokens, resumed.spec_accepted_tokens) == (12, 4)
     assert (other.spec_proposed_tokens, other.spec_accepted_tokens) == (4, 4)
+    assert (resumed.spec_drafts, other.spec_drafts) == (3, 1)
 
     restarted = GroupRecord.new(spec(n=1), seq=2)
     restarted.start([0], "e0", now=1.0)
-    restarted.add_spec(0, 8, 3)
+    restarted.add_spec(0, 8, 3, 2)
     restarted.requeue([0], "e0 died")
     sample = restarted.samples[0]
-    assert (sample.spec_proposed_tokens, sample.spec_accepted_tokens) == (0, 0)
+    assert (sample.spec_proposed_tokens, sample.spec_accepted_tokens, sample.spec_drafts) == (
+        0,
+        0,
+        0,
+    )
 
 
 def test_every_change_of_a_sample_state_bumps_the_revision_and_tokens_do_not() -> None:

@@ -40,7 +40,7 @@ async def _sample(
         flat = getattr(completion.logprobs, "logprobs", None) or []
         nan += sum(1 for value in flat if not math.isfinite(value))
         if out.finished:
-            proposed, accepted = _spec_counts(completion)
+            _, proposed, accepted = _spec_counts(completion)
     return tokens, nan, proposed, accepted
 
 

@@ -436,6 +436,7 @@ def delivered_group(
                 finished_at=s.finished_at,
                 spec_proposed_tokens=s.spec_proposed_tokens,
                 spec_accepted_tokens=s.spec_accepted_tokens,
+                spec_drafts=s.spec_drafts,
             )
             for s in result.samples
         ),
@@ -875,12 +876,15 @@ def print_tables(
 
 
 def _drafts(s: RowSummary) -> str:
-    """Draft tokens accepted, and the share of the output tokens they made ("-" where the
-    row did not speculate)."""
+    """Draft tokens accepted, the share of the output tokens they made, and the tokens a
+    pass that carried drafts made ("-" where the row did not speculate)."""
     if not s.draft_tokens:
         return "-"
     made = s.accepted_draft_tokens / s.output_tokens if s.output_tokens else 0.0
-    return f"{s.accepted_draft_tokens / s.draft_tokens:.0%} ({made:.0%} of tokens)"
+    text = f"{s.accepted_draft_tokens / s.draft_tokens:.0%} ({made:.0%} of tokens"
+    if s.drafted_passes:
+        text += f", {1 + s.accepted_draft_tokens / s.drafted_passes:.2f} a drafted pass"
+    return text + ")"
 
 
 def group_record(group: DeliveredGroup) -> dict[str, Any]:

@@ -88,10 +88,12 @@ class DeliveredSample:
     # scheduler's first dispatch and its end; the router: the driver's request and reply).
     started_at: float = 0.0
     finished_at: float = 0.0
-    # Speculative decoding: draft tokens the engine proposed for the sample, and those it
-    # accepted (rollserve's rows; 0 where the engine did not speculate).
+    # Speculative decoding: draft tokens the engine proposed for the sample, those it
+    # accepted, and its passes that carried drafts (rollserve's rows; 0 where the engine did
+    # not speculate).
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,9 +188,11 @@ class RowSummary:
     # Share of the delivered output tokens made under an older policy version than the
     # trainer's when it took them (a version is published each step).
     offpolicy_token_fraction: float
-    # Speculative decoding over the delivered samples: draft tokens proposed and accepted.
+    # Speculative decoding over the delivered samples: draft tokens proposed and accepted,
+    # and the verification passes that carried them.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    drafted_passes: int = 0
 
 
 def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
@@ -237,6 +241,7 @@ def summarize(run: SideRun, stream: PromptStream) -> RowSummary:
         ),
         draft_tokens=sum(s.spec_proposed_tokens for s in samples),
         accepted_draft_tokens=sum(s.spec_accepted_tokens for s in samples),
+        drafted_passes=sum(s.spec_drafts for s in samples),
     )
 
 

@@ -85,6 +85,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     resumed_tokens: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0  # verification passes that carried drafts
     started_at: float = 0.0  # unix seconds, first dispatch of this sample
     finished_at: float = 0.0
 

@@ -782,6 +782,7 @@ class Complete(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFTS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     num_prompt_tokens: _builtins.int
@@ -794,6 +795,10 @@ class Complete(_message.Message):
     spec_accepted_tokens: _builtins.int
     weights_version: _builtins.int
     """of the weights that made token_ids, as in TokenDelta"""
+    spec_drafts: _builtins.int
+    """Verification passes of this sample in this call that carried draft tokens: with
+    spec_accepted_tokens, the tokens a drafted pass made (1 + accepted / drafts).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -810,10 +815,11 @@ class Complete(_message.Message):
         spec_draft_tokens: _builtins.int = ...,
         spec_accepted_tokens: _builtins.int = ...,
         weights_version: _builtins.int = ...,
+        spec_drafts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,9 +103,11 @@ class SampleOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     # With speculation, on the output that ends the sample: draft tokens proposed for it
-    # and accepted (vLLM's per-request metrics); 0 otherwise.
+    # and accepted, and its verification passes that carried drafts (vLLM's per-request
+    # metrics); 0 otherwise.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +310,7 @@ class VllmBackend:
                     self._prompt_tokens += num_prompt_tokens
                     self._cached_tokens += cached
                 self._generation_tokens += len(token_ids)
-                drafted, accepted = _spec_counts(completion) if out.finished else (0, 0)
+                drafts, drafted, accepted = _spec_counts(completion) if out.finished else (0, 0, 0)
                 yield SampleOutput(
                     token_ids=token_ids,
                     logprobs=_sampled_logprobs(completion.logprobs, token_ids),
@@ -317,6 +319,7 @@ class VllmBackend:
                     num_cached_tokens=cached,
                     spec_draft_tokens=drafted,
                     spec_accepted_tokens=accepted,
+                    spec_drafts=drafts,
                 )
         except self._dead_error as exc:
             raise BackendError(f"vLLM engine is dead: {exc}", retryable=True) from exc
@@ -494,15 +497,16 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     return [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)]
 
 
-def _spec_counts(completion: Any) -> tuple[int, int]:
-    """Draft tokens proposed for a finished sample and accepted, from vLLM's per-request
-    speculative-decoding metrics (``per_request_spec_decode_metrics="summary"``); (0, 0)
-    without them."""
+def _spec_counts(completion: Any) -> tuple[int, int, int]:
+    """A finished sample's verification passes that carried drafts, draft tokens proposed
+    and accepted, from vLLM's per-request speculative-decoding metrics
+    (``per_request_spec_decode_metrics="summary"``: a histogram of the passes by tokens
+    accepted); (0, 0, 0) without them."""
     metrics = getattr(completion, "spec_decode_metrics", None)
     if metrics is None:
-        return 0, 0
+        return 0, 0, 0
     accepted = sum(j * count for j, count in enumerate(metrics.histogram))
-    return int(metrics.num_draft_tokens), int(accepted)
+    return int(sum(metrics.histogram)), int(metrics.num_draft_tokens), int(accepted)
 
 
 def _cpu_fix_loaded() -> bool:
@@ -550,6 +554,7 @@ class _Sample:
     num_cached_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
     reported: bool = False
     received: int = 0  # tokens the backend has handed over
     # Tokens of earlier weights not sent yet (a weight update came between their output and
@@ -647,6 +652,7 @@ class _Run:
                             num_cached_tokens=s.num_cached_tokens,
                             spec_draft_tokens=s.spec_draft_tokens,
                             spec_accepted_tokens=s.spec_accepted_tokens,
+                            spec_drafts=s.spec_drafts,
                             weights_version=weights_version,
                         )
                     )
@@ -946,6 +952,7 @@ async def _pump(
                 sample.num_cached_tokens = out.num_cached_tokens
                 sample.spec_draft_tokens = out.spec_draft_tokens
                 sample.spec_accepted_tokens = out.spec_accepted_tokens
+                sample.spec_drafts = out.spec_drafts
                 sample.finish_reason = FINISH_REASONS[out.finish_reason]
             run.wakeup.set()
     except BackendError as exc:

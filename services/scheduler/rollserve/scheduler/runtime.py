@@ -1030,7 +1030,9 @@ class SchedulerRuntime:
                 self._check_logprobs(call, done.index, done.logprobs)
                 version = self._token_version(run_id, done.weights_version)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
-                record.add_spec(done.index, done.spec_draft_tokens, done.spec_accepted_tokens)
+                record.add_spec(
+                    done.index, done.spec_draft_tokens, done.spec_accepted_tokens, done.spec_drafts
+                )
                 reason = _FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT)
                 # A finished or preempted sample frees its slot on the engine even while its
                 # siblings run: plan again now, or the batch thins out behind long samples.

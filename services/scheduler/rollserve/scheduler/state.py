@@ -126,6 +126,7 @@ class SampleRecord:
     # Speculative decoding, summed over the calls of this run (a resumed sample has several)
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0  # verification passes that carried draft tokens
     started_at: float = 0.0  # first dispatch
     finished_at: float = 0.0
 
@@ -174,6 +175,7 @@ class SampleRecord:
         self.resumed_tokens = 0
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
+        self.spec_drafts = 0
         self.finish_reason = None
         self.num_prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -305,11 +307,13 @@ class GroupRecord:
         else:
             versions.append([version, len(token_ids)])
 
-    def add_spec(self, index: int, proposed: int, accepted: int) -> None:
-        """Draft tokens an engine call proposed for sample ``index`` and accepted."""
+    def add_spec(self, index: int, proposed: int, accepted: int, drafts: int = 0) -> None:
+        """Draft tokens an engine call proposed for sample ``index`` and accepted, in
+        ``drafts`` verification passes."""
         sample = self.samples[index]
         sample.spec_proposed_tokens += proposed
         sample.spec_accepted_tokens += accepted
+        sample.spec_drafts += drafts
 
     def finish_sample(
         self,
@@ -343,6 +347,7 @@ class GroupRecord:
                     resumed_tokens=s.resumed_tokens,
                     spec_proposed_tokens=s.spec_proposed_tokens,
                     spec_accepted_tokens=s.spec_accepted_tokens,
+                    spec_drafts=s.spec_drafts,
                     started_at=s.started_at,
                     finished_at=s.finished_at,
                 )

@@ -400,7 +400,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             if finished is not None:
                 s.reported = True
                 spec = self.engine.engine.profile.spec
-                _, drafted, accepted = (
+                drafts, drafted, accepted = (
                     (0, 0, 0) if spec is None else spec.counters(finished.spec_steps)
                 )
                 completes.append(
@@ -414,6 +414,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
                             num_cached_tokens=finished.cached_prompt_tokens,
                             spec_draft_tokens=drafted,
                             spec_accepted_tokens=accepted,
+                            spec_drafts=drafts,
                             weights_version=version,
                         )
                     )
