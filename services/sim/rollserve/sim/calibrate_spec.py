@@ -51,6 +51,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import statistics
 import tempfile
 import time
@@ -309,6 +310,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
     model = (cfg.model or reasoner_dir()).resolve()
     omp = engine_threads(1)
     phases = spec_design(cfg.repeats, quick=cfg.quick)
+    started = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
     load_before = _load()
     console.print(
         f"[bold]calibrating speculation[/bold] ({cfg.method}, k = {cfg.k}) against a plain "
@@ -359,7 +361,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
                 w.close()
     return {
         "command": _command(cfg),
-        "started": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "started": started,
         "model": str(model),
         "method": cfg.method,
         "k": cfg.k,
@@ -377,8 +379,6 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
 
 
 def _command(cfg: SpecCalibrateConfig) -> str:
-    import shlex
-
     return "rollserve sim calibrate-spec " + shlex.join(
         [
             *(["--model", str(cfg.model)] if cfg.model else []),
