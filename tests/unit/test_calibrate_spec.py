@@ -17,6 +17,7 @@ from rollserve.sim.calibrate_spec import (
     SpecFit,
     SpecStep,
     analyse,
+    cli_main,
     fit_spec_costs,
     nnls,
     spec_design,
@@ -192,3 +193,20 @@ def test_analysis_of_a_measurement_prints_the_flags_of_the_costs_it_recovers() -
     assert rows["B1-S1"]["spec_tokens_per_s"] > 2 * rows["B1-S1"]["plain_tokens_per_s"]
     assert rows["B1-S0"]["draft_tokens_a_step"] == 0
     assert rows["B4-S4"]["fitted_s"] == pytest.approx(rows["B4-S4"]["spec_step_s"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--k", "0"], "argument --k: 0 must be at least 1"),
+        (["--repeats", "-1"], "argument --repeats: -1 must be at least 1"),
+        (["--method", "eagle"], "argument --method: invalid choice: 'eagle'"),
+    ],
+)
+def test_the_command_names_a_bad_flag_before_starting_an_engine(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

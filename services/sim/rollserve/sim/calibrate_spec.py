@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_file
 from rollserve.sim.calibrate import INTERVAL_SPREAD_S, Iteration, Phase, Wave, _load, _Worker
 
@@ -546,17 +547,15 @@ def cli_main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     parser.add_argument("--method", choices=METHODS, default=defaults.method)
     parser.add_argument(
-        "--k", type=int, default=defaults.k, help=f"draft tokens a sequence ({defaults.k})"
+        "--k", type=positive_int, default=defaults.k, help=f"draft tokens a sequence ({defaults.k})"
     )
     parser.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="passes over the design"
+        "--repeats", type=positive_int, default=defaults.repeats, help="passes over the design"
     )
     parser.add_argument("--quick", action="store_true", help="a small design, to try it out")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", type=output_file, help="write the records and the fit here")
     args = parser.parse_args(list(argv))
-    if args.k < 1 or args.repeats < 1:
-        parser.error(f"--k ({args.k}) and --repeats ({args.repeats}) must be at least 1")
     run_spec_calibration(
         SpecCalibrateConfig(
             model=args.model,
