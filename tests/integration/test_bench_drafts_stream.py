@@ -42,6 +42,7 @@ def _group(run: str, group_id: str, key: str, at: float, responses: list[list[in
                 engine_id="engine-0",
                 spec_proposed_tokens=4,
                 spec_accepted_tokens=1,
+                spec_drafts=1,
             )
             for i, tokens in enumerate(responses)
         ],
@@ -79,6 +80,7 @@ def test_a_runs_stream_is_measured_without_consuming_it(
     assert (other.prompt_key, other.epoch) == ("q", 0)
     assert first.responses == (tuple(solution), tuple(solution[:12]))
     assert (first.prompt_token_ids, first.spec_proposed, first.spec_accepted) == ((20, 21), 8, 2)
+    assert first.spec_drafts == 2
 
     report = tmp_path / "d.json"
     argv = ["bench", "drafts", "--stream", run, "--redis-url", redis_url, "--drafters", "history"]

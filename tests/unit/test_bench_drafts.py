@@ -210,7 +210,10 @@ def test_siblings_that_ended_draft_the_tail() -> None:
 
 
 def test_rollouts_round_trip_and_bad_lines_are_named(tmp_path: Path) -> None:
-    rollouts = [Rollout("p", 0, (1, 2), ((3, 4), (5,))), Rollout("p", 1, (1, 2), ((6,),))]
+    rollouts = [
+        Rollout("p", 0, (1, 2), ((3, 4), (5,)), spec_proposed=8, spec_accepted=3, spec_drafts=2),
+        Rollout("p", 1, (1, 2), ((6,),)),
+    ]
     path = tmp_path / "r.jsonl"
     write_rollouts(path, rollouts)
     assert read_rollouts(path) == rollouts
@@ -227,6 +230,8 @@ def test_rollouts_round_trip_and_bad_lines_are_named(tmp_path: Path) -> None:
         '{"prompt_key": "p", "epoch": 0, "prompt_token_ids": [1], "responses": []}': (
             "responses must be a non-empty list"
         ),
+        '{"prompt_key": "p", "epoch": 0, "prompt_token_ids": [1], "responses": [[1]], '
+        '"spec_drafts": -1}': "spec_drafts must be an integer >= 0",
         "[1, 2]": "a group is a JSON object",
         "{oops": "not JSON",
     }
@@ -255,13 +260,15 @@ def test_the_command_measures_rollouts_from_a_file(tmp_path: Path) -> None:
     solution = tuple(range(100, 130))
     rollouts = [
         Rollout("p", 0, (20, 21), (solution, (*solution[:10], 7, 7))),
-        Rollout("p", 1, (20, 21), (solution,)),
+        # as the engines reported it when they speculated: 3 of 8 accepted in 2 passes
+        Rollout("p", 1, (20, 21), (solution,), spec_proposed=8, spec_accepted=3, spec_drafts=2),
     ]
     samples, report = tmp_path / "r.jsonl", tmp_path / "d.json"
     write_rollouts(samples, rollouts)
     argv = ["bench", "drafts", "--samples", str(samples), "--drafters", "ngram,history"]
     assert main([*argv, "--json", str(report)]) == 0
     data = json.loads(report.read_text())
+    assert data["engine_drafts"]["drafted_passes"] == 2
     assert (data["groups"], data["samples"], data["tokens"]) == (2, 3, 72)
     assert set(data["drafters"]) == {"ngram", "history"}
     history = data["drafters"]["history"]["all"]

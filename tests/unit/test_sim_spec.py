@@ -145,6 +145,14 @@ def test_a_profile_file_may_hold_a_spec_table(tmp_path: Path) -> None:
         )
     )
     assert load_profile(path).spec == SpecDecoding(draft_tokens=4, accept_len=2.0, pass_s=0.0015)
+    # the costs `sim calibrate-spec` fits, and a drafter's mean cut draft
+    fitted = ["token_s = 5.4e-5", "drafted = 2.3", "draft_s = 3e-5"]
+    path.write_text(
+        "\n".join([*PROFILE_LINES, "[spec]", "draft_tokens = 4", "accept_len = 2", *fitted])
+    )
+    assert load_profile(path).spec == SpecDecoding(
+        draft_tokens=4, accept_len=2.0, token_s=5.4e-5, drafted=2.3, draft_s=3e-5
+    )
     path.write_text("\n".join(PROFILE_LINES))
     assert load_profile(path).spec is None
 
@@ -157,6 +165,11 @@ def test_a_profile_file_may_hold_a_spec_table(tmp_path: Path) -> None:
         (["draft_tokens = 4.5", "accept_len = 2"], r"draft_tokens must be an integer"),
         (["draft_tokens = 4", 'accept_len = "2"'], r"accept_len must be a number"),
         (["draft_tokens = 4", "accept_len = 9"], r"accept_len \(9\) must be between"),
+        (["draft_tokens = 4", "accept_len = 2", 'token_s = "fast"'], r"token_s must be a number"),
+        (
+            ["draft_tokens = 4", "accept_len = 3", "drafted = 1.5"],
+            r"accept_len \(3\) must be between 1 and drafted \+ 1 \(2.5\)",
+        ),
     ],
 )
 def test_a_bad_spec_table_is_an_error_that_names_the_file(

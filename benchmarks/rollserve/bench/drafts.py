@@ -75,9 +75,11 @@ class Rollout:
     epoch: int
     prompt_token_ids: tuple[int, ...]
     responses: tuple[tuple[int, ...], ...]
-    # When the engines speculated: draft tokens they proposed and accepted for the group.
+    # When the engines speculated: draft tokens they proposed and accepted for the group,
+    # and the verification passes that carried drafts.
     spec_proposed: int = 0
     spec_accepted: int = 0
+    spec_drafts: int = 0
 
 
 class _Index:
@@ -405,7 +407,7 @@ def _rollout(row: dict[str, Any], where: str) -> Rollout:
     if not isinstance(responses, list) or not responses:
         raise ValueError(f"{where}: responses must be a non-empty list of token-id lists")
     counts = []
-    for name in ("spec_proposed", "spec_accepted"):
+    for name in ("spec_proposed", "spec_accepted", "spec_drafts"):
         value = row.get(name, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{where}: {name} must be an integer >= 0, got {value!r}")
@@ -460,6 +462,7 @@ def read_stream(redis_url: str, run_id: str) -> list[Rollout]:
                 tuple(tuple(s.token_ids) for s in ordered),
                 sum(s.spec_proposed_tokens for s in ordered),
                 sum(s.spec_accepted_tokens for s in ordered),
+                sum(s.spec_drafts for s in ordered),
             )
         )
         seen[key] += 1
@@ -476,7 +479,11 @@ def write_rollouts(path: Path, rollouts: Sequence[Rollout]) -> None:
                 "responses": [list(x) for x in r.responses],
             }
             if r.spec_proposed:
-                row |= {"spec_proposed": r.spec_proposed, "spec_accepted": r.spec_accepted}
+                row |= {
+                    "spec_proposed": r.spec_proposed,
+                    "spec_accepted": r.spec_accepted,
+                    "spec_drafts": r.spec_drafts,
+                }
             f.write(json.dumps(row) + "\n")
 
 
@@ -764,6 +771,7 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         )
     console.print(table)
     engine = PassCounts(
+        drafted_passes=sum(r.spec_drafts for r in rollouts),
         draft_tokens=sum(r.spec_proposed for r in rollouts),
         accepted_tokens=sum(r.spec_accepted for r in rollouts),
     )
@@ -775,10 +783,13 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             f"{engine.draft_tokens} draft tokens accepted "
             f"({_share(engine.accepted_tokens, engine.draft_tokens)})"
         )
+        if engine.drafted_passes:
+            line += f", {_per_drafted_pass(engine)} tokens a drafted pass"
         if walked is not None:
             line += (
                 f"; the walk's {method} on the same rollouts: "
-                f"{_share(walked.accepted_tokens, walked.draft_tokens)}"
+                f"{_share(walked.accepted_tokens, walked.draft_tokens)}, "
+                f"{_per_drafted_pass(walked)} tokens a drafted pass"
             )
         console.print(line)
     if nan_logprobs:
@@ -814,9 +825,18 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
                 "draft_tokens": engine.draft_tokens,
                 "accepted_tokens": engine.accepted_tokens,
                 "draft_acceptance": round(engine.accepted_tokens / engine.draft_tokens, 4),
+                "drafted_passes": engine.drafted_passes,
             }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _per_drafted_pass(counts: PassCounts) -> str:
+    """Tokens a pass that carried drafts made (its own and the drafts accepted); "-" where
+    no pass did."""
+    if not counts.drafted_passes:
+        return "-"
+    return f"{1 + counts.accepted_tokens / counts.drafted_passes:.2f}"
 
 
 def _share(part: int, whole: int) -> str:

@@ -29,19 +29,21 @@ from rollserve.bench.workload import BenchGroup
 
 async def _sample(
     llm: Any, params: Any, prompt: Any, request_id: str
-) -> tuple[list[int], int, int, int]:
+) -> tuple[list[int], int, int, int, int]:
+    """One sample: its tokens, NaN logprobs, draft tokens proposed and accepted, and the
+    passes that carried drafts."""
     from rollserve.engine.service import _spec_counts
 
     tokens: list[int] = []
-    nan = proposed = accepted = 0
+    nan = proposed = accepted = drafts = 0
     async for out in llm.generate(prompt, params, request_id):
         completion = out.outputs[0]
         tokens.extend(completion.token_ids)
         flat = getattr(completion.logprobs, "logprobs", None) or []
         nan += sum(1 for value in flat if not math.isfinite(value))
         if out.finished:
-            _, proposed, accepted = _spec_counts(completion)
-    return tokens, nan, proposed, accepted
+            drafts, proposed, accepted = _spec_counts(completion)
+    return tokens, nan, proposed, accepted, drafts
 
 
 async def _run(
@@ -93,12 +95,13 @@ async def _run(
                         "prompt_key": g.prompt_key,
                         "epoch": epoch,
                         "prompt_token_ids": list(g.prompt_token_ids),
-                        "responses": [tokens for tokens, _, _, _ in mine],
-                        "spec_proposed": sum(p for _, _, p, _ in mine),
-                        "spec_accepted": sum(a for _, _, _, a in mine),
+                        "responses": [tokens for tokens, *_ in mine],
+                        "spec_proposed": sum(p for _, _, p, _, _ in mine),
+                        "spec_accepted": sum(a for _, _, _, a, _ in mine),
+                        "spec_drafts": sum(d for *_, d in mine),
                     }
                     f.write(json.dumps(row) + "\n")
-                for tokens, nan, proposed, accepted in results:
+                for tokens, nan, proposed, accepted, _ in results:
                     totals["tokens"] += len(tokens)
                     totals["nan_logprobs"] += nan
                     totals["proposed"] += proposed
