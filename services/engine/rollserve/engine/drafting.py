@@ -165,18 +165,21 @@ class PromptCorpus:
         recent, pows, salts = self._recent, self._pows, self._salts
         lo, hi = self.settings.min_n, self.settings.max_n
         base = seq << _SEQ_SHIFT
+        added = 0
         for end in range(start + 1, len(tokens_of) + 1):
             h = 0
+            occurrence = base | end
             for n in range(1, min(hi, end) + 1):
                 h = (h + tokens_of[end - n] * pows[n - 1]) & _MASK
                 if n >= lo:
                     key = h ^ salts[n]
                     found = recent.get(key)
                     if found is None:
-                        recent[key] = [base | end]
+                        recent[key] = [occurrence]
                     else:
-                        found.append(base | end)
-                    self._recent_entries += 1
+                        found.append(occurrence)
+                    added += 1
+        self._recent_entries += added
         if self._recent_entries >= FLUSH_ENTRIES:
             self._flush()
 
