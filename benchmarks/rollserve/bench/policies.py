@@ -4,10 +4,14 @@ Every policy runs the same scenario (the same groups with the same true lengths,
 simulated engines) through :mod:`rollserve.sim.des`, which calls the policy code the scheduler
 runs. ``oracle`` is the ``rl`` policy given every sample's true length: the bound of what
 placement can do; ``oracle_group`` is ``rl`` given each group's true mean length, the bound of
-what any length predictor can give it (a prompt's samples still vary). ``rl`` gets the length
-predictor, which has seen ``warm_steps`` earlier steps of the scenario (a run in progress; 0
-starts it cold); the baselines use no prediction, as the systems they stand for. ``rl`` and the
-oracles use the simulated profile's step costs as their cost model.
+what any length predictor can give it (a prompt's samples still vary). ``rl_moves`` also moves
+running samples apart, by the predictor's remaining lengths; ``rl_moves_told`` does the same
+told each running sample's true tokens left, off by a log-error of ``told_noise`` (what the
+moves would give with a per-sample predictor of that quality; ``move_gain`` sets both rows'
+threshold). ``rl`` gets the length predictor, which has seen ``warm_steps`` earlier steps of
+the scenario (a run in progress; 0 starts it cold); the baselines use no prediction, as the
+systems they stand for. ``rl`` and the oracles use the simulated profile's step costs as their
+cost model.
 
 A policy's name with ``+spec`` (``rl+spec``, ``round_robin+spec``) runs it on engines that
 speculate (``PoliciesConfig.spec``: a model-free drafter, in the tail of a step; see
@@ -51,11 +55,15 @@ BASELINE = "round_robin"
 ORACLE = "oracle"  # rl with every sample's true length instead of predictions
 GROUP_ORACLE = "oracle_group"  # rl with each group's true mean length: a perfect predictor
 RL_MOVES = "rl_moves"  # rl that also moves running samples apart (Plan.preempts); off in rl
+# rl_moves told each running sample's true tokens left (off by PoliciesConfig.told_noise): what
+# the moves could do with a per-sample remaining-length predictor of that quality.
+RL_MOVES_TOLD = "rl_moves_told"
 SPEC = "+spec"  # suffix of a policy's name: its row runs on engines that speculate
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl", GROUP_ORACLE, ORACLE)
 _ORACLES: dict[str, Oracle] = {ORACLE: "sample", GROUP_ORACLE: "group"}
 # Policies that are given predictions (the others ignore them, as the systems they stand for).
-_PREDICTED = {"rl", RL_MOVES}
+_PREDICTED = {"rl", RL_MOVES, RL_MOVES_TOLD}
+_MOVING = {RL_MOVES, RL_MOVES_TOLD}
 
 
 @dataclass(frozen=True)
@@ -70,17 +78,26 @@ class PoliciesConfig:
     tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
     weight_updates: bool = False  # engines load each new version's weights (DesConfig)
     spec: SpecDecoding | None = None  # the speculative decoding of the "+spec" rows
+    move_gain: float | None = None  # the moving rows' RLSettings.move_gain (None: its default)
+    told_noise: float = 0.0  # rl_moves_told: log-error sd of the remaining lengths it is told
+    told_seed: int = 0  # rl_moves_told: the draw of those errors
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
 
 
-def rl_policy_for(profile: CostProfile, *, moves: bool = False) -> Policy:
+def rl_policy_for(
+    profile: CostProfile, *, moves: bool = False, move_gain: float | None = None
+) -> Policy:
     """The rl policy with the simulated engines' step costs as its cost model; with
-    ``moves``, moving running samples too."""
+    ``moves``, moving running samples too (each move saving ``move_gain`` of the busiest
+    engine's time, when given)."""
     from rollserve.scheduler.core.policies.rl import RLPolicy
     from rollserve.sim.profile import rl_settings
 
-    return RLPolicy(replace(rl_settings(profile), move_running=moves))
+    settings = replace(rl_settings(profile), move_running=moves)
+    if move_gain is not None:
+        settings = replace(settings, move_gain=move_gain)
+    return RLPolicy(settings)
 
 
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:
@@ -94,13 +111,17 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     console = console or Console(width=190)
     from rollserve.scheduler.core.policy import policy_names
 
-    known = (*policy_names(), RL_MOVES, *_ORACLES)
+    known = (*policy_names(), RL_MOVES, RL_MOVES_TOLD, *_ORACLES)
     unknown = [name for name in cfg.policies if name.removesuffix(SPEC) not in known]
     if unknown:
         raise ValueError(
             f"policies {unknown} unknown; known: {', '.join(known)}, each also as NAME{SPEC} "
             "(on speculating engines)"
         )
+    if cfg.move_gain is not None and not 0 < cfg.move_gain < 1:
+        raise ValueError(f"move_gain ({cfg.move_gain}) must be in (0, 1)")
+    if not (math.isfinite(cfg.told_noise) and cfg.told_noise >= 0):
+        raise ValueError(f"told_noise ({cfg.told_noise}) must be a finite log-error sd >= 0")
     speculating = [name for name in cfg.policies if name.endswith(SPEC)]
     if speculating and cfg.spec is None:
         raise ValueError(
@@ -167,19 +188,20 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
 
     stream = [g for groups in steps for g in groups]
     des_cfg = DesConfig(weight_updates=cfg.weight_updates)
+    told_cfg = replace(des_cfg, told_remaining=cfg.told_noise, told_seed=cfg.told_seed)
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
         plain = name.removesuffix(SPEC)
         engine = spec_profile if name.endswith(SPEC) else profile
         policy = (
-            rl_policy_for(profile, moves=plain == RL_MOVES)
+            rl_policy_for(profile, moves=plain in _MOVING, move_gain=cfg.move_gain)
             if plain in _PREDICTED or plain in _ORACLES
             else create_policy(plain)
         )
         kwargs: dict[str, Any] = {
             "predictor": predictor() if plain in _PREDICTED else None,
             "oracle": _ORACLES.get(plain),
-            "cfg": des_cfg,
+            "cfg": told_cfg if plain == RL_MOVES_TOLD else des_cfg,
         }
         if over is None:
             results[name] = run_des(sync_steps, policy, engine, scenario.engines, **kwargs)
@@ -308,6 +330,9 @@ def _report(
         "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
         "tail": cfg.tail if cfg.oversample is not None else None,
         "weight_updates": cfg.weight_updates,
+        "move_gain": cfg.move_gain,
+        "told_noise": cfg.told_noise,
+        "told_seed": cfg.told_seed,
         "policies": {},
     }
     if sync_base is not None:
@@ -367,6 +392,9 @@ def _table(
     ]
     if sync_base is not None:
         columns.append("vs sync rr")
+    moving = any(r.moves for r in results.values())
+    if moving:  # running samples moved (their tokens prefilled again are in the JSON)
+        columns.insert(columns.index("recomputed") + 1, "moves")
     for column in columns:
         if column == "policy":  # whole names: "round_robin+spec" must not be cut
             table.add_column(column, justify="left", no_wrap=True, min_width=16)
@@ -384,6 +412,7 @@ def _table(
             f"{r.prefix_hit_rate:.1%}",
             str(r.preemptions),
             f"{r.recomputed_tokens:,}",
+            *([str(r.moves)] if moving else []),
             f"{r.offpolicy_token_fraction:.1%}",
             str(r.max_staleness),
             f"{r.discarded_token_fraction:.0%}",

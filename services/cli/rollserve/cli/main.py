@@ -149,6 +149,9 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 tail=args.tail,
                 weight_updates=args.weight_updates,
                 spec=spec,
+                move_gain=args.move_gain,
+                told_noise=args.told_noise,
+                told_seed=args.told_seed,
                 json_path=args.json,
                 out_dir=args.out_dir,
             )
@@ -304,8 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument(
         "--policies",
         help="comma-separated (default: the baselines, rl and the oracles; also rl_moves: rl "
-        "that moves running samples apart; NAME+spec: NAME on engines that speculate, see "
+        "that moves running samples apart; rl_moves_told: the same told each running sample's "
+        "true tokens left, see --told-noise; NAME+spec: NAME on engines that speculate, see "
         "--spec-accept)",
+    )
+    policies.add_argument(
+        "--move-gain",
+        type=float,
+        help="rl_moves rows: the share of the busiest engine's predicted time a move must save "
+        "(0 to 1, exclusive; default the policy's 0.05)",
+    )
+    policies.add_argument(
+        "--told-noise",
+        type=float,
+        default=0.0,
+        help="rl_moves_told: the log-error sd of the remaining lengths it is told (0: exact; "
+        "0.1: about 10%% off, the same factor for a sample throughout)",
+    )
+    policies.add_argument(
+        "--told-seed", type=int, default=0, help="rl_moves_told: another seed draws other errors"
     )
     policies.add_argument(
         "--warm-steps",

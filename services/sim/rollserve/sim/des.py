@@ -39,7 +39,9 @@ sample on its engine and keeps its tokens; it resumes on the target engine (or, 
 from the queue) as a new request whose prompt is prompt + partial response, with
 ``max_tokens`` and its true length reduced by what it has, so the target prefills the whole
 context again (the prompt part from its prefix cache when it holds it). Its tokens keep the
-versions they were generated under.
+versions they were generated under. ``DesConfig.told_remaining`` tells such a policy each
+running sample's true tokens left, exactly or off by a set log-error: what moving work could
+do with a per-sample predictor of that quality.
 
 Predictions: with a :class:`~rollserve.scheduler.core.predictor.LengthPredictor` the loop
 predicts each queued group's length from the prompt's history, its finished siblings and its
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 import zlib
 from collections.abc import Iterable, Sequence
@@ -94,6 +97,18 @@ class DesConfig:
     # step has them do: each finishes its step in flight, pauses for the profile's
     # ``weights_load_s``, then recomputes its running samples with an empty prefix cache.
     weight_updates: bool = False
+    # What a policy that moves running work is told of each running sample's tokens left:
+    # None, the prediction (the predictor's, or the oracle's); a number, the true remaining
+    # length times a factor exp(told_remaining * z), z drawn once per sample (a standard
+    # normal, seeded by the sample's id): a per-sample predictor of that log-error, 0 exact.
+    # Engine views sum the same figures; queued groups are predicted as without it.
+    told_remaining: float | None = None
+    told_seed: int = 0  # another seed draws other errors
+
+    def __post_init__(self) -> None:
+        told = self.told_remaining
+        if told is not None and not (math.isfinite(told) and told >= 0):
+            raise ValueError(f"told_remaining ({told}) must be a finite log-error sd >= 0")
 
 
 @dataclass(frozen=True)
@@ -275,6 +290,9 @@ class _Fleet:
         self.weights_load_s = profile.weights_load_s
         self.predictor = predictor
         self.oracle = oracle
+        self.told_remaining = cfg.told_remaining
+        self.told_seed = cfg.told_seed
+        self.told_factors: dict[str, float] = {}  # sample id -> its told_remaining error
         self.keep_timeline = keep_timeline
         self.running: dict[str, _Running] = {}
         self.per_engine: dict[str, set[str]] = {eid: set() for eid in self.sims}
@@ -320,6 +338,15 @@ class _Fleet:
     def _remaining(self, rid: str, r: _Running) -> float:
         """Predicted tokens a running sample has left."""
         progress = self._progress(rid, r)
+        if self.told_remaining is not None:
+            g = r.group.group
+            left = max(0, min(g.output_lens[r.index], g.max_tokens) - progress)
+            factor = self.told_factors.get(rid)
+            if factor is None:
+                seed = zlib.crc32(f"told/{self.told_seed}/{rid}".encode())
+                z = random.Random(seed).gauss(0.0, 1.0)
+                factor = self.told_factors[rid] = math.exp(self.told_remaining * z)
+            return left * factor
         if self.oracle is not None:
             g = r.group.group
             known = (

@@ -1,0 +1,78 @@
+"""``rollserve bench policies``' rows that move running samples: ``rl_moves`` by the predictor,
+``rl_moves_told`` told each running sample's true tokens left (exactly or off by a set error).
+
+Nothing is faked: the scheduler's rl policy over the simulator's engines, in virtual time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rollserve.bench.policies import PoliciesConfig, run_policies
+
+SCENARIO = """
+name = "tiny-tail"
+description = "unit test: 12 groups x 4 on 3 engines, a long tail"
+profile = "gpu-h100-llama8b"
+engines = 3
+groups_per_step = 12
+n = 4
+steps = 1
+prompts = 12
+prompt_len_median = 200
+prompt_len_sigma = 0.3
+shared_prefix_len = 0
+prefix_pool = 1
+response_median = 300
+prompt_sigma = 0.9
+within_sigma = 0.7
+drift_sigma = 0.0
+max_tokens = 8192
+seed = 5
+"""
+
+
+def test_rows_that_move_report_their_moves_and_settings(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO)
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        out = run_policies(
+            PoliciesConfig(
+                scenario=str(scenario),
+                policies=("rl", "rl_moves_told"),
+                move_gain=1e-4,
+                told_noise=0.0,
+                out_dir=tmp_path / "out",
+            ),
+            Console(file=f, width=190),
+        )
+    assert out["move_gain"] == 1e-4 and out["told_noise"] == 0.0
+    rows = out["policies"]
+    assert rows["rl"]["moves"] == 0
+    told = rows["rl_moves_told"]
+    assert told["moves"] > 0 and told["moved_tokens"] > 0
+    # Told the truth, the moves do not lengthen the step (placement is the same as rl's).
+    assert told["makespan_s"] <= rows["rl"]["makespan_s"]
+    assert "moves" in log.read_text()  # the table's column, shown when a row moved
+
+
+@pytest.mark.parametrize(
+    ("move_gain", "told_noise", "match"),
+    [
+        (0.0, 0.0, "move_gain"),
+        (1.0, 0.0, "move_gain"),
+        (None, -0.5, "told_noise"),
+        (None, float("inf"), "told_noise"),
+    ],
+)
+def test_move_settings_are_checked(
+    tmp_path: Path, move_gain: float | None, told_noise: float, match: str
+) -> None:
+    config = PoliciesConfig(
+        policies=("rl_moves_told",), move_gain=move_gain, told_noise=told_noise, out_dir=tmp_path
+    )
+    with pytest.raises(ValueError, match=match):
+        run_policies(config)
