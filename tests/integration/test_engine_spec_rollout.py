@@ -4,7 +4,8 @@ siblings, and earlier samples of the same prompt.
 
 The session's shared engine does not speculate and is the reference for greedy output, as in
 ``test_engine_spec.py``. The drafter is loaded by vLLM itself (``custom_class``), in the
-engine core process, with its hooks into vLLM's model runner.
+engine core process, with its hooks into vLLM's model runner; a prompt's earlier outputs are
+indexed on the drafter's thread here (``--spec-background-tokens=1``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     with serving_engine(
         tiny_model_dir,
         "engine-rollout",
-        ["--spec-method=rollout", f"--num-speculative-tokens={SPEC_TOKENS}"],
+        # Every earlier output indexed on the drafter's thread (as long histories are), so
+        # these tests check that path inside vLLM's engine core; unit tests check the other.
+        [
+            "--spec-method=rollout",
+            f"--num-speculative-tokens={SPEC_TOKENS}",
+            "--spec-background-tokens=1",
+        ],
         log_dir=tmp_path_factory.mktemp("engine-rollout-logs"),
     ) as address:
         yield address

@@ -152,7 +152,7 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
     monkeypatch.setattr(drafting, "FLUSH_ENTRIES", flush)
     rng = random.Random(7)
     for case in range(400):
-        how = rng.choice(["one by one", "together", "grown"])
+        how = rng.choice(["one by one", "together", "grown", "deferred"])
         max_n = rng.randint(2, 5)
         settings = DraftSettings(
             k=rng.randint(1, 5),
@@ -161,18 +161,39 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
             max_match=rng.choice([max_n, 8, 24]),
             # Samples grown in turns add their occurrences out of (sample, position) order,
             # which is the order the scan's cap goes by: no cap there.
-            max_occurrences=1000 if how == "grown" else rng.choice([64, 64, 1, 2, 5]),
+            max_occurrences=1000 if how in ("grown", "deferred") else rng.choice([64, 1, 2, 5]),
             spec_factor=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]),
             min_share=rng.choice([0.0, 0.0, 0.3, 0.6]),
         )
         vocab = rng.randint(2, 5)
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-        corpus = PromptCorpus(prompt, settings)
+        corpus = PromptCorpus(prompt, settings, index_prompt=how != "deferred")
         outputs = [
             [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
             for _ in range(rng.randint(1, 4))
         ]
-        if how == "together":  # as earlier epochs' outputs join a new corpus
+        if how == "deferred":  # earlier epochs' outputs indexed aside, running samples meanwhile
+            history = rng.randint(0, len(outputs))
+            prepared: drafting.PreparedSamples | None = corpus.prepare(
+                outputs[:history], corpus.reserve(history)
+            )
+            running = outputs[history:]
+            seqs = [corpus.add_sample() for _ in running]
+            done = [0] * len(running)
+            adopt_at = rng.randint(0, sum(len(o) for o in running))
+            grown = 0
+            while True:
+                if grown >= adopt_at and prepared is not None:
+                    corpus.adopt(prepared)
+                    prepared = None
+                if all(d == len(o) for d, o in zip(done, running, strict=True)):
+                    break
+                i = rng.choice([j for j, o in enumerate(running) if done[j] < len(o)])
+                step = min(rng.randint(1, 5), len(running[i]) - done[i])
+                corpus.extend(seqs[i], running[i][done[i] : done[i] + step])
+                done[i] += step
+                grown += step
+        elif how == "together":  # as earlier epochs' outputs join a new corpus
             corpus.add_samples(outputs)
         elif how == "one by one":
             for output in outputs:
@@ -189,6 +210,73 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
         got = corpus.match(seq, settings.k)
         want = _brute_force(prompt, outputs, seq, settings.k, settings)
         assert (got.length, got.draft) == want, f"case {case}: {settings} {prompt} {outputs}"
+
+
+@pytest.mark.parametrize(
+    ("bulk", "flush"),
+    [(drafting.BULK_TOKENS, drafting.FLUSH_ENTRIES), (1, 1 << 16), (4, 8), (3, 2)],
+    ids=["as-shipped", "all-in-blocks", "mixed", "mixed-flushed"],
+)
+def test_a_history_indexed_aside_drafts_as_one_indexed_in_the_step(
+    bulk: int, flush: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The drafter indexes a long history on a thread (prepare) and adopts it later: from then
+    # on every draft is the one the history indexed at once (add_samples) gives, caps on the
+    # occurrences examined included, whenever the adoption came.
+    monkeypatch.setattr(drafting, "BULK_TOKENS", bulk)
+    monkeypatch.setattr(drafting, "FLUSH_ENTRIES", flush)
+    rng = random.Random(11)
+    for case in range(300):
+        max_n = rng.randint(2, 5)
+        settings = DraftSettings(
+            k=rng.randint(1, 5),
+            min_n=rng.randint(1, max_n),
+            max_n=max_n,
+            max_occurrences=rng.choice([1, 2, 5, 64]),
+        )
+        vocab = rng.randint(2, 4)  # few tokens: n-grams occur many times, the caps bind
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        history = [
+            [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+            for _ in range(rng.randint(0, 5))
+        ]
+        running = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+        at_once = PromptCorpus(prompt, settings)
+        at_once.add_samples(history)
+        aside = PromptCorpus(prompt, settings, index_prompt=False)
+        prepared: drafting.PreparedSamples | None = aside.prepare(
+            history, aside.reserve(len(history))
+        )
+        seqs = [(at_once.add_sample(), aside.add_sample()) for _ in running]
+        done = [0] * len(running)
+        adopt_at = rng.randint(0, sum(map(len, running)))
+        grown = 0
+        while True:
+            if grown >= adopt_at and prepared is not None:
+                aside.adopt(prepared)
+                prepared = None
+            if prepared is None:
+                for a, b in seqs:
+                    want = at_once.match(a, settings.k)
+                    assert aside.match(b, settings.k) == want, f"case {case}: {settings}"
+            if all(d == len(o) for d, o in zip(done, running, strict=True)):
+                break
+            i = rng.choice([j for j, o in enumerate(running) if done[j] < len(o)])
+            step = min(rng.randint(1, 5), len(running[i]) - done[i])
+            for corpus, seq in zip((at_once, aside), seqs[i], strict=True):
+                corpus.extend(seq, running[i][done[i] : done[i] + step])
+            done[i] += step
+            grown += step
+    with pytest.raises(ValueError, match="outputs for"):
+        aside.prepare([[1]], aside.reserve(2))
+    with pytest.raises(ValueError, match="adopted already"):
+        aside.adopt(_taken(aside))
+
+
+def _taken(corpus: PromptCorpus) -> drafting.PreparedSamples:
+    """A prepared sample whose id is taken: sequence 1, the first sample, holds tokens."""
+    made = corpus.prepare([[1, 2]], corpus.reserve(1))
+    return drafting.PreparedSamples(range(1, 2), made.tokens, made.keys, made.occurrences)
 
 
 def test_a_long_match_in_an_earlier_sample_outvotes_short_repeats_of_its_own() -> None:
@@ -418,3 +506,43 @@ def test_the_hooks_wrap_vllms_model_runner_methods_as_they_are() -> None:
     step = SimpleNamespace(num_spec_tokens_to_schedule=4)
     assert runner.propose_draft_token_ids(step, [[40], [7]]) == [[], []]  # the engine goes on
     assert runner.drafter.failures == 1
+
+
+def test_a_long_history_is_indexed_on_a_thread_and_drafts_once_adopted() -> None:
+    drafter = _drafter(background_tokens=8)
+    drafter.finished("e0/0", PROMPT, [40, 41, 42, 43, 44])
+    drafter.finished("e0/1", PROMPT, [40, 41, 42, 43, 45])  # 10 tokens: at the threshold
+    batch = _Batch()
+    batch.set([("e1/0", PROMPT, [40])])
+    # The first step starts the indexing and does not wait for it: no draft from the history
+    # (nor from the prompt, indexed with it).
+    assert drafter.propose_rows(4, batch, [[40]]) == [[]]
+    drafter.settle(timeout=30)
+    assert drafter.background_builds == 1
+    batch.set([("e1/0", PROMPT, [40, 41])])
+    assert drafter.propose_rows(4, batch, [[41]]) == [[42, 43, 44]]  # a tie: the earliest
+    # A shorter history is indexed in the step, as before.
+    other = (7, 8, 9)
+    drafter.finished("x/0", list(other), [1, 2, 3])
+    batch.set([("x/1", list(other), [1])])
+    assert drafter.propose_rows(4, batch, [[1]]) == [[2, 3]]
+    assert drafter.background_builds == 1 and drafter.failures == 0
+
+
+def test_a_prompt_done_before_its_history_is_indexed_drops_it() -> None:
+    drafter = _drafter(background_tokens=1)
+    drafter.finished("e0/0", PROMPT, [40, 41, 42, 43, 44])
+    batch = _Batch()
+    batch.set([("e1/0", PROMPT, [40])])
+    assert drafter.propose_rows(4, batch, [[40]]) == [[]]
+    drafter.finished("e1/0", PROMPT, [40, 41, 42])  # its last sample: the corpus goes
+    assert drafter.live_prompts == 0
+    drafter.settle(timeout=30)
+    assert drafter.background_builds == 0  # nothing left to adopt it
+    batch.set([("e2/0", PROMPT, [40, 41])])  # a later round indexes the history anew
+    drafter.propose_rows(4, batch, [[41]])
+    drafter.settle(timeout=30)
+    assert drafter.propose_rows(4, batch, [[41]]) == [[42, 43, 44]]  # e0/0 goes on
+    assert drafter.background_builds == 1 and drafter.failures == 0
+    with pytest.raises(ValueError, match="background_tokens"):
+        DrafterConfig(background_tokens=-1)

@@ -70,6 +70,11 @@ def test_speculation_is_off_by_default(model_dir: Path) -> None:
             f"less than or equal to {MAX_PROMPT_LOOKUP}",
         ),
         ({"spec_max_batch": -1}, "spec_max_batch", "greater than or equal to 0"),
+        (
+            {"spec_method": "rollout", "spec_background_tokens": -1},
+            "spec_background_tokens",
+            "greater than or equal to 0",
+        ),
         ({"spec_method": "eagle"}, "spec_method", "'ngram', 'rollout' or 'suffix'"),
     ],
 )
@@ -105,6 +110,8 @@ def test_speculative_settings_without_a_method_are_refused(model_dir: Path, fiel
 def test_rollout_draft_lengths_are_refused_for_other_methods(model_dir: Path, method: str) -> None:
     message = error_of(model_dir, spec_method=method, spec_min_share=0.5)
     assert f"spec_min_share apply to spec_method rollout only, not {method}" in message
+    message = error_of(model_dir, spec_method=method, spec_background_tokens=0)
+    assert f"spec_background_tokens apply to spec_method rollout only, not {method}" in message
     message = error_of(model_dir, spec_method="rollout", spec_min_share=1.5)
     assert "spec_min_share" in message and "less than or equal to 1" in message
 
@@ -272,6 +279,7 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
         spec_max_batch=8,
         spec_factor=1.5,
         spec_min_share=0.25,
+        spec_background_tokens=4096,
     )
     config = build_speculative_config(chosen)
     assert config is not None
@@ -286,7 +294,7 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
     monkeypatch.delenv(DRAFTER_ENV, raising=False)
     apply_environment(chosen, "cpu")
     assert DrafterConfig.from_env() == DrafterConfig(
-        min_n=3, max_n=6, spec_factor=1.5, min_share=0.25
+        min_n=3, max_n=6, spec_factor=1.5, min_share=0.25, background_tokens=4096
     )
     module, name = DRAFTER_CLASS.rsplit(".", 1)
     assert getattr(__import__(module, fromlist=[name]), name).__name__ == name

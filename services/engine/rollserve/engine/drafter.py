@@ -14,6 +14,12 @@ whose drafter is a :class:`RolloutDrafter`; any other drafter goes through uncha
 - ``_on_request_state_removed``: vLLM's hook when a finished or aborted request's state goes,
   with its prompt and output tokens.
 
+A prompt's corpus is made when its first sample drafts; its earlier outputs (``History``) are
+indexed then, in the step, or, when they hold ``background_tokens`` or more, on a thread of
+the drafter's (:meth:`PromptCorpus.prepare`), adopted at the first call after it is done (its
+samples draft from their own and their siblings' tokens until then): 64 outputs of 28k tokens
+took 2 s in the step.
+
 Samples of one prompt are told apart from other prompts by their prompt tokens (the engine
 service sends a group's samples, and the same prompt in later epochs, with the same tokens).
 Drafting itself is :class:`rollserve.engine.drafting.PromptCorpus`. A sample resumed after a
@@ -34,10 +40,12 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
-from rollserve.engine.drafting import DraftSettings, History, PromptCorpus
+from rollserve.engine.drafting import DraftSettings, History, PreparedSamples, PromptCorpus
 
 __all__ = ["DRAFTER_CLASS", "DRAFTER_ENV", "DrafterConfig", "RolloutDrafter"]
 
@@ -57,6 +65,10 @@ class DrafterConfig:
     min_share: float = 0.0
     history_tokens: int = 4_000_000  # prompt and output tokens kept of finished samples
     history_per_prompt: int = 64  # finished outputs kept a prompt (the newest)
+    # A prompt's history of at least this many tokens is indexed on a thread of the drafter's
+    # (0: always in the engine's step, as a shorter one is): its samples draft from their own
+    # and their siblings' tokens until it is ready, and the step never waits for it.
+    background_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
         self.draft_settings(1)  # raises for values out of range
@@ -64,6 +76,10 @@ class DrafterConfig:
             raise ValueError(
                 f"history_tokens ({self.history_tokens}) and history_per_prompt "
                 f"({self.history_per_prompt}) must be at least 1"
+            )
+        if self.background_tokens < 0:
+            raise ValueError(
+                f"background_tokens ({self.background_tokens}) must be at least 0 (0: never)"
             )
 
     def draft_settings(self, k: int) -> DraftSettings:
@@ -113,7 +129,12 @@ class RolloutDrafter:
         self.history = History(
             max_tokens=config.history_tokens, max_per_prompt=config.history_per_prompt
         )
+        self.background_tokens = config.background_tokens
         self._corpora: dict[tuple[int, ...], PromptCorpus] = {}  # prompts with live samples
+        # Histories being indexed on the thread, by prompt; adopted at the next call.
+        self._pending: dict[tuple[int, ...], tuple[PromptCorpus, Future[PreparedSamples]]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self.background_builds = 0  # histories indexed on the thread and adopted
         self._live: dict[str, _Live] = {}
         self._live_per_prompt: Counter[tuple[int, ...]] = Counter()
         self.failures = 0  # calls that raised (logged; the step ran without drafts)
@@ -137,6 +158,8 @@ class RolloutDrafter:
     ) -> list[list[int]]:
         """Drafts for the next step, a row of ``batch`` (vLLM's input batch) each: at most
         ``k`` tokens, none for rows that sampled nothing this step (a prefill in chunks)."""
+        if self._pending:
+            self._adopt_ready()
         if k < 1:
             return [[] for _ in sampled_token_ids]
         token_ids = batch.token_ids_cpu
@@ -197,12 +220,45 @@ class RolloutDrafter:
         if self._live_per_prompt[live.prompt] <= 0:
             del self._live_per_prompt[live.prompt]
             del self._corpora[live.prompt]
+            pending = self._pending.pop(live.prompt, None)
+            if pending is not None:
+                pending[1].cancel()  # if it runs already, its result is dropped
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Waits for the histories being indexed on the thread and adopts them (tests,
+        benchmarks: the engine's step never waits)."""
+        if self._pending:
+            wait_futures([future for _, future in self._pending.values()], timeout)
+            self._adopt_ready()
+
+    def _adopt_ready(self) -> None:
+        for prompt, (corpus, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[prompt]
+            try:
+                corpus.adopt(future.result())
+                self.background_builds += 1
+            except Exception:  # the prompt's samples draft without their history
+                self.failures += 1
+                logger.exception("rollout drafter failed to index a prompt's history")
 
     def _start(self, req_id: str, prompt: tuple[int, ...]) -> _Live:
         corpus = self._corpora.get(prompt)
         if corpus is None:
-            corpus = PromptCorpus(prompt, self.settings)
-            corpus.add_samples(self.history.outputs(prompt))  # one block, indexed by numpy
+            outputs = self.history.outputs(prompt)
+            tokens = sum(len(output) for output in outputs)
+            if self.background_tokens and tokens >= self.background_tokens:
+                # 64 outputs of 28k tokens take ~2 s to index: not in the engine's step.
+                corpus = PromptCorpus(prompt, self.settings, index_prompt=False)
+                seqs = corpus.reserve(len(outputs))
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-drafter")
+                future = self._executor.submit(corpus.prepare, outputs, seqs)
+                self._pending[prompt] = (corpus, future)
+            else:
+                corpus = PromptCorpus(prompt, self.settings)
+                corpus.add_samples(outputs)  # one block, indexed by numpy
             self._corpora[prompt] = corpus
         live = _Live(prompt, corpus, corpus.add_sample())
         self._live[req_id] = live

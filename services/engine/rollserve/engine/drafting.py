@@ -32,7 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["NO_MATCH", "DraftSettings", "History", "Match", "PromptCorpus", "vote"]
+__all__ = [
+    "NO_MATCH",
+    "DraftSettings",
+    "History",
+    "Match",
+    "PreparedSamples",
+    "PromptCorpus",
+    "vote",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,16 @@ def _ngram_salt(n: int) -> int:
     return (n * 0xD6E8FEB86659FD93) & _MASK
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedSamples:
+    """Finished samples indexed off the corpus's thread (:meth:`PromptCorpus.prepare`)."""
+
+    seqs: range  # their ids, reserved in the corpus
+    tokens: list[list[int]]  # each one's sequence: the prompt's boundary, then its output
+    keys: np.ndarray  # sorted n-gram keys, the prompt's too when it was not indexed
+    occurrences: np.ndarray
+
+
 class PromptCorpus:
     """Every sequence of one prompt, and where each n-gram (``min_n`` to ``max_n`` long) of
     them ends, in the order they were added.
@@ -122,7 +140,12 @@ class PromptCorpus:
 
     PROMPT = 0
 
-    def __init__(self, prompt: Sequence[int], settings: DraftSettings) -> None:
+    def __init__(
+        self, prompt: Sequence[int], settings: DraftSettings, *, index_prompt: bool = True
+    ) -> None:
+        """``index_prompt`` False leaves the prompt's n-grams to :meth:`prepare`'s block (a
+        history indexed off the engine's step): until it is adopted nothing matches in the
+        prompt."""
         self.settings = settings
         self.prompt_len = len(prompt)
         self._boundary = list(prompt[max(0, len(prompt) - settings.max_n) :])
@@ -132,8 +155,12 @@ class PromptCorpus:
         self._blocks: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, occurrences)
         self._pows = [pow(_MUL, j, 1 << 64) for j in range(settings.max_n)]
         self._salts = [_ngram_salt(n) for n in range(settings.max_n + 1)]
+        self._prompt_indexed = index_prompt
         self._append([])
-        self.extend(self.PROMPT, prompt)
+        if index_prompt:
+            self.extend(self.PROMPT, prompt)
+        else:
+            self._seqs[self.PROMPT].extend(prompt)
 
     def _append(self, tokens: list[int]) -> int:
         self._seqs.append(tokens)
@@ -184,13 +211,20 @@ class PromptCorpus:
             self._flush()
 
     def _keys(self, seq: int, start: int) -> tuple[np.ndarray, np.ndarray]:
-        """The keys and occurrences of every n-gram of ``seq`` that ends after ``start``. Each
-        key's occurrences come in the order :meth:`extend` adds them (by end: one n-gram
-        length's keys never equal another's but by a hash collision)."""
+        """The keys and occurrences of every n-gram of ``seq`` that ends after ``start``."""
         tokens_of = self._seqs[seq]
         offset = max(0, start - self.settings.max_n)
-        window = np.asarray(tokens_of[offset:], dtype=np.uint64)
-        ends = np.arange(start + 1, len(tokens_of) + 1, dtype=np.int64)
+        return self._keys_of(np.asarray(tokens_of[offset:], dtype=np.uint64), offset, seq, start)
+
+    def _keys_of(
+        self, window: np.ndarray, offset: int, seq: int, start: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and occurrences of every n-gram of sequence ``seq``, whose tokens from
+        ``offset`` on are ``window``, that ends after ``start``. Each key's occurrences come
+        in the order :meth:`extend` adds them (by end: one n-gram length's keys never equal
+        another's but by a hash collision). Reads only what a corpus never changes: safe on
+        another thread."""
+        ends = np.arange(start + 1, offset + len(window) + 1, dtype=np.int64)
         h = np.zeros(len(ends), dtype=np.uint64)
         keys: list[np.ndarray] = []
         occurrences: list[np.ndarray] = []
@@ -201,6 +235,52 @@ class PromptCorpus:
                 keys.append((h ^ np.uint64(self._salts[n]))[valid])
                 occurrences.append(((seq << _SEQ_SHIFT) | ends)[valid])
         return np.concatenate(keys), np.concatenate(occurrences)
+
+    def reserve(self, count: int) -> range:
+        """Ids for ``count`` samples whose tokens and index :meth:`prepare` makes elsewhere
+        and :meth:`adopt` brings in; they hold nothing until then."""
+        first = len(self._seqs)
+        for _ in range(count):
+            self._append([])
+        return range(first, first + count)
+
+    def prepare(self, outputs: Sequence[Sequence[int]], seqs: range) -> PreparedSamples:
+        """The sequences and the sorted block of finished samples ``outputs`` as the samples
+        ``seqs`` (:meth:`reserve`), and of the prompt if it is not indexed yet. Reads only
+        what the corpus never changes, so it may run on another thread while the corpus is
+        used (numpy's hashing and sorting there release the interpreter's lock)."""
+        if len(outputs) != len(seqs):
+            raise ValueError(f"{len(outputs)} outputs for {len(seqs)} reserved samples")
+        boundary = np.asarray(self._boundary, dtype=np.uint64)
+        made = []
+        if not self._prompt_indexed:
+            prompt = np.asarray(self._seqs[self.PROMPT], dtype=np.uint64)
+            made.append(self._keys_of(prompt, 0, self.PROMPT, 0))
+        tokens: list[list[int]] = []
+        for seq, output in zip(seqs, outputs, strict=True):
+            window = np.concatenate([boundary, np.asarray(output, dtype=np.uint64)])
+            made.append(self._keys_of(window, 0, seq, 0))
+            tokens.append([*self._boundary, *output])
+        if not made:
+            keys, occurrences = np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        else:
+            keys = np.concatenate([k for k, _ in made])
+            occurrences = np.concatenate([o for _, o in made])
+            order = np.argsort(keys, kind="stable")
+            keys, occurrences = keys[order], occurrences[order]
+        return PreparedSamples(seqs, tokens, keys, occurrences)
+
+    def adopt(self, prepared: PreparedSamples) -> None:
+        """Brings in what :meth:`prepare` made, as the corpus's oldest block: each n-gram's
+        occurrences are then found in the order they would have been had the samples been
+        added (:meth:`add_samples`) when their ids were reserved. Cheap: no sort here."""
+        for seq, tokens in zip(prepared.seqs, prepared.tokens, strict=True):
+            if self._seqs[seq]:
+                raise ValueError(f"sample {seq} was not reserved or is adopted already")
+            self._seqs[seq] = tokens
+        self._prompt_indexed = True
+        if len(prepared.keys):
+            self._blocks.insert(0, (prepared.keys, prepared.occurrences))
 
     def _index_bulk(self, parts: Sequence[tuple[int, int]]) -> None:
         """Indexes every n-gram of each ``(seq, start)`` that ends after ``start`` as a block

@@ -38,10 +38,11 @@ SPECULATIVE_FIELDS = (
     "spec_max_batch",
     "spec_factor",
     "spec_min_share",
+    "spec_background_tokens",
 )
 """Settings that mean something only with a `spec_method`."""
 _NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
-_ROLLOUT_FIELDS = ("spec_factor", "spec_min_share")
+_ROLLOUT_FIELDS = ("spec_factor", "spec_min_share", "spec_background_tokens")
 
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
@@ -195,6 +196,16 @@ class EngineSettings(BaseModel):
             "token by token) falls below this; 0: never."
         ),
     )
+    spec_background_tokens: int = Field(
+        1 << 16,
+        ge=0,
+        le=1 << 30,
+        description=(
+            "rollout: a prompt's earlier outputs of at least this many tokens are indexed on a "
+            "thread, not in the engine's step (64 outputs of 28k tokens take about 2 s); its "
+            "samples draft without them until it is done. 0: always in the step."
+        ),
+    )
     spec_max_batch: int = Field(
         0,
         ge=0,
@@ -316,5 +327,6 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
             max_n=settings.prompt_lookup_max,
             spec_factor=settings.spec_factor,
             min_share=settings.spec_min_share,
+            background_tokens=settings.spec_background_tokens,
         ).to_env()
     os.environ.update(env)
