@@ -84,6 +84,7 @@ from rollserve.sim.profile import load_profile
 
 __all__ = [
     "CalibrateConfig",
+    "CalibrationWorker",
     "Coefficients",
     "EngineLimits",
     "FitResult",
@@ -95,6 +96,7 @@ __all__ = [
     "cli_main",
     "design",
     "fit_step_costs",
+    "load_average",
     "render_profile",
     "run_calibration",
     "track_steps",
@@ -998,7 +1000,7 @@ class CalibrateConfig:
     json_path: Path | None = None
 
 
-class _Worker:
+class CalibrationWorker:
     """One calibration engine in a child process, driven line by line."""
 
     def __init__(
@@ -1072,7 +1074,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _load() -> list[float]:
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (recorded beside a run's figures)."""
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
 
@@ -1216,7 +1219,7 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
     phases = design(cfg.repeats, quick=cfg.quick)
     command = _command(cfg)
     started = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
-    load_before = _load()
+    load_before = load_average()
     console.print(f"[bold]calibrating[/bold] {PROFILE_NAME}: {command}")
     console.print(
         f"  model {model}; {cfg.engines} engine(s) at once, {omp} OpenMP thread(s) each, "
@@ -1225,11 +1228,11 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
     )
     records: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="rollserve-calibrate-") as tmp:
-        workers: list[_Worker] = []
+        workers: list[CalibrationWorker] = []
         try:
             for i in range(cfg.engines):
                 workers.append(
-                    _Worker(
+                    CalibrationWorker(
                         i,
                         model=model,
                         seed=cfg.seed,
@@ -1270,7 +1273,7 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
         cpu_count=os.cpu_count() or 0,
         python=platform.python_version(),
         load_average_before=load_before,
-        load_average_after=_load(),
+        load_average_after=load_average(),
         run_s=run_s,
         limits=limits,
         phases=phases,

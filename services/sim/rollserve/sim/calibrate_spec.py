@@ -64,7 +64,14 @@ from typing import Any
 import numpy as np
 from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_file
-from rollserve.sim.calibrate import INTERVAL_SPREAD_S, Iteration, Phase, Wave, _load, _Worker
+from rollserve.sim.calibrate import (
+    INTERVAL_SPREAD_S,
+    CalibrationWorker,
+    Iteration,
+    Phase,
+    Wave,
+    load_average,
+)
 
 __all__ = [
     "SPEC_BATCHES",
@@ -312,7 +319,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
     omp = engine_threads(1)
     phases = spec_design(cfg.repeats, quick=cfg.quick)
     started = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
-    load_before = _load()
+    load_before = load_average()
     console.print(
         f"[bold]calibrating speculation[/bold] ({cfg.method}, k = {cfg.k}) against a plain "
         f"engine: {len(phases)} phases on each, {omp} OpenMP thread(s) an engine; "
@@ -320,7 +327,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
     )
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="rollserve-calibrate-spec-") as tmp:
-        workers: dict[str, _Worker] = {}
+        workers: dict[str, CalibrationWorker] = {}
         try:
             # One after the other: two engines starting at once on two cores time out.
             for index, (name, extra) in enumerate(
@@ -329,7 +336,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
                     ("spec", ("--spec-method", cfg.method, "--spec-tokens", str(cfg.k))),
                 )
             ):
-                workers[name] = _Worker(
+                workers[name] = CalibrationWorker(
                     index,
                     model=model,
                     seed=cfg.seed,
@@ -372,7 +379,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
         "seed": cfg.seed,
         "cpu_count": os.cpu_count() or 0,
         "load_average_before": load_before,
-        "load_average_after": _load(),
+        "load_average_after": load_average(),
         "run_s": run_s,
         "phases": [asdict(p) for p in phases],
         "records": records,
