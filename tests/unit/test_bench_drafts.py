@@ -181,6 +181,28 @@ def test_siblings_that_solve_alike_draft_each_other_and_history_helps_a_new_epoc
     assert results["rollout"].every == history
 
 
+def test_a_fleet_s_engines_keep_only_the_history_they_made() -> None:
+    # 40 prompts, each asked again in epoch 1 with the answer of epoch 0: on one engine every
+    # second epoch drafts from the first; on 8 engines that each keep their own outputs, only
+    # the groups that happen to run where their prompt ran before (about 1 in 8) do.
+    s = DraftSettings(k=4, min_n=2, max_n=5)
+    rollouts = []
+    for epoch in range(2):
+        for p in range(40):
+            answer = tuple(range(1000 * (p + 1), 1000 * (p + 1) + 30))
+            rollouts.append(Rollout(f"p{p}", epoch, (1, 2, p + 3), (answer,)))
+    one = measure(rollouts, ["history"], s)[0].every
+    assert measure(rollouts, ["history"], s, history_engines=1, seed=5)[0].every == one
+    fleet = [
+        measure(rollouts, ["history"], s, history_engines=8, seed=seed)[0].every for seed in (0, 1)
+    ]
+    for every in fleet:
+        assert 0 < every.drafted_passes < one.drafted_passes / 3
+    assert fleet[0] != fleet[1]  # another seed, other engines
+    with pytest.raises(ValueError, match="history_engines"):
+        measure(rollouts, ["history"], s, history_engines=0)
+
+
 def test_siblings_that_ended_draft_the_tail() -> None:
     s = DraftSettings(k=4, min_n=2, max_n=5)
     short = tuple(range(1, 9))

@@ -456,3 +456,18 @@ def test_moves_told_the_true_tokens_left_bring_s1_near_the_oracle() -> None:
     assert placed > 1.15 * oracle
     assert exact < 1.05 * oracle
     assert rough > 1.1 * oracle
+
+
+def test_history_hits_count_starts_where_an_earlier_group_of_the_prompt_finished() -> None:
+    # One prompt asked in two steps: on one engine the second step's four samples start where
+    # the first step's finished (the rollout drafter would have their history); siblings of
+    # the same group do not count. On two engines, only those placed where it ran before.
+    first = replace(group("a", (30, 30, 30, 30)), prompt_key="p")
+    again = replace(group("b", (30, 30, 30, 30)), prompt_key="p", epoch=1)
+    one = run_des([[first], [again]], create_policy("least_loaded"), PROFILE, engines=1)
+    assert (one.fresh_starts, one.history_starts, one.history_hit_rate) == (8, 4, 0.5)
+    spread = run_des([[first], [again]], create_policy("round_robin"), PROFILE, engines=2)
+    assert spread.fresh_starts == 8 and spread.history_starts == 4  # 2 a engine, where 2 ran
+    other = replace(again, prompt_key="q")
+    fresh = run_des([[first], [other]], create_policy("least_loaded"), PROFILE, engines=1)
+    assert fresh.history_starts == 0 and fresh.history_hit_rate == 0.0

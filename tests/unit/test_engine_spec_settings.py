@@ -75,6 +75,16 @@ def test_speculation_is_off_by_default(model_dir: Path) -> None:
             "spec_background_tokens",
             "greater than or equal to 0",
         ),
+        (
+            {"spec_method": "rollout", "spec_history_tokens": 0},
+            "spec_history_tokens",
+            "greater than or equal to 1",
+        ),
+        (
+            {"spec_method": "rollout", "spec_history_per_prompt": 1 << 17},
+            "spec_history_per_prompt",
+            f"less than or equal to {1 << 16}",
+        ),
         ({"spec_method": "eagle"}, "spec_method", "'ngram', 'rollout' or 'suffix'"),
     ],
 )
@@ -280,6 +290,8 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
         spec_factor=1.5,
         spec_min_share=0.25,
         spec_background_tokens=4096,
+        spec_history_tokens=1000,
+        spec_history_per_prompt=3,
     )
     config = build_speculative_config(chosen)
     assert config is not None
@@ -294,7 +306,13 @@ def test_the_rollout_drafter_is_vllms_custom_class_with_its_lookup_in_the_enviro
     monkeypatch.delenv(DRAFTER_ENV, raising=False)
     apply_environment(chosen, "cpu")
     assert DrafterConfig.from_env() == DrafterConfig(
-        min_n=3, max_n=6, spec_factor=1.5, min_share=0.25, background_tokens=4096
+        min_n=3,
+        max_n=6,
+        spec_factor=1.5,
+        min_share=0.25,
+        background_tokens=4096,
+        history_tokens=1000,
+        history_per_prompt=3,
     )
     module, name = DRAFTER_CLASS.rsplit(".", 1)
     assert getattr(__import__(module, fromlist=[name]), name).__name__ == name

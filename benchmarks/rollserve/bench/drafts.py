@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -316,12 +317,24 @@ def measure(
     drafters: Sequence[str],
     settings: DraftSettings,
     tail_quantile: float = 0.9,
+    *,
+    history_engines: int = 1,
+    seed: int = 0,
 ) -> list[DrafterResult]:
     """Every drafter over every sample of ``rollouts``; an epoch's groups are one step (the
-    tail is past that step's ``tail_quantile`` of response length)."""
+    tail is past that step's ``tail_quantile`` of response length).
+
+    ``history_engines`` > 1 walks a fleet of that many engines, each keeping only the
+    outputs it made: every group (an epoch's samples of a prompt, whole) ran on an engine
+    drawn at random (``seed``), with no regard to where the prompt ran before, and a sample's
+    history is the earlier groups of its prompt that ran on its engine."""
     unknown = [d for d in drafters if d not in _SOURCES]
     if unknown:
         raise ValueError(f"unknown drafter {unknown[0]!r}; choose from {', '.join(DRAFTERS)}")
+    if history_engines < 1:
+        raise ValueError(f"history_engines ({history_engines}) must be at least 1")
+    draw = random.Random(seed)
+    engine_of = [draw.randrange(history_engines) for _ in rollouts]
     indexes = [
         [_Index((*r.prompt_token_ids, *resp), settings) for resp in r.responses] for r in rollouts
     ]
@@ -331,9 +344,13 @@ def measure(
         lengths.setdefault(r.epoch, []).extend(len(x) for x in r.responses)
         by_key.setdefault(r.prompt_key, []).append(g)
     tails = {epoch: tail_start(values, tail_quantile) for epoch, values in lengths.items()}
-    earlier = [  # each group's earlier epochs of its prompt
-        [h for h in by_key[rollout.prompt_key] if rollouts[h].epoch < rollout.epoch]
-        for rollout in rollouts
+    earlier = [  # each group's earlier epochs of its prompt, on its engine
+        [
+            h
+            for h in by_key[rollout.prompt_key]
+            if rollouts[h].epoch < rollout.epoch and engine_of[h] == engine_of[g]
+        ]
+        for g, rollout in enumerate(rollouts)
     ]
     results = []
     for name in drafters:
@@ -676,6 +693,14 @@ def add_bench_drafts(bench_sub: Any) -> None:
         default=0.9,
         help="the tail: output past this quantile of a step's response lengths",
     )
+    p.add_argument(
+        "--history-engines",
+        type=positive_int,
+        default=1,
+        help="walk a fleet of this many engines that each keep only their own outputs: every "
+        "group ran whole on one drawn at random (--seed), so a sample's history is its "
+        "prompt's earlier groups that ran there (1: every earlier group)",
+    )
     p.add_argument("--json", type=output_file)
     p.set_defaults(func=_cmd_drafts)
 
@@ -741,13 +766,25 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         return 2
     if args.save is not None:
         write_rollouts(args.save, rollouts)
-    results = measure(rollouts, drafters, settings, args.tail_quantile)
+    results = measure(
+        rollouts,
+        drafters,
+        settings,
+        args.tail_quantile,
+        history_engines=args.history_engines,
+        seed=args.seed,
+    )
     samples = sum(len(r.responses) for r in rollouts)
     tokens = sum(len(x) for r in rollouts for x in r.responses)
     table = Table(
         title=f"model-free drafts on {samples} plain rollouts ({tokens} tokens), k={settings.k}, "
         f"n-grams {settings.min_n}-{settings.max_n}; tail: past the {args.tail_quantile:g} "
         "quantile of a step's lengths"
+        + (
+            f"; history: the engine's own, of {args.history_engines} (groups placed at random)"
+            if args.history_engines > 1
+            else ""
+        )
     )
     for column in (
         "drafter",
@@ -808,6 +845,7 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
                 "min_n": settings.min_n,
                 "max_n": settings.max_n,
                 "tail_quantile": args.tail_quantile,
+                "history_engines": args.history_engines,
                 "spec_factor": settings.spec_factor,
                 "min_share": settings.min_share,
             },

@@ -349,6 +349,7 @@ def _report(
             "recomputed_tokens": r.recomputed_tokens,
             "moves": r.moves,
             "moved_tokens": r.moved_tokens,
+            "history_hit_rate": r.history_hit_rate,
             "offpolicy_token_fraction": r.offpolicy_token_fraction,
             "max_staleness": r.max_staleness,
             "discarded_token_fraction": r.discarded_token_fraction,

@@ -63,7 +63,11 @@ class DrafterConfig:
     max_n: int = 5
     spec_factor: float = 0.0  # see DraftSettings
     min_share: float = 0.0
-    history_tokens: int = 4_000_000  # prompt and output tokens kept of finished samples
+    # Prompt and output tokens kept of finished samples (4 bytes each): drafting from the last
+    # epoch needs this engine's share of an epoch (4,096 prompts x 8 samples of 4k tokens on
+    # 8 engines is 16M tokens an engine; replayed through History, 1% of groups found their
+    # prompt's history at 4M tokens, 30% at 64M: the others' had run on other engines).
+    history_tokens: int = 1 << 26
     history_per_prompt: int = 64  # finished outputs kept a prompt (the newest)
     # A prompt's history of at least this many tokens is indexed on a thread of the drafter's
     # (0: always in the engine's step, as a shorter one is): its samples draft from their own

@@ -39,10 +39,18 @@ SPECULATIVE_FIELDS = (
     "spec_factor",
     "spec_min_share",
     "spec_background_tokens",
+    "spec_history_tokens",
+    "spec_history_per_prompt",
 )
 """Settings that mean something only with a `spec_method`."""
 _NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
-_ROLLOUT_FIELDS = ("spec_factor", "spec_min_share", "spec_background_tokens")
+_ROLLOUT_FIELDS = (
+    "spec_factor",
+    "spec_min_share",
+    "spec_background_tokens",
+    "spec_history_tokens",
+    "spec_history_per_prompt",
+)
 
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
@@ -196,6 +204,23 @@ class EngineSettings(BaseModel):
             "token by token) falls below this; 0: never."
         ),
     )
+    spec_history_tokens: int = Field(
+        1 << 26,
+        ge=1,
+        le=1 << 34,
+        description=(
+            "rollout: tokens of finished samples (prompts and outputs, 4 bytes each) kept to "
+            "draft later samples of the same prompts, least recently used prompts dropped "
+            "first; to draft from the last epoch it must hold an epoch's outputs on this "
+            "engine (the default, 64M tokens, is 256 MiB)."
+        ),
+    )
+    spec_history_per_prompt: int = Field(
+        64,
+        ge=1,
+        le=1 << 16,
+        description="rollout: finished outputs kept a prompt, the newest.",
+    )
     spec_background_tokens: int = Field(
         1 << 16,
         ge=0,
@@ -328,5 +353,7 @@ def apply_environment(settings: EngineSettings, device: Device) -> None:
             spec_factor=settings.spec_factor,
             min_share=settings.spec_min_share,
             background_tokens=settings.spec_background_tokens,
+            history_tokens=settings.spec_history_tokens,
+            history_per_prompt=settings.spec_history_per_prompt,
         ).to_env()
     os.environ.update(env)

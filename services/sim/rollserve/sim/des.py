@@ -148,6 +148,11 @@ class RunResult:
     moved_tokens: int = 0  # prompt + partial response prefilled again by those resumptions
     spec_steps: int = 0  # engine steps that speculated (speculative decoding in the profile)
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)
+    # Samples started from scratch, and those of them started on an engine where a sample of
+    # an earlier group of their prompt had finished: where a drafter keeping the engine's own
+    # earlier outputs (the rollout drafter) has their prompt's history.
+    fresh_starts: int = 0
+    history_starts: int = 0
     simulated: bool = True
 
     @property
@@ -179,6 +184,11 @@ class RunResult:
     @property
     def prefix_hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def history_hit_rate(self) -> float:
+        """Share of samples started from scratch where their prompt's earlier outputs were."""
+        return self.history_starts / self.fresh_starts if self.fresh_starts else 0.0
 
     @property
     def offpolicy_token_fraction(self) -> float:
@@ -310,6 +320,11 @@ class _Fleet:
         self.discarded_tokens = 0  # generated, then thrown away by an abort
         self.moves = 0
         self.moved_tokens = 0
+        # Per engine, the prompts it finished samples of, and of which groups: what a drafter
+        # that keeps an engine's earlier outputs (the rollout drafter's history) would hold.
+        self.finished_prompts: dict[str, dict[str, set[str]]] = {eid: {} for eid in self.sims}
+        self.history_starts = 0  # samples started where an earlier group of their prompt ended
+        self.fresh_starts = 0  # samples started from scratch
 
     # -- predictions ---------------------------------------------------------------------
 
@@ -507,6 +522,11 @@ class _Fleet:
         self.running[rid] = r
         self.per_engine[r.engine_id].add(rid)
         self.touched.add(r.engine_id)
+        if not r.carried:
+            self.fresh_starts += 1
+            groups = self.finished_prompts[r.engine_id].get(sg.prompt_key, ())
+            if any(key != sg.key for key in groups):
+                self.history_starts += 1
 
     def _preempt(self, preempt: Preempt) -> None:
         """Stops a running sample, keeping its tokens; resumes it on ``to_engine`` or queues
@@ -583,6 +603,8 @@ class _Fleet:
             self._count(g, r.index, tokens)
             g.finished[r.index] = tokens
             g.finish_times.append(self.now)
+            ran = self.finished_prompts[ended].setdefault(g.group.prompt_key, set())
+            ran.add(g.group.key)
             g.left -= 1
             if g.done:
                 g.done_at = self.now
@@ -655,6 +677,8 @@ class _Fleet:
             moved_tokens=self.moved_tokens,
             spec_steps=sum(s.spec_steps for s in stats),
             timeline=self.timeline,
+            history_starts=self.history_starts,
+            fresh_starts=self.fresh_starts,
         )
 
 
