@@ -471,3 +471,24 @@ def test_history_hits_count_starts_where_an_earlier_group_of_the_prompt_finished
     other = replace(again, prompt_key="q")
     fresh = run_des([[first], [other]], create_policy("least_loaded"), PROFILE, engines=1)
     assert fresh.history_starts == 0 and fresh.history_hit_rate == 0.0
+
+
+def test_a_prompt_the_engine_ran_before_speculates_at_its_history_s_acceptance() -> None:
+    # A drafter that keeps the engine's outputs drafts better for a prompt it ran before:
+    # with accept_by_history (1.0 new, 3.0 with one earlier group) the prompt's second step
+    # runs faster than where history does not help (1.0, 1.0); a new prompt's does not.
+    from rollserve.sim.profile import SpecDecoding
+
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, accept_by_history=(1.0, 3.0))
+    helps = replace(PROFILE, spec=spec)
+    useless = replace(PROFILE, spec=replace(spec, accept_by_history=(1.0, 1.0)))
+    first = replace(group("a", (40, 40, 40, 40)), prompt_key="p")
+    again = replace(group("b", (40, 40, 40, 40)), prompt_key="p", epoch=1)
+    other = replace(group("c", (40, 40, 40, 40)), prompt_key="q", epoch=1)
+    policy = create_policy("least_loaded")
+
+    def second(profile: CostProfile, then: SimGroup) -> float:
+        return run_des([[first], [then]], policy, profile, engines=1).steps[1].makespan_s
+
+    assert second(helps, again) < second(useless, again)
+    assert second(helps, other) == pytest.approx(second(useless, other))

@@ -39,6 +39,10 @@ def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
             {"draft_tokens": 3, "accept_len": 2.5, "drafted": 1.2},
             r"accept_len \(2.5\) must be between 1 and drafted \+ 1 \(2.2\)",
         ),
+        (
+            {"draft_tokens": 3, "accept_len": 2.0, "accept_by_history": (1.5, 4.5)},
+            r"accept_by_history\[1\] \(4.5\) must be between 1 and 4",
+        ),
     ],
 )
 def test_spec_validation_names_the_field(kwargs: dict[str, float], message: str) -> None:
@@ -117,6 +121,34 @@ def test_the_engine_decodes_a_lone_sample_faster_and_counts_its_speculating_step
     alone = [(BASE + PER_SEQ + PER_KV * (8 + t)) for t in range(10, 40)]
     spec_alone = [(BASE + PER_SEQ * 5 + PER_KV * (8 + t)) / 2.0 for t in range(10, 40)]
     assert plain_s - spec_s == pytest.approx(sum(alone) - sum(spec_alone))
+
+
+def test_each_sequence_may_bring_its_own_acceptance_and_a_step_takes_their_mean() -> None:
+    # Two samples decode together in every speculating step: one at 1.5 tokens a pass (a
+    # prompt new to the engine), one at 3.5 (its history is here); the step is 1 / 2.5 of a
+    # pass, as a profile whose accept_len is their mean would make it.
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, accept_by_history=(1.5, 2.5, 3.5))
+    assert [spec.accept_for(h) for h in (0, 1, 2, 9)] == [1.5, 2.5, 3.5, 3.5]
+    assert "1.5/2.5/3.5 tokens a pass" in spec.describe()
+
+    def busy(profile: CostProfile, accepts: tuple[float | None, float | None]) -> float:
+        engine = SimEngine("e", profile)
+        for name, accept in zip("ab", accepts, strict=True):
+            engine.add(
+                SimRequest(name, prompt_len=8, output_len=20, max_tokens=64, accept_len=accept)
+            )
+        total = 0.0
+        while engine.has_work():
+            total += engine.step().duration_s
+        return total
+
+    mixed = busy(make_profile(spec), (1.5, 3.5))
+    assert mixed == pytest.approx(busy(make_profile(replace(spec, accept_len=2.5)), (None, None)))
+    assert mixed < busy(make_profile(spec), (None, None))  # the profile's 2.0 for both
+    with pytest.raises(ValueError, match=r"accept_len \(6.0\) must be between 1 and 5"):
+        SimEngine("e", make_profile(spec)).add(
+            SimRequest("c", prompt_len=8, output_len=5, max_tokens=8, accept_len=6.0)
+        )
 
 
 PROFILE_LINES = [

@@ -255,8 +255,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         + f"; no policy beats {_times(out['max_vs_sync_round_robin'])} synchronous {BASELINE}"
     )
     if speculating and cfg.spec is not None:
+        # The floor: each sample at the best acceptance any sample gets.
+        best = replace(cfg.spec, accept_len=max((cfg.spec.accept_len, *cfg.spec.accept_by_history)))
+        floor_profile = profile.with_spec(replace(best, accept_by_history=()))
         spec_floor = (
-            statistics.fmean(_solo_s(groups, spec_profile) for groups in sync_steps) / spans
+            statistics.fmean(_solo_s(groups, floor_profile) for groups in sync_steps) / spans
         )
         out["spec"] = {
             "draft_tokens": cfg.spec.draft_tokens,
@@ -266,6 +269,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
             "pass_s": cfg.spec.pass_s,
             "token_s": cfg.spec.token_s,
             "drafted": cfg.spec.drafted,
+            "accept_by_history": list(cfg.spec.accept_by_history),
             "rows": speculating,
         }
         out["step_floor_spec_s"] = spec_floor

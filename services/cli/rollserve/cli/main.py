@@ -118,12 +118,27 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(flag: str, text: str | None) -> tuple[float, ...]:
+    """A comma-separated list of numbers (empty when not given)."""
+    if not text:
+        return ()
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} ({text!r}) must be comma-separated numbers") from None
+
+
 def _cmd_bench_policies(args: argparse.Namespace) -> int:
     from rollserve.bench.policies import DEFAULT_POLICIES, PoliciesConfig, run_policies
     from rollserve.sim.profile import SpecDecoding
 
     policies = tuple(p for p in args.policies.split(",") if p) if args.policies else None
     try:
+        if args.spec_accept_by_history and args.spec_accept is None:
+            raise ValueError(
+                "--spec-accept-by-history refines --spec-accept (the mean, for vLLM's "
+                "counters): give both"
+            )
         spec = (
             None
             if args.spec_accept is None
@@ -135,6 +150,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 pass_s=args.spec_pass_s,
                 token_s=args.spec_token_s,
                 drafted=args.spec_drafted,
+                accept_by_history=_floats("--spec-accept-by-history", args.spec_accept_by_history),
             )
         )
         run_policies(
@@ -394,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="mean draft tokens a sequence proposes a pass (default --spec-tokens; fewer with "
         "a drafter that cuts its drafts, as --spec-factor and --spec-min-share do)",
+    )
+    policies.add_argument(
+        "--spec-accept-by-history",
+        help="comma-separated: --spec-accept for a sample whose engine holds 0, 1, 2, ... "
+        "earlier groups of its prompt (the last for more; `rollserve bench drafts` gives them "
+        "by epoch), as the rollout drafter keeps an engine's outputs; default: --spec-accept "
+        "for all",
     )
     policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
     policies.add_argument("--json", type=output_file)

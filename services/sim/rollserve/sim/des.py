@@ -506,6 +506,10 @@ class _Fleet:
         ``carried`` tokens (prompt + partial response as its prompt)."""
         sg = r.group.group
         rid = f"{sg.key}/{r.index}"
+        groups = self.finished_prompts[r.engine_id].get(sg.prompt_key, ())
+        earlier = sum(1 for key in groups if key != sg.key)
+        spec = self.sims[r.engine_id].profile.spec
+        accept = spec.accept_for(earlier) if spec is not None and spec.accept_by_history else None
         self.sims[r.engine_id].add(
             SimRequest(
                 request_id=rid,
@@ -517,6 +521,7 @@ class _Fleet:
                 system_id=sg.prefix_id,
                 system_len=sg.prefix_len,
                 priority=r.group.priority,
+                accept_len=accept,
             )
         )
         self.running[rid] = r
@@ -524,9 +529,7 @@ class _Fleet:
         self.touched.add(r.engine_id)
         if not r.carried:
             self.fresh_starts += 1
-            groups = self.finished_prompts[r.engine_id].get(sg.prompt_key, ())
-            if any(key != sg.key for key in groups):
-                self.history_starts += 1
+            self.history_starts += earlier > 0
 
     def _preempt(self, preempt: Preempt) -> None:
         """Stops a running sample, keeping its tokens; resumes it on ``to_engine`` or queues

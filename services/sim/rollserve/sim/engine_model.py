@@ -67,6 +67,7 @@ straightforward version; ``test_sim_engine_equivalence.py`` checks both give the
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -95,6 +96,10 @@ class SimRequest:
     # non-empty system_id share their first system_len tokens, whatever their prefix_id.
     system_id: str = ""
     system_len: int = 0
+    # With speculative decoding in the profile: the mean tokens a verification pass advances
+    # this sequence (its drafter's history of its prompt); None: the profile's accept_len. A
+    # speculating step takes the mean over its decoding sequences.
+    accept_len: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +266,8 @@ class SimEngine:
         self._arrivals = 0
         self._admissions = 0
         self._steps = 0  # steps done: a running request has generated steps - base tokens
+        self._accept_sum = 0  # running requests' accept_len, millionths (_accept_micro)
+        self._per_seq_accept = False  # some request brought its own accept_len
         self._spec_steps = 0  # steps that speculated: a running request decoded in
         # _spec_steps - spec_base of them since it last started
         # Running totals over the running requests:
@@ -311,6 +318,14 @@ class SimEngine:
                 f"{where}: prefix_len ({request.prefix_len}) must be between 0 and "
                 f"prompt_len ({request.prompt_len})"
             )
+        if request.accept_len is not None:
+            spec = self.profile.spec
+            top = spec.proposed + 1 if spec is not None else 1.0
+            if not (math.isfinite(request.accept_len) and 1 <= request.accept_len <= top):
+                raise ValueError(
+                    f"{where}: accept_len ({request.accept_len}) must be between 1 and {top:g}"
+                )
+            self._per_seq_accept = True
         if request.prefix_len and not request.prefix_id:
             raise ValueError(f"{where}: prefix_len ({request.prefix_len}) needs a prefix_id")
         if not 0 <= request.system_len <= request.prompt_len:
@@ -380,8 +395,11 @@ class SimEngine:
         decode_seqs = len(self._running)
         attended = self._offset + decode_seqs * steps
         speculates = profile.spec is not None and profile.spec.applies(decode_seqs)
+        accept = None
         if speculates:  # before admitting: this step's new requests do not decode in it
             self._spec_steps += 1
+            if self._per_seq_accept:
+                accept = self._accept_sum / (1_000_000 * decode_seqs)
 
         # 2. Admit.
         admitted = 0
@@ -400,7 +418,7 @@ class SimEngine:
                 admitted += 1
                 prefill_tokens += tokens
 
-        duration = profile.step_time(decode_seqs, prefill_tokens, attended)
+        duration = profile.step_time(decode_seqs, prefill_tokens, attended, accept)
         steps += 1
         self._steps = steps
 
@@ -451,8 +469,18 @@ class SimEngine:
             insort(self._waiting, victim, key=_Seq.order)
             preempted.append(victim.request.request_id)
 
+    def _accept_micro(self, seq: _Seq) -> int:
+        """The sequence's accept_len in millionths (an integer: the running sum does not
+        drift)."""
+        spec = self.profile.spec
+        accept = seq.request.accept_len
+        if accept is None:
+            accept = spec.accept_len if spec is not None else 1.0
+        return round(accept * 1_000_000)
+
     def _start(self, seq: _Seq) -> None:
         """Makes an admitted request run: it has ``generated`` tokens now, one more per step."""
+        self._accept_sum += self._accept_micro(seq)
         prompt_len = seq.request.prompt_len
         seq.base = base = self._steps - seq.generated
         seq.slot = slot = self._admissions
@@ -467,6 +495,7 @@ class SimEngine:
     def _stop(self, seq: _Seq) -> None:
         """Takes a request out of the running ones (finished, preempted or aborted), fixing its
         token count and releasing its blocks."""
+        self._accept_sum -= self._accept_micro(seq)
         prompt_len = seq.request.prompt_len
         base = seq.base
         seq.generated = self._steps - base

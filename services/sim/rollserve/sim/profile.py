@@ -88,6 +88,12 @@ class SpecDecoding:
     pass_s: float = 0.0  # fixed time the speculative path adds to a verification pass
     token_s: float | None = None  # per draft token verified; None: the profile's per_decode_seq_s
     drafted: float | None = None  # mean draft tokens a sequence a pass; None: draft_tokens
+    # A drafter that keeps an engine's earlier outputs (the rollout drafter) drafts better for
+    # a prompt the engine ran before: the accept_len of a sample whose engine holds 0, 1, 2,
+    # ... earlier groups of its prompt (the last value for more). Empty: accept_len for all.
+    # The discrete-event mode gives each sample its value and a speculating step the mean over
+    # its decoding sequences; vLLM's counters (``counters``) still take accept_len.
+    accept_by_history: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
@@ -105,6 +111,12 @@ class SpecDecoding:
                 f"{'drafted' if self.drafted is not None else 'draft_tokens'} + 1 "
                 f"({self.proposed + 1:g}): a pass accepts at most every draft and one more"
             )
+        for i, value in enumerate(self.accept_by_history):
+            if not (math.isfinite(value) and 1 <= value <= self.proposed + 1):
+                raise ValueError(
+                    f"spec accept_by_history[{i}] ({value}) must be between 1 and "
+                    f"{self.proposed + 1:g}, as accept_len"
+                )
         if self.token_s is not None and not (math.isfinite(self.token_s) and self.token_s >= 0):
             raise ValueError(f"spec token_s ({self.token_s}) must be at least 0 seconds")
         if self.max_batch < 0:
@@ -133,10 +145,22 @@ class SpecDecoding:
         drafts = round(passes)
         return drafts, round(drafts * self.proposed), round(passes * (self.accept_len - 1))
 
+    def accept_for(self, earlier_groups: int) -> float:
+        """The accept_len of a sample whose engine holds ``earlier_groups`` earlier groups of
+        its prompt."""
+        by = self.accept_by_history
+        return by[min(earlier_groups, len(by) - 1)] if by else self.accept_len
+
     def describe(self) -> str:
         batch = f" at <= {self.max_batch} sequences" if self.max_batch else ""
         cut = f" ({self.drafted:g} proposed on average)" if self.drafted is not None else ""
-        return f"{self.draft_tokens} drafts{cut}, {self.accept_len:g} tokens a pass{batch}"
+        accept = (
+            f"{'/'.join(f'{a:g}' for a in self.accept_by_history)} tokens a pass with 0/1/.. "
+            "earlier groups of the prompt on the engine"
+            if self.accept_by_history
+            else f"{self.accept_len:g} tokens a pass"
+        )
+        return f"{self.draft_tokens} drafts{cut}, {accept}{batch}"
 
 
 @dataclass(frozen=True)
@@ -204,11 +228,18 @@ class CostProfile:
         """KV blocks of the engine: the whole blocks that fit in ``kv_capacity_tokens``."""
         return self.kv_capacity_tokens // self.block_size
 
-    def step_time(self, decode_seqs: int, prefill_tokens: int, attended_kv_tokens: int) -> float:
+    def step_time(
+        self,
+        decode_seqs: int,
+        prefill_tokens: int,
+        attended_kv_tokens: int,
+        accept_len: float | None = None,
+    ) -> float:
         """Seconds of one step that decodes ``decode_seqs`` sequences (one token each)
         attending ``attended_kv_tokens`` context tokens in all and prefills ``prefill_tokens``
         tokens; with speculative decoding that applies, a ``1 / accept_len`` share of a
-        verification pass plus the prefill."""
+        verification pass plus the prefill (``accept_len``: the decoding sequences' mean, when
+        it is not the profile's)."""
         for name, value in (
             ("decode_seqs", decode_seqs),
             ("prefill_tokens", prefill_tokens),
@@ -225,7 +256,8 @@ class CostProfile:
                 + (self.per_decode_seq_s + spec.draft_s + token_s * spec.proposed) * decode_seqs
                 + self.per_kv_token_s * attended_kv_tokens
             )
-            return verify / spec.accept_len + self.per_prefill_token_s * prefill_tokens
+            accept = spec.accept_len if accept_len is None else accept_len
+            return verify / accept + self.per_prefill_token_s * prefill_tokens
         return (
             self.step_base_s
             + self.per_decode_seq_s * decode_seqs
