@@ -492,3 +492,22 @@ def test_a_prompt_the_engine_ran_before_speculates_at_its_history_s_acceptance()
 
     assert second(helps, again) < second(useless, again)
     assert second(helps, other) == pytest.approx(second(useless, other))
+
+
+def test_shared_history_counts_what_any_engine_ran() -> None:
+    # round_robin puts the prompt's second group on the other engine: its own history there
+    # is empty, the fleet's is not.
+    first = replace(group("a", (30,)), prompt_key="p")
+    again = replace(group("b", (30,)), prompt_key="p", epoch=1)
+    steps = [[first], [again]]
+    own = run_des(steps, create_policy("round_robin"), PROFILE, engines=2)
+    shared = run_des(
+        steps,
+        create_policy("round_robin"),
+        PROFILE,
+        engines=2,
+        cfg=DesConfig(shared_history=True),
+    )
+    assert {i for i, *_ in own.timeline} == {0, 1}  # one group on each engine
+    assert (own.fresh_starts, own.history_starts) == (2, 0)
+    assert (shared.fresh_starts, shared.history_starts) == (2, 1)

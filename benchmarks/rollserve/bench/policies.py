@@ -81,6 +81,7 @@ class PoliciesConfig:
     move_gain: float | None = None  # the moving rows' RLSettings.move_gain (None: its default)
     told_noise: float = 0.0  # rl_moves_told: log-error sd of the remaining lengths it is told
     told_seed: int = 0  # rl_moves_told: the draw of those errors
+    shared_history: bool = False  # the drafters' history: every engine's outputs (DesConfig)
     json_path: Path | None = None
     out_dir: Path = Path("bench-policies")
 
@@ -187,7 +188,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         return p
 
     stream = [g for groups in steps for g in groups]
-    des_cfg = DesConfig(weight_updates=cfg.weight_updates)
+    des_cfg = DesConfig(weight_updates=cfg.weight_updates, shared_history=cfg.shared_history)
     told_cfg = replace(des_cfg, told_remaining=cfg.told_noise, told_seed=cfg.told_seed)
     results: dict[str, RunResult] = {}
     for name in cfg.policies:
@@ -337,6 +338,7 @@ def _report(
         "move_gain": cfg.move_gain,
         "told_noise": cfg.told_noise,
         "told_seed": cfg.told_seed,
+        "shared_history": cfg.shared_history,
         "policies": {},
     }
     if sync_base is not None:

@@ -168,6 +168,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 move_gain=args.move_gain,
                 told_noise=args.told_noise,
                 told_seed=args.told_seed,
+                shared_history=args.shared_history,
                 json_path=args.json,
                 out_dir=args.out_dir,
             )
@@ -417,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
         "earlier groups of its prompt (the last for more; `rollserve bench drafts` gives them "
         "by epoch), as the rollout drafter keeps an engine's outputs; default: --spec-accept "
         "for all",
+    )
+    policies.add_argument(
+        "--shared-history",
+        action="store_true",
+        help="the drafters' history of a prompt (--spec-accept-by-history) is every engine's "
+        "earlier outputs, as if engines shared them, not each engine's own",
     )
     policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
     policies.add_argument("--json", type=output_file)

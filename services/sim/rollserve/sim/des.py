@@ -104,6 +104,10 @@ class DesConfig:
     # Engine views sum the same figures; queued groups are predicted as without it.
     told_remaining: float | None = None
     told_seed: int = 0  # another seed draws other errors
+    # The drafters' history of a prompt (``SpecDecoding.accept_by_history``, history hits):
+    # each engine's own finished samples (False), or every engine's, as if engines shared
+    # their outputs (True).
+    shared_history: bool = False
 
     def __post_init__(self) -> None:
         told = self.told_remaining
@@ -323,6 +327,9 @@ class _Fleet:
         # Per engine, the prompts it finished samples of, and of which groups: what a drafter
         # that keeps an engine's earlier outputs (the rollout drafter's history) would hold.
         self.finished_prompts: dict[str, dict[str, set[str]]] = {eid: {} for eid in self.sims}
+        if cfg.shared_history:  # one record that every engine reads
+            shared: dict[str, set[str]] = {}
+            self.finished_prompts = dict.fromkeys(self.sims, shared)
         self.history_starts = 0  # samples started where an earlier group of their prompt ended
         self.fresh_starts = 0  # samples started from scratch
 
