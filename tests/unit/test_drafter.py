@@ -138,11 +138,16 @@ def _brute_force(
     return n, tuple(draft)
 
 
-@pytest.mark.parametrize(
+# The index's two halves under four mixes: as shipped, everything in numpy blocks, and small
+# thresholds that send extends to blocks and flush the dict often.
+INDEX_MIXES = pytest.mark.parametrize(
     ("bulk", "flush"),
     [(drafting.BULK_TOKENS, drafting.FLUSH_ENTRIES), (1, 1 << 16), (4, 8), (3, 2)],
     ids=["as-shipped", "all-in-blocks", "mixed", "mixed-flushed"],
 )
+
+
+@INDEX_MIXES
 def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
     bulk: int, flush: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,11 +217,7 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
         assert (got.length, got.draft) == want, f"case {case}: {settings} {prompt} {outputs}"
 
 
-@pytest.mark.parametrize(
-    ("bulk", "flush"),
-    [(drafting.BULK_TOKENS, drafting.FLUSH_ENTRIES), (1, 1 << 16), (4, 8), (3, 2)],
-    ids=["as-shipped", "all-in-blocks", "mixed", "mixed-flushed"],
-)
+@INDEX_MIXES
 def test_a_history_indexed_aside_drafts_as_one_indexed_in_the_step(
     bulk: int, flush: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
