@@ -203,6 +203,22 @@ def test_a_fleet_s_engines_keep_only_the_history_they_made() -> None:
         measure(rollouts, ["history"], s, history_engines=0)
 
 
+def test_the_tail_is_also_counted_epoch_by_epoch() -> None:
+    # Epoch k's samples have k earlier groups of their prompt: the simulator's acceptance by
+    # history. The second epoch repeats the first, so its tail drafts far better.
+    s = DraftSettings(k=4, min_n=2, max_n=5)
+    answer = tuple(range(100, 140))
+    short = (7, 8, 9, 6, 5)  # a sibling that ends early: the tail is the answer past 5 tokens
+    rollouts = [Rollout("p", epoch, (20, 21, 22), (answer, short)) for epoch in range(2)]
+    (result,) = measure(rollouts, ["rollout"], s, tail_quantile=0.5)
+    assert sorted(result.tail_by_epoch) == [0, 1]
+    merged = PassCounts()
+    for counts in result.tail_by_epoch.values():
+        merged.merge(counts)
+    assert merged == result.tail
+    assert result.tail_by_epoch[1].tokens_per_pass > 2 * result.tail_by_epoch[0].tokens_per_pass
+
+
 def test_siblings_that_ended_draft_the_tail() -> None:
     s = DraftSettings(k=4, min_n=2, max_n=5)
     short = tuple(range(1, 9))

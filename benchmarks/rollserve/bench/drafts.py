@@ -302,6 +302,7 @@ class DrafterResult:
     name: str
     every: PassCounts = field(default_factory=PassCounts)
     tail: PassCounts = field(default_factory=PassCounts)
+    tail_by_epoch: dict[int, PassCounts] = field(default_factory=dict)  # the tail, per epoch
 
 
 def tail_start(lengths: Sequence[int], quantile: float) -> int:
@@ -378,6 +379,7 @@ def measure(
                 every, tail = walk(response, drafter, tails[rollout.epoch])
                 result.every.merge(every)
                 result.tail.merge(tail)
+                result.tail_by_epoch.setdefault(rollout.epoch, PassCounts()).merge(tail)
         results.append(result)
     return results
 
@@ -837,6 +839,15 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         "tokens a pass = the --spec-accept of `rollserve bench policies` (its +spec rows "
         "speculate in the tail: use the tail's figure)"
     )
+    history = next((r for r in results if r.name == "rollout"), None)
+    if history is not None and len(history.tail_by_epoch) > 1:
+        # Epoch k's samples have k earlier groups of their prompt (on their engine, when
+        # --history-engines is 1): the simulator's acceptance by what an engine holds.
+        by_epoch = _tail_by_epoch(history)
+        console.print(
+            "rollout's tail by epoch (epoch k: k earlier groups of the prompt): "
+            f"--spec-accept-by-history {','.join(f'{a:.2f}' for a in by_epoch)}"
+        )
     if args.json is not None:
         report = {
             "source": source,
@@ -853,7 +864,12 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             "samples": samples,
             "tokens": tokens,
             "drafters": {
-                r.name: {"all": r.every.to_json(), "tail": r.tail.to_json()} for r in results
+                r.name: {
+                    "all": r.every.to_json(),
+                    "tail": r.tail.to_json(),
+                    "tail_tokens_per_pass_by_epoch": [round(a, 4) for a in _tail_by_epoch(r)],
+                }
+                for r in results
             },
             "nan_logprobs": nan_logprobs,
         }
@@ -867,6 +883,15 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _tail_by_epoch(result: DrafterResult) -> list[float]:
+    """The tail's tokens a pass in each epoch, in epoch order (epochs with no tail left out)."""
+    return [
+        counts.tokens_per_pass
+        for _, counts in sorted(result.tail_by_epoch.items())
+        if counts.passes
+    ]
 
 
 def _per_drafted_pass(counts: PassCounts) -> str:
