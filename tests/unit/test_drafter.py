@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -138,6 +139,29 @@ def _brute_force(
     return n, tuple(draft)
 
 
+def _turns(
+    rng: random.Random, outputs: list[list[int]]
+) -> Iterator[tuple[int, tuple[int, int, int]]]:
+    """Running samples grown a few tokens at a time in random turns: (tokens grown before,
+    (sample, start, stop)), until every output is whole."""
+    done = [0] * len(outputs)
+    grown = 0
+    while left := [j for j, o in enumerate(outputs) if done[j] < len(o)]:
+        i = rng.choice(left)
+        step = min(rng.randint(1, 5), len(outputs[i]) - done[i])
+        yield grown, (i, done[i], done[i] + step)
+        done[i] += step
+        grown += step
+
+
+def _same_drafts(
+    a: PromptCorpus, b: PromptCorpus, seqs: list[tuple[int, int]], k: int, label: str
+) -> None:
+    """Every sample drafts alike in the two corpora (its id in each: ``seqs``)."""
+    for in_a, in_b in seqs:
+        assert b.match(in_b, k) == a.match(in_a, k), label
+
+
 # The index's two halves under four mixes: as shipped, everything in numpy blocks, and small
 # thresholds that send extends to blocks and flush the dict often.
 INDEX_MIXES = pytest.mark.parametrize(
@@ -184,20 +208,14 @@ def test_drafts_equal_a_brute_force_scan_on_random_rollouts(
             )
             running = outputs[history:]
             seqs = [corpus.add_sample() for _ in running]
-            done = [0] * len(running)
             adopt_at = rng.randint(0, sum(len(o) for o in running))
-            grown = 0
-            while True:
+            for grown, (i, start, stop) in _turns(rng, running):
                 if grown >= adopt_at and prepared is not None:
                     corpus.adopt(prepared)
                     prepared = None
-                if all(d == len(o) for d, o in zip(done, running, strict=True)):
-                    break
-                i = rng.choice([j for j, o in enumerate(running) if done[j] < len(o)])
-                step = min(rng.randint(1, 5), len(running[i]) - done[i])
-                corpus.extend(seqs[i], running[i][done[i] : done[i] + step])
-                done[i] += step
-                grown += step
+                corpus.extend(seqs[i], running[i][start:stop])
+            if prepared is not None:
+                corpus.adopt(prepared)
         elif how == "together":  # as earlier epochs' outputs join a new corpus
             corpus.add_samples(outputs)
         elif how == "one by one":
@@ -249,25 +267,19 @@ def test_a_history_indexed_aside_drafts_as_one_indexed_in_the_step(
             history, aside.reserve(len(history))
         )
         seqs = [(at_once.add_sample(), aside.add_sample()) for _ in running]
-        done = [0] * len(running)
         adopt_at = rng.randint(0, sum(map(len, running)))
-        grown = 0
-        while True:
+
+        for grown, (i, start, stop) in _turns(rng, running):
             if grown >= adopt_at and prepared is not None:
                 aside.adopt(prepared)
                 prepared = None
             if prepared is None:
-                for a, b in seqs:
-                    want = at_once.match(a, settings.k)
-                    assert aside.match(b, settings.k) == want, f"case {case}: {settings}"
-            if all(d == len(o) for d, o in zip(done, running, strict=True)):
-                break
-            i = rng.choice([j for j, o in enumerate(running) if done[j] < len(o)])
-            step = min(rng.randint(1, 5), len(running[i]) - done[i])
+                _same_drafts(at_once, aside, seqs, settings.k, f"case {case}: {settings}")
             for corpus, seq in zip((at_once, aside), seqs[i], strict=True):
-                corpus.extend(seq, running[i][done[i] : done[i] + step])
-            done[i] += step
-            grown += step
+                corpus.extend(seq, running[i][start:stop])
+        if prepared is not None:
+            aside.adopt(prepared)
+        _same_drafts(at_once, aside, seqs, settings.k, f"case {case}: {settings}")
     with pytest.raises(ValueError, match="outputs for"):
         aside.prepare([[1]], aside.reserve(2))
     with pytest.raises(ValueError, match="adopted already"):
