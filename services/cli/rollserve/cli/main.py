@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.bench.drafts import add_bench_drafts
 
     add_bench_drafts(bench_sub)
+    from rollserve.bench.remaining import add_bench_remaining
+
+    add_bench_remaining(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )

@@ -1,0 +1,405 @@
+"""``rollserve bench remaining``: how well a running sample's tokens left can be told.
+
+The scheduler predicts every running sample at every plan (what each engine still has to
+do, and, for a policy that moves running work, which samples to move). It knows a running
+sample by its prompt and its progress: the length predictor's fit of the group conditioned
+on ``L > progress``. The simulator showed what a sharper estimate is worth (moves told each
+sample's true tokens left bring S1's synchronous step within 1.5% of the oracle, told them
+10% off within 5-10%: ``docs/policies.md``), and that it must come from the sample's own
+tokens. This benchmark measures candidates for that on real rollouts, side by side, at points
+of each sample's run (a quarter, half and three quarters of its length by default):
+
+- ``progress``: what the scheduler uses, the length predictor's fit of the group (its
+  prompt's history and the siblings finished by then) conditioned on the sample's progress;
+- ``aligned``: a candidate, :func:`align`, where it answers, ``progress`` where it does not.
+  A policy asked the same prompt again often retraces an earlier answer, in whole or in
+  stretches (what the rollout drafter's acceptance rests on): where a sample's last tokens
+  fall in an earlier output of its prompt, that output's length after that point is an
+  estimate of what the sample has left.
+
+Replay: epochs in order, an epoch's groups as one step. The predictor learns an epoch's
+lengths at its end, and the prompt's outputs of earlier epochs are the aligner's; within a
+group, samples run side by side at the same pace, so a sibling counts as finished (its
+length learnt, its output aligned with) at a point ``p`` of a sample when its length is at
+most ``p``. Errors are relative, ``|estimate - true| / true`` of the tokens left, reported as
+the median and the shares within 5%, 10% and 25%, and absolute (MAE, tokens); ``tail`` is the
+samples at or past the ``--tail-quantile`` of their epoch's lengths.
+
+The aligner
+-----------
+:func:`align` takes the prompt's earlier outputs (the latest ``outputs_per_prompt``) and the
+sample's tokens so far:
+
+1. **Anchor**: the sample's last ``anchor`` tokens, looked for in each output (token-aligned
+   occurrences, at most ``max_occurrences`` an output; ``bytes.find`` over 4 bytes a token).
+2. **Match**: at each occurrence, how many of the sample's last tokens agree with the
+   output's before the occurrence's end, up to ``max_match`` (a binary search over suffix
+   lengths: a suffix that agrees has every shorter one agree).
+3. **Per output**, the occurrence with the longest match counts (a tie: the one nearest the
+   sample's progress, as a loop repeats its text at several places).
+4. **Vote**: the outputs whose match reaches ``min_match`` tokens each say
+   ``len(output) - end`` tokens are left; the answer is their median (the lower middle one for
+   an even count), at least 1. No output reaching ``min_match``: no answer.
+
+It is not in the scheduler: on the trained reasoner's rollouts it is sharper than
+``progress`` for the typical sample and no better in the tail, the samples that set a
+synchronous step's end (``docs/policies.md`` has the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollserve.bench.drafts import Rollout, make_rollouts, read_rollouts, tail_start
+from rollserve.cli.argtypes import positive_int
+from rollserve.scheduler.core.predictor import LengthPredictor
+
+METHODS = ("progress", "aligned")
+_TOKEN_BYTES = 4  # array("i") on every platform CPython supports
+
+
+@dataclass(frozen=True, slots=True)
+class AlignerSettings:
+    """The aligner's settings; see the module docstring for what each does."""
+
+    outputs_per_prompt: int = 8
+    anchor: int = 4
+    min_match: int = 4
+    max_match: int = 256
+    max_occurrences: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("outputs_per_prompt", "anchor", "max_occurrences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.min_match < self.anchor:
+            raise ValueError(f"min_match ({self.min_match}) must be >= anchor ({self.anchor})")
+        if self.max_match < self.min_match:
+            raise ValueError(
+                f"max_match ({self.max_match}) must be >= min_match ({self.min_match})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    """What the earlier outputs say of a running sample."""
+
+    left: int  # tokens still to come (>= 1)
+    outputs: int  # earlier outputs that voted
+    match: int  # the longest agreement among them, in tokens
+
+
+def align(
+    outputs: Sequence[Sequence[int]], tokens: Sequence[int], settings: AlignerSettings
+) -> Alignment | None:
+    """Tokens still to come of a running sample that has generated ``tokens``, by the latest
+    ``outputs_per_prompt`` of its prompt's earlier ``outputs``; None when none agrees."""
+    s = settings
+    if len(tokens) < s.min_match:
+        return None
+    tail = _pack(tokens[-s.max_match :])
+    anchor = tail[-s.anchor * _TOKEN_BYTES :]
+    votes: list[tuple[int, int]] = []  # (tokens left, match)
+    for output in outputs[-s.outputs_per_prompt :]:
+        packed = _pack(output)
+        best = _best_occurrence(packed, tail, anchor, len(tokens), s)
+        if best is not None and best[0] >= s.min_match:
+            votes.append((len(output) - best[1], best[0]))
+    if not votes:
+        return None
+    lefts = sorted(left for left, _ in votes)
+    median = lefts[(len(lefts) - 1) // 2]
+    return Alignment(max(median, 1), len(votes), max(match for _, match in votes))
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return array.array("i", tokens).tobytes()
+
+
+def _best_occurrence(
+    output: bytes, tail: bytes, anchor: bytes, progress: int, s: AlignerSettings
+) -> tuple[int, int] | None:
+    """(match, end in tokens) of the occurrence of ``anchor`` in ``output`` that agrees with
+    the most of ``tail``'s last tokens (a tie: the end nearest ``progress``)."""
+    best: tuple[int, int] | None = None
+    best_key = (0, 0)
+    limit = len(tail) // _TOKEN_BYTES
+    start, found = 0, 0
+    while found < s.max_occurrences:
+        at = output.find(anchor, start)
+        if at < 0:
+            break
+        start = at + 1
+        if at % _TOKEN_BYTES:
+            continue  # inside a token, not at one
+        found += 1
+        end = (at + len(anchor)) // _TOKEN_BYTES
+        # Longest m in [anchor, min(limit, end)] with the last m tokens agreeing.
+        lo, hi = s.anchor, min(limit, end)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (
+                output[(end - mid) * _TOKEN_BYTES : end * _TOKEN_BYTES]
+                == tail[-mid * _TOKEN_BYTES :]
+            ):
+                lo = mid
+            else:
+                hi = mid - 1
+        key = (lo, -abs(end - progress))
+        if best is None or key > best_key:
+            best, best_key = (lo, end), key
+    return best
+
+
+@dataclass
+class Errors:
+    """Estimates of tokens left against the true ones, for one row of the table."""
+
+    relative: list[float] = field(default_factory=list)
+    absolute: list[float] = field(default_factory=list)
+    aligned: int = 0  # estimates the aligner gave
+
+    def add(self, estimate: float, true: int, aligned: bool) -> None:
+        self.relative.append(abs(estimate - true) / true)
+        self.absolute.append(abs(estimate - true))
+        self.aligned += aligned
+
+    @property
+    def n(self) -> int:
+        return len(self.relative)
+
+    def within(self, share: float) -> float:
+        return sum(e <= share for e in self.relative) / self.n if self.n else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "samples": self.n,
+            "aligned_share": self.aligned / self.n if self.n else 0.0,
+            "median_relative_error": statistics.median(self.relative) if self.n else 0.0,
+            "within_5pct": self.within(0.05),
+            "within_10pct": self.within(0.10),
+            "within_25pct": self.within(0.25),
+            "mae_tokens": statistics.fmean(self.absolute) if self.n else 0.0,
+        }
+
+
+RowKey = tuple[float, str, str]  # (fraction, "all" | "tail", method)
+
+
+def measure(
+    rollouts: Sequence[Rollout],
+    fractions: Sequence[float],
+    settings: AlignerSettings,
+    tail_quantile: float = 0.9,
+) -> dict[RowKey, Errors]:
+    """Both estimates at each of ``fractions`` of every sample's run, epoch by epoch."""
+    predictor = LengthPredictor()
+    outputs: dict[str, list[tuple[int, ...]]] = defaultdict(list)  # prompt -> earlier outputs
+    rows: dict[RowKey, Errors] = defaultdict(Errors)
+    by_epoch: dict[int, list[Rollout]] = defaultdict(list)
+    for r in rollouts:
+        by_epoch[r.epoch].append(r)
+    for epoch in sorted(by_epoch):
+        groups = by_epoch[epoch]
+        predictor.advance_epoch(epoch)
+        tail = tail_start([len(x) for r in groups for x in r.responses], tail_quantile)
+        for r in groups:
+            for i, response in enumerate(r.responses):
+                for fraction in fractions:
+                    progress = int(fraction * len(response))
+                    if progress < 1:
+                        continue
+                    made = estimates(
+                        r, i, progress, predictor=predictor, outputs=outputs, settings=settings
+                    )
+                    true = len(response) - progress
+                    for which in ("all", "tail") if len(response) >= tail else ("all",):
+                        for method, (estimate, aligned) in made.items():
+                            rows[(fraction, which, method)].add(estimate, true, aligned)
+        for r in groups:
+            for response in r.responses:
+                predictor.observe(r.prompt_key, len(response), epoch, len(r.prompt_token_ids))
+                outputs[r.prompt_key].append(response)
+    return rows
+
+
+def estimates(
+    r: Rollout,
+    index: int,
+    progress: int,
+    *,
+    predictor: LengthPredictor,
+    outputs: dict[str, list[tuple[int, ...]]],
+    settings: AlignerSettings,
+) -> dict[str, tuple[float, bool]]:
+    """Each method's tokens left of sample ``index`` of ``r`` at ``progress``, and whether
+    the aligner gave it; ``predictor`` and ``outputs`` (by prompt) hold the earlier epochs."""
+    response = r.responses[index]
+    finished = [x for j, x in enumerate(r.responses) if j != index and len(x) <= progress]
+    fit = predictor.fit(r.prompt_key, len(r.prompt_token_ids), [len(x) for x in finished])
+    by_progress = max(0.0, fit.mean_above(progress) - progress)
+    earlier = outputs.get(r.prompt_key, [])
+    alignment = align((*earlier, *finished), response[:progress], settings)
+    return {
+        "progress": (by_progress, False),
+        "aligned": (by_progress, False) if alignment is None else (float(alignment.left), True),
+    }
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers") from None
+    if not values or any(not 0.0 < v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each fraction must be between 0 and 1")
+    return values
+
+
+def add_bench_remaining(bench_sub: Any) -> None:
+    """Registers ``remaining`` under ``rollserve bench``."""
+    from rollserve.bench.drafts import _quantile
+    from rollserve.cli.paths import output_file
+
+    p: argparse.ArgumentParser = bench_sub.add_parser(
+        "remaining",
+        help="a running sample's tokens left: the length predictor given its progress against "
+        "the output aligner, on real rollouts",
+    )
+    p.add_argument(
+        "--samples",
+        type=Path,
+        help="rollouts as JSON lines (`bench drafts --save`; default: make them)",
+    )
+    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
+    p.add_argument("--epochs", type=positive_int, default=3, help="passes over the same prompts")
+    p.add_argument("--max-tokens", type=positive_int, default=1024)
+    p.add_argument("--engines", type=positive_int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fractions",
+        type=_fractions,
+        default=(0.25, 0.5, 0.75),
+        help="points of each sample's run to estimate at (comma-separated, in (0, 1))",
+    )
+    p.add_argument(
+        "--tail-quantile",
+        type=_quantile,
+        default=0.9,
+        help="the tail: samples at or past this quantile of their epoch's lengths",
+    )
+    defaults = AlignerSettings()
+    p.add_argument("--outputs-per-prompt", type=positive_int, default=defaults.outputs_per_prompt)
+    p.add_argument("--anchor", type=positive_int, default=defaults.anchor)
+    p.add_argument("--min-match", type=positive_int, default=defaults.min_match)
+    p.add_argument("--json", type=output_file)
+    p.set_defaults(func=_cmd_remaining)
+
+
+def _cmd_remaining(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    try:
+        settings = AlignerSettings(
+            outputs_per_prompt=args.outputs_per_prompt,
+            anchor=args.anchor,
+            min_match=args.min_match,
+            max_match=max(AlignerSettings().max_match, args.min_match),
+        )
+        if args.samples is not None:
+            rollouts = read_rollouts(args.samples)
+            source = str(args.samples)
+        else:
+            from rollserve.assets import reasoner_dir
+
+            model = args.model or reasoner_dir()
+            console.print(
+                f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
+                f"{args.epochs} epoch(s), {model} …"
+            )
+            rollouts = make_rollouts(
+                model,
+                groups=args.groups,
+                n=args.n,
+                epochs=args.epochs,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+                engines=args.engines,
+            )
+            source = f"{model} (made here on the dev stack, seed {args.seed})"
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    rows = measure(rollouts, args.fractions, settings, args.tail_quantile)
+    epochs = len({r.epoch for r in rollouts})
+    samples = sum(len(r.responses) for r in rollouts)
+    table = Table(
+        title=f"tokens left of a running sample: {samples} samples over {epochs} epoch(s) of "
+        f"{source}; aligner: anchor {settings.anchor}, min match {settings.min_match}, "
+        f"{settings.outputs_per_prompt} outputs a prompt"
+    )
+    for column in (
+        "at",
+        "samples",
+        "method",
+        "n",
+        "aligned",
+        "median error",
+        "within 5%",
+        "within 10%",
+        "within 25%",
+        "MAE tokens",
+    ):
+        table.add_column(column, justify="left" if column in ("samples", "method") else "right")
+    report_rows = []
+    for fraction in args.fractions:
+        for which in ("all", "tail"):
+            for method in METHODS:
+                errors = rows.get((fraction, which, method))
+                if errors is None or not errors.n:
+                    continue
+                s = errors.summary()
+                report_rows.append(
+                    {"fraction": fraction, "samples_of": which, "method": method, **s}
+                )
+                table.add_row(
+                    f"{fraction:g}",
+                    which,
+                    method,
+                    str(errors.n),
+                    f"{s['aligned_share']:.0%}" if method == "aligned" else "",
+                    f"{s['median_relative_error']:.0%}",
+                    f"{s['within_5pct']:.0%}",
+                    f"{s['within_10pct']:.0%}",
+                    f"{s['within_25pct']:.0%}",
+                    f"{s['mae_tokens']:.1f}",
+                )
+    console.print(table)
+    if args.json is not None:
+        report = {
+            "source": source,
+            "settings": {
+                "outputs_per_prompt": settings.outputs_per_prompt,
+                "anchor": settings.anchor,
+                "min_match": settings.min_match,
+                "max_match": settings.max_match,
+                "tail_quantile": args.tail_quantile,
+                "fractions": list(args.fractions),
+            },
+            "rows": report_rows,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
