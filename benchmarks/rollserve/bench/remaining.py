@@ -310,7 +310,7 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=130)  # the table whole, even when stdout is not a terminal
     try:
         settings = AlignerSettings(
             outputs_per_prompt=args.outputs_per_prompt,
