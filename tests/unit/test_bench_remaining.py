@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 from rollserve.bench.drafts import Rollout, write_rollouts
-from rollserve.bench.remaining import AlignerSettings, Alignment, align, estimates, measure
+from rollserve.bench.remaining import (
+    AlignerSettings,
+    Alignment,
+    align,
+    estimates,
+    measure,
+    pick_states,
+)
 from rollserve.scheduler.core.predictor import LengthPredictor
 
 
@@ -178,3 +185,37 @@ def test_the_command_measures_rollouts_from_a_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # a fraction out of (0, 1): argparse's usage error
         main([*argv[:-1], "1.5"])
     assert main([*argv, "--anchor", "9", "--min-match", "4"]) == 2  # a clear error, no run
+
+
+def test_the_states_to_continue_are_the_last_epochs_tail_then_others() -> None:
+    lengths = [40, 8, 12, 16, 20, 24, 28, 32, 36, 100]
+    rollouts = [
+        Rollout("p", 0, (1,), (tuple(range(200)),)),  # an earlier epoch: never picked
+        *(Rollout(f"q{k}", 1, (1,), (tuple(range(n)),)) for k, n in enumerate(lengths)),
+    ]
+    states = pick_states(rollouts, (0.25, 0.5), count=3, tail_quantile=0.9, seed=1)
+    samples = {(p, i) for p, i, _ in states}
+    assert len(samples) == 3 and (10, 0) in samples  # the tail (100 tokens) always
+    assert all(p >= 1 for p, _ in samples)
+    assert {progress for p, _, progress in states if p == 10} == {25, 50}
+    assert pick_states(rollouts, (0.25, 0.5), count=3, tail_quantile=0.9, seed=1) == states
+    # a point short of one token is no state
+    short = [Rollout("r", 0, (1,), ((5, 6, 7),))]
+    assert pick_states(short, (0.25, 0.5), count=1) == [(0, 0, 1)]
+
+
+def test_resampled_states_are_scored_alone_and_by_their_continuations_median() -> None:
+    s = AlignerSettings()
+    rollouts = [
+        Rollout("p", 0, (1, 2), (tuple(range(100, 180)), tuple(range(200, 220)))),
+        Rollout("p", 1, (1, 2), (tuple(range(100, 160)), tuple(range(200, 240)))),
+    ]
+    # epoch 1's first sample at half its run (30 of 60 tokens): its continuations made 10,
+    # 30 and 50 tokens (median 30, what it made); nothing else was continued
+    resampled = {(1, 0, 30): [50, 10, 30]}
+    rows = measure(rollouts, (0.5,), s, resampled=resampled)
+    assert {key[2] for key in rows} == {"progress", "aligned", "resampled"}
+    assert all(errors.n == 1 for errors in rows.values())
+    assert rows[(0.5, "all", "resampled")].absolute == [0.0]
+    # the aligner follows epoch 0's output, which went on 20 tokens longer
+    assert rows[(0.5, "all", "aligned")].absolute == [20.0]

@@ -15,7 +15,15 @@ of each sample's run (a quarter, half and three quarters of its length by defaul
   A policy asked the same prompt again often retraces an earlier answer, in whole or in
   stretches (what the rollout drafter's acceptance rests on): where a sample's last tokens
   fall in an earlier output of its prompt, that output's length after that point is an
-  estimate of what the sample has left.
+  estimate of what the sample has left;
+- ``resampled`` (with ``--resample K``): not an estimate but the bound on every estimate made
+  from what a sample shows at that point. The sample's own state (prompt and tokens so far)
+  is continued K more times on the dev stack, sampled as the rollouts were, and the median of
+  what the continuations made is set against what the sample made: nothing computed from the
+  state (its tokens, the model's hidden states) knows more than the state's own continuations
+  do. It runs on the samples of the last epoch (``--resample-samples``: every one in the tail,
+  then others at random), and the other rows then cover just those; the rollouts must be the
+  model's own (``--model``), with their ``--max-tokens``.
 
 Replay: epochs in order, an epoch's groups as one step. The predictor learns an epoch's
 lengths at its end, and the prompt's outputs of earlier epochs are the aligner's; within a
@@ -51,6 +59,7 @@ from __future__ import annotations
 import argparse
 import array
 import json
+import random
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -62,7 +71,7 @@ from rollserve.bench.drafts import Rollout, make_rollouts, read_rollouts, tail_s
 from rollserve.cli.argtypes import positive_int
 from rollserve.scheduler.core.predictor import LengthPredictor
 
-METHODS = ("progress", "aligned")
+METHODS = ("progress", "aligned", "resampled")
 _TOKEN_BYTES = 4  # array("i") on every platform CPython supports
 
 
@@ -194,41 +203,134 @@ class Errors:
 RowKey = tuple[float, str, str]  # (fraction, "all" | "tail", method)
 
 
+StateKey = tuple[int, int, int]  # (rollout's position in the list, sample index, progress)
+
+
 def measure(
     rollouts: Sequence[Rollout],
     fractions: Sequence[float],
     settings: AlignerSettings,
     tail_quantile: float = 0.9,
+    resampled: dict[StateKey, list[int]] | None = None,
 ) -> dict[RowKey, Errors]:
-    """Both estimates at each of ``fractions`` of every sample's run, epoch by epoch."""
+    """The estimates at each of ``fractions`` of every sample's run, epoch by epoch. With
+    ``resampled`` (the tokens each continuation of a state made, :func:`resample`), only
+    those states, and the ``resampled`` row: their median, the best any estimate from the
+    sample's state can do (the continuations are draws of what that state goes on to)."""
     predictor = LengthPredictor()
     outputs: dict[str, list[tuple[int, ...]]] = defaultdict(list)  # prompt -> earlier outputs
     rows: dict[RowKey, Errors] = defaultdict(Errors)
-    by_epoch: dict[int, list[Rollout]] = defaultdict(list)
-    for r in rollouts:
-        by_epoch[r.epoch].append(r)
+    by_epoch: dict[int, list[tuple[int, Rollout]]] = defaultdict(list)
+    for position, r in enumerate(rollouts):
+        by_epoch[r.epoch].append((position, r))
     for epoch in sorted(by_epoch):
         groups = by_epoch[epoch]
         predictor.advance_epoch(epoch)
-        tail = tail_start([len(x) for r in groups for x in r.responses], tail_quantile)
-        for r in groups:
+        tail = tail_start([len(x) for _, r in groups for x in r.responses], tail_quantile)
+        for position, r in groups:
             for i, response in enumerate(r.responses):
                 for fraction in fractions:
                     progress = int(fraction * len(response))
-                    if progress < 1:
+                    state = (position, i, progress)
+                    if progress < 1 or (resampled is not None and state not in resampled):
                         continue
                     made = estimates(
                         r, i, progress, predictor=predictor, outputs=outputs, settings=settings
                     )
+                    if resampled is not None:
+                        made["resampled"] = (float(statistics.median(resampled[state])), False)
                     true = len(response) - progress
                     for which in ("all", "tail") if len(response) >= tail else ("all",):
                         for method, (estimate, aligned) in made.items():
                             rows[(fraction, which, method)].add(estimate, true, aligned)
-        for r in groups:
+        for _, r in groups:
             for response in r.responses:
                 predictor.observe(r.prompt_key, len(response), epoch, len(r.prompt_token_ids))
                 outputs[r.prompt_key].append(response)
     return rows
+
+
+def pick_states(
+    rollouts: Sequence[Rollout],
+    fractions: Sequence[float],
+    count: int,
+    tail_quantile: float = 0.9,
+    seed: int = 0,
+) -> list[StateKey]:
+    """States to continue: of the last epoch's samples, every one in its tail, then others
+    drawn at random, ``count`` samples in all, each at every point of ``fractions``."""
+    last = max(r.epoch for r in rollouts)
+    samples = [
+        (p, i) for p, r in enumerate(rollouts) if r.epoch == last for i in range(len(r.responses))
+    ]
+    tail = tail_start([len(rollouts[p].responses[i]) for p, i in samples], tail_quantile)
+    long = [s for s in samples if len(rollouts[s[0]].responses[s[1]]) >= tail]
+    rest = [s for s in samples if len(rollouts[s[0]].responses[s[1]]) < tail]
+    random.Random(seed).shuffle(rest)
+    picked = (long + rest)[:count]
+    states = []
+    for p, i in sorted(picked):
+        length = len(rollouts[p].responses[i])
+        for fraction in fractions:
+            if int(fraction * length) >= 1:
+                states.append((p, i, int(fraction * length)))
+    return sorted(set(states))
+
+
+def resample(
+    model: Path,
+    rollouts: Sequence[Rollout],
+    states: Sequence[StateKey],
+    *,
+    n: int,
+    max_tokens: int,
+    seed: int,
+    engines: int,
+) -> dict[StateKey, list[int]]:
+    """``n`` continuations of each state on the dev stack, sampled as the rollouts were
+    (temperature 1, ``max_tokens`` over the whole response): the tokens each made."""
+    import uuid
+
+    from rollserve.cli.stack import DevStack, StackConfig
+    from rollserve.client import PromptGroup, RolloutClient, SamplingParams
+
+    by_id: dict[str, StateKey] = {}
+    groups = []
+    for k, (position, index, progress) in enumerate(states):
+        r = rollouts[position]
+        if progress >= max_tokens:
+            raise ValueError(
+                f"a sample of {r.prompt_key} has {progress} tokens at a point to continue from: "
+                f"--max-tokens ({max_tokens}) must be the rollouts' own, above it"
+            )
+        group_id = f"s{k}"
+        by_id[group_id] = (position, index, progress)
+        groups.append(
+            PromptGroup(
+                group_id=group_id,
+                prompt_token_ids=[*r.prompt_token_ids, *r.responses[index][:progress]],
+                n=n,
+                sampling=SamplingParams(
+                    temperature=1.0, max_tokens=max_tokens - progress, seed=seed + 1000 * k
+                ),
+                prompt_key=f"{r.prompt_key}/{index}@{progress}",
+            )
+        )
+    made: dict[StateKey, list[int]] = {}
+    with (
+        DevStack(StackConfig(model=model, engines=engines)) as stack,
+        RolloutClient(
+            stack.scheduler_address, stack.redis_url, f"remaining-{uuid.uuid4().hex[:8]}"
+        ) as client,
+    ):
+        client.submit(groups)
+        for item in client.groups(limit=len(groups), timeout_s=3600):
+            result = item.result
+            if result.error:
+                raise RuntimeError(f"group {result.group_id} failed: {result.error}")
+            made[by_id[result.group_id]] = [len(sample.token_ids) for sample in result.samples]
+            item.done()
+    return made
 
 
 def estimates(
@@ -302,6 +404,21 @@ def add_bench_remaining(bench_sub: Any) -> None:
     p.add_argument("--outputs-per-prompt", type=positive_int, default=defaults.outputs_per_prompt)
     p.add_argument("--anchor", type=positive_int, default=defaults.anchor)
     p.add_argument("--min-match", type=positive_int, default=defaults.min_match)
+    p.add_argument(
+        "--resample",
+        type=int,
+        default=0,
+        metavar="K",
+        help="continue each chosen sample's state K times on the dev stack and set the median "
+        "of the continuations beside the estimates: the best any estimate from that state can "
+        "do (0: off)",
+    )
+    p.add_argument(
+        "--resample-samples",
+        type=positive_int,
+        default=64,
+        help="samples of the last epoch to continue: every one in the tail, then others",
+    )
     p.add_argument("--json", type=output_file)
     p.set_defaults(func=_cmd_remaining)
 
@@ -318,13 +435,15 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
             min_match=args.min_match,
             max_match=max(AlignerSettings().max_match, args.min_match),
         )
+        if args.resample < 0 or args.resample == 1:
+            raise ValueError(f"--resample ({args.resample}) must be 0 (off) or at least 2")
+        from rollserve.assets import reasoner_dir
+
+        model = args.model or reasoner_dir()
         if args.samples is not None:
             rollouts = read_rollouts(args.samples)
             source = str(args.samples)
         else:
-            from rollserve.assets import reasoner_dir
-
-            model = args.model or reasoner_dir()
             console.print(
                 f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
                 f"{args.epochs} epoch(s), {model} …"
@@ -339,16 +458,39 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
                 engines=args.engines,
             )
             source = f"{model} (made here on the dev stack, seed {args.seed})"
+        resampled = None
+        if args.resample:
+            states = pick_states(
+                rollouts, args.fractions, args.resample_samples, args.tail_quantile, args.seed
+            )
+            console.print(
+                f"continuing {len(states)} states {args.resample} times each on the dev stack, "
+                f"{model} …"
+            )
+            resampled = resample(
+                model,
+                rollouts,
+                states,
+                n=args.resample,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+                engines=args.engines,
+            )
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    rows = measure(rollouts, args.fractions, settings, args.tail_quantile)
+    rows = measure(rollouts, args.fractions, settings, args.tail_quantile, resampled)
     epochs = len({r.epoch for r in rollouts})
     samples = sum(len(r.responses) for r in rollouts)
     table = Table(
         title=f"tokens left of a running sample: {samples} samples over {epochs} epoch(s) of "
         f"{source}; aligner: anchor {settings.anchor}, min match {settings.min_match}, "
         f"{settings.outputs_per_prompt} outputs a prompt"
+        + (
+            f"; only the {len(resampled)} states continued {args.resample} times each"
+            if resampled is not None
+            else ""
+        )
     )
     for column in (
         "at",
@@ -397,9 +539,24 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
                 "max_match": settings.max_match,
                 "tail_quantile": args.tail_quantile,
                 "fractions": list(args.fractions),
+                "resample": args.resample,
+                "resample_samples": args.resample_samples if args.resample else 0,
             },
             "rows": report_rows,
         }
+        if resampled is not None:
+            # Each continued state: what the sample made from it and what its continuations did.
+            report["states"] = [
+                {
+                    "prompt_key": rollouts[position].prompt_key,
+                    "epoch": rollouts[position].epoch,
+                    "index": index,
+                    "progress": progress,
+                    "left": len(rollouts[position].responses[index]) - progress,
+                    "continuations": made,
+                }
+                for (position, index, progress), made in sorted(resampled.items())
+            ]
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {args.json}")
     return 0
