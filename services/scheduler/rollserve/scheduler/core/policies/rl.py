@@ -88,8 +88,9 @@ make steps slower, synchronous or over-sampled: it tells running samples of one 
 apart only by their progress, so it moves the wrong ones. Told each running sample's true
 remaining length (``bench policies``' ``rl_moves_told``), the same moves with ``move_gain``
 1e-4 bring S1's step within 1.5% of the oracle; told it 10% off, within 5-10%; 25-50% off,
-they can slow it. So they are off until a per-sample predictor that sharp exists; the
-mechanism (``Plan.preempts``) is there for it and for other policies.
+they can slow it. So they are off until a per-sample predictor that sharp exists (on the
+trained reasoner not even a sample's own state gives one: ``rollserve bench remaining
+--resample``); the mechanism (``Plan.preempts``) is there for it and for other policies.
 
 Placing a sample costs O(log engines): engines whose longest sample is at least ``L`` are
 ordered by ``T``, the others by ``T - base_s * longest`` (what ``T`` becomes when ``L`` is
