@@ -93,3 +93,26 @@ def test_a_runs_stream_is_measured_without_consuming_it(
 
     assert main(["bench", "drafts", "--stream", "no-such-run", "--redis-url", redis_url]) == 2
     assert main(["bench", "drafts", "--stream", run]) == 2  # no --redis-url
+
+
+def test_bench_remaining_reads_a_runs_stream_too(
+    redis_client: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    run = f"remaining-{uuid.uuid4().hex[:8]}"
+    solution = list(range(100, 140))
+    _add(redis_client, _group(run, "g0", "p", 10.0, [solution, solution[:20]]))
+    _add(redis_client, _group(run, "g1", "p", 20.0, [solution, solution[:20]]))
+    report = tmp_path / "rem.json"
+    argv = ["bench", "remaining", "--stream", run, "--redis-url", redis_url, "--fractions", "0.5"]
+    assert main([*argv, "--json", str(report)]) == 0
+    rows = {(r["samples_of"], r["method"]): r for r in json.loads(report.read_text())["rows"]}
+    # g1 (epoch 1) retraces g0: both its samples are aligned with g0's outputs; in g0 the long
+    # sample at 20 tokens is aligned with its finished sibling, which ended there. Exact only
+    # for g1's short sample: at 20 tokens the long one agrees with three outputs, two of
+    # which ended there (the median of 0, 0 and 20 tokens left is 0: 1 is said)
+    assert rows[("all", "aligned")]["samples"] == 4
+    assert rows[("all", "aligned")]["aligned_share"] == 0.75
+    assert rows[("all", "aligned")]["within_5pct"] == 0.25
+    assert redis_client.xlen(stream_key(run)) == 2  # nothing consumed
+    assert main(["bench", "remaining", "--stream", run]) == 2  # no --redis-url
+    assert main([*argv, "--samples", str(report)]) == 2  # a file or a stream, not both

@@ -33,6 +33,11 @@ most ``p``. Errors are relative, ``|estimate - true| / true`` of the tokens left
 the median and the shares within 5%, 10% and 25%, and absolute (MAE, tokens); ``tail`` is the
 samples at or past the ``--tail-quantile`` of their epoch's lengths.
 
+The rollouts are those ``rollserve bench drafts --save FILE`` writes (``--samples FILE``), a
+run's delivered groups read from its Redis stream (``--stream RUN --redis-url URL``, as
+``bench drafts`` reads them: a prompt's k-th group is its epoch k), or made here on the dev
+stack with the shipped trained reasoner (``--groups``, ``--n``, ``--epochs``).
+
 The aligner
 -----------
 :func:`align` takes the prompt's earlier outputs (the latest ``outputs_per_prompt``) and the
@@ -67,7 +72,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollserve.bench.drafts import Rollout, make_rollouts, read_rollouts, tail_start
+from rollserve.bench.drafts import (
+    Rollout,
+    make_rollouts,
+    read_rollouts,
+    read_stream,
+    tail_start,
+)
 from rollserve.cli.argtypes import positive_int
 from rollserve.scheduler.core.predictor import LengthPredictor
 
@@ -381,6 +392,13 @@ def add_bench_remaining(bench_sub: Any) -> None:
         type=Path,
         help="rollouts as JSON lines (`bench drafts --save`; default: make them)",
     )
+    p.add_argument(
+        "--stream",
+        metavar="RUN",
+        help="a run's delivered groups, read from its Redis stream (--redis-url) without "
+        "consuming them",
+    )
+    p.add_argument("--redis-url", help="the Redis of --stream")
     p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
     p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
     p.add_argument("--n", type=positive_int, default=4, help="samples per group")
@@ -440,9 +458,16 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
         from rollserve.assets import reasoner_dir
 
         model = args.model or reasoner_dir()
+        if args.samples is not None and args.stream is not None:
+            raise ValueError("give --samples or --stream, not both")
+        if (args.stream is None) != (args.redis_url is None):
+            raise ValueError("--stream RUN and --redis-url URL go together")
         if args.samples is not None:
             rollouts = read_rollouts(args.samples)
             source = str(args.samples)
+        elif args.stream is not None:
+            rollouts = read_stream(args.redis_url, args.stream)
+            source = f"run {args.stream} at {args.redis_url}"
         else:
             console.print(
                 f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
