@@ -635,6 +635,43 @@ def _quantile(text: str) -> float:
     return value
 
 
+def add_rollout_args(p: argparse.ArgumentParser, *, epochs: int) -> None:
+    """Where a benchmark's rollouts come from: a file (``--samples``), a run's stream
+    (``--stream``, ``--redis-url``), or made on the dev stack (the rest); see
+    :func:`given_rollouts` and :func:`make_rollouts`."""
+    p.add_argument("--samples", type=Path, help="rollouts as JSON lines (default: make them)")
+    p.add_argument(
+        "--stream",
+        metavar="RUN",
+        help="a run's delivered groups, read from its Redis stream (--redis-url) without "
+        "consuming them",
+    )
+    p.add_argument("--redis-url", help="the Redis of --stream")
+    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
+    p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
+    p.add_argument(
+        "--epochs", type=positive_int, default=epochs, help="passes over the same prompts"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=1024)
+    p.add_argument("--engines", type=positive_int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def given_rollouts(args: argparse.Namespace) -> tuple[list[Rollout], str] | None:
+    """The rollouts of ``--samples`` or ``--stream`` and where they came from; None when
+    neither is given (they are to be made). ValueError for a contradiction."""
+    if args.samples is not None and args.stream is not None:
+        raise ValueError("give --samples or --stream, not both")
+    if (args.stream is None) != (args.redis_url is None):
+        raise ValueError("--stream RUN and --redis-url URL go together")
+    if args.samples is not None:
+        return read_rollouts(args.samples), str(args.samples)
+    if args.stream is not None:
+        return read_stream(args.redis_url, args.stream), f"run {args.stream} at {args.redis_url}"
+    return None
+
+
 def add_bench_drafts(bench_sub: Any) -> None:
     """Registers ``drafts`` under ``rollserve bench``."""
     from rollserve.cli.paths import output_file
@@ -644,21 +681,8 @@ def add_bench_drafts(bench_sub: Any) -> None:
         help="tokens a verification pass would give with model-free drafters (ngram, siblings, "
         "history), measured on plain rollouts",
     )
-    p.add_argument("--samples", type=Path, help="rollouts as JSON lines (default: make them)")
-    p.add_argument(
-        "--stream",
-        metavar="RUN",
-        help="a run's delivered groups, read from its Redis stream (--redis-url) without "
-        "consuming them",
-    )
-    p.add_argument("--redis-url", help="the Redis of --stream")
+    add_rollout_args(p, epochs=2)
     p.add_argument("--save", type=output_file, help="write the rollouts used as JSON lines")
-    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
-    p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
-    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
-    p.add_argument("--epochs", type=positive_int, default=2, help="passes over the same prompts")
-    p.add_argument("--max-tokens", type=positive_int, default=1024)
-    p.add_argument("--engines", type=positive_int, default=2)
     p.add_argument(
         "--speculate",
         action="store_true",
@@ -672,7 +696,6 @@ def add_bench_drafts(bench_sub: Any) -> None:
         default="ngram",
         help="the drafter of --speculate: vLLM's ngram or the engine's rollout drafter",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated")
     p.add_argument("--k", type=positive_int, default=4, help="draft tokens a pass")
     p.add_argument("--min-n", type=positive_int, default=2, help="shortest suffix matched")
@@ -724,19 +747,12 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         unknown = [d for d in drafters if d not in _SOURCES]
         if not drafters or unknown:
             raise ValueError(f"--drafters ({args.drafters!r}): choose from {', '.join(DRAFTERS)}")
-        if args.samples is not None and args.stream is not None:
-            raise ValueError("give --samples or --stream, not both")
-        if args.speculate and (args.samples is not None or args.stream is not None):
+        given = given_rollouts(args)
+        if args.speculate and given is not None:
             raise ValueError("--speculate makes rollouts; it cannot go with --samples or --stream")
-        if (args.stream is None) != (args.redis_url is None):
-            raise ValueError("--stream RUN and --redis-url URL go together")
         nan_logprobs: int | None = None
-        if args.samples is not None:
-            rollouts = read_rollouts(args.samples)
-            source = str(args.samples)
-        elif args.stream is not None:
-            rollouts = read_stream(args.redis_url, args.stream)
-            source = f"run {args.stream} at {args.redis_url}"
+        if given is not None:
+            rollouts, source = given
         else:
             from rollserve.assets import reasoner_dir
 

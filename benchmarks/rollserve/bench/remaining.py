@@ -74,9 +74,9 @@ from typing import Any
 
 from rollserve.bench.drafts import (
     Rollout,
+    add_rollout_args,
+    given_rollouts,
     make_rollouts,
-    read_rollouts,
-    read_stream,
     tail_start,
 )
 from rollserve.cli.argtypes import positive_int
@@ -387,25 +387,7 @@ def add_bench_remaining(bench_sub: Any) -> None:
         help="a running sample's tokens left: the length predictor given its progress against "
         "the output aligner, on real rollouts",
     )
-    p.add_argument(
-        "--samples",
-        type=Path,
-        help="rollouts as JSON lines (`bench drafts --save`; default: make them)",
-    )
-    p.add_argument(
-        "--stream",
-        metavar="RUN",
-        help="a run's delivered groups, read from its Redis stream (--redis-url) without "
-        "consuming them",
-    )
-    p.add_argument("--redis-url", help="the Redis of --stream")
-    p.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
-    p.add_argument("--groups", type=positive_int, default=64, help="prompts, one group each")
-    p.add_argument("--n", type=positive_int, default=4, help="samples per group")
-    p.add_argument("--epochs", type=positive_int, default=3, help="passes over the same prompts")
-    p.add_argument("--max-tokens", type=positive_int, default=1024)
-    p.add_argument("--engines", type=positive_int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_rollout_args(p, epochs=3)
     p.add_argument(
         "--fractions",
         type=_fractions,
@@ -458,16 +440,9 @@ def _cmd_remaining(args: argparse.Namespace) -> int:
         from rollserve.assets import reasoner_dir
 
         model = args.model or reasoner_dir()
-        if args.samples is not None and args.stream is not None:
-            raise ValueError("give --samples or --stream, not both")
-        if (args.stream is None) != (args.redis_url is None):
-            raise ValueError("--stream RUN and --redis-url URL go together")
-        if args.samples is not None:
-            rollouts = read_rollouts(args.samples)
-            source = str(args.samples)
-        elif args.stream is not None:
-            rollouts = read_stream(args.redis_url, args.stream)
-            source = f"run {args.stream} at {args.redis_url}"
+        given = given_rollouts(args)
+        if given is not None:
+            rollouts, source = given
         else:
             console.print(
                 f"making rollouts on the dev stack: {args.groups} groups x {args.n}, "
