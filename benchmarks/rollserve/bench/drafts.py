@@ -628,7 +628,8 @@ def make_speculated_rollouts(
 # --- the command ------------------------------------------------------------------------------
 
 
-def _quantile(text: str) -> float:
+def quantile_arg(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
     value = float(text)
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
@@ -714,7 +715,7 @@ def add_bench_drafts(bench_sub: Any) -> None:
     )
     p.add_argument(
         "--tail-quantile",
-        type=_quantile,
+        type=quantile_arg,
         default=0.9,
         help="the tail: output past this quantile of a step's response lengths",
     )

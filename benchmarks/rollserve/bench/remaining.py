@@ -379,7 +379,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def add_bench_remaining(bench_sub: Any) -> None:
     """Registers ``remaining`` under ``rollserve bench``."""
-    from rollserve.bench.drafts import _quantile
+    from rollserve.bench.drafts import quantile_arg
     from rollserve.cli.paths import output_file
 
     p: argparse.ArgumentParser = bench_sub.add_parser(
@@ -396,7 +396,7 @@ def add_bench_remaining(bench_sub: Any) -> None:
     )
     p.add_argument(
         "--tail-quantile",
-        type=_quantile,
+        type=quantile_arg,
         default=0.9,
         help="the tail: samples at or past this quantile of their epoch's lengths",
     )
