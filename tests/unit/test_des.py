@@ -494,6 +494,27 @@ def test_a_prompt_the_engine_ran_before_speculates_at_its_history_s_acceptance()
     assert second(helps, other) == pytest.approx(second(useless, other))
 
 
+def test_history_counted_by_outputs_counts_what_of_a_group_the_engine_ran() -> None:
+    # round_robin spreads each group of 4 over 2 engines: each holds 2 of the first group's
+    # outputs. Counted by groups, every sample of the second step has its history (3.0 tokens
+    # a pass); counted 4 outputs to a step, none has (1.0), and with 2 to a step all have.
+    from rollserve.sim.profile import SpecDecoding
+
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, accept_by_history=(1.0, 3.0))
+    first = replace(group("a", (40, 40, 40, 40)), prompt_key="p")
+    again = replace(group("b", (40, 40, 40, 40)), prompt_key="p", epoch=1)
+
+    def second(outputs: int) -> float:
+        profile = replace(PROFILE, spec=replace(spec, history_outputs=outputs))
+        run = run_des([[first], [again]], create_policy("round_robin"), profile, engines=2)
+        assert run.history_starts == 4  # hits count any earlier output, however counted
+        return run.steps[1].makespan_s
+
+    by_groups, by_four, by_two = second(0), second(4), second(2)
+    assert by_groups == pytest.approx(by_two)
+    assert by_four > by_groups
+
+
 def test_shared_history_counts_what_any_engine_ran() -> None:
     # round_robin puts the prompt's second group on the other engine: its own history there
     # is empty, the fleet's is not.

@@ -43,6 +43,10 @@ def make_profile(spec: SpecDecoding | None = None) -> CostProfile:
             {"draft_tokens": 3, "accept_len": 2.0, "accept_by_history": (1.5, 4.5)},
             r"accept_by_history\[1\] \(4.5\) must be between 1 and 4",
         ),
+        (
+            {"draft_tokens": 3, "accept_len": 2.0, "history_outputs": -1},
+            r"history_outputs \(-1\) must be >= 0",
+        ),
     ],
 )
 def test_spec_validation_names_the_field(kwargs: dict[str, float], message: str) -> None:
@@ -130,6 +134,15 @@ def test_each_sequence_may_bring_its_own_acceptance_and_a_step_takes_their_mean(
     spec = SpecDecoding(draft_tokens=4, accept_len=2.0, accept_by_history=(1.5, 2.5, 3.5))
     assert [spec.accept_for(h) for h in (0, 1, 2, 9)] == [1.5, 2.5, 3.5, 3.5]
     assert "1.5/2.5/3.5 tokens a pass" in spec.describe()
+    # counted by outputs, 4 to a step: 3 outputs of 2 groups are no step, 8 of 1 are two
+    by_outputs = replace(spec, history_outputs=4)
+    assert [by_outputs.accept_for(g, o) for g, o in ((2, 3), (1, 4), (1, 8), (5, 40))] == [
+        1.5,
+        2.5,
+        3.5,
+        3.5,
+    ]
+    assert "x 4 earlier outputs" in by_outputs.describe()
 
     def busy(profile: CostProfile, accepts: tuple[float | None, float | None]) -> float:
         engine = SimEngine("e", profile)

@@ -861,9 +861,11 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
         # Epoch k's samples have k earlier groups of their prompt (on their engine, when
         # --history-engines is 1): the simulator's acceptance by what an engine holds.
         by_epoch = _tail_by_epoch(history)
+        group_size = max(len(r.responses) for r in rollouts)
         console.print(
             "rollout's tail by epoch (epoch k: k earlier groups of the prompt): "
-            f"--spec-accept-by-history {','.join(f'{a:.2f}' for a in by_epoch)}"
+            f"--spec-accept-by-history {','.join(f'{a:.2f}' for a in by_epoch)} "
+            f"--spec-history-outputs {group_size}"
         )
     if args.json is not None:
         report = {
@@ -879,6 +881,7 @@ def _cmd_drafts(args: argparse.Namespace) -> int:
             },
             "groups": len(rollouts),
             "samples": samples,
+            "samples_per_group": max(len(r.responses) for r in rollouts),
             "tokens": tokens,
             "drafters": {
                 r.name: {

@@ -271,6 +271,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
             "token_s": cfg.spec.token_s,
             "drafted": cfg.spec.drafted,
             "accept_by_history": list(cfg.spec.accept_by_history),
+            "history_outputs": cfg.spec.history_outputs,
             "rows": speculating,
         }
         out["step_floor_spec_s"] = spec_floor

@@ -151,6 +151,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 token_s=args.spec_token_s,
                 drafted=args.spec_drafted,
                 accept_by_history=_floats("--spec-accept-by-history", args.spec_accept_by_history),
+                history_outputs=args.spec_history_outputs,
             )
         )
         run_policies(
@@ -418,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
         "earlier groups of its prompt (the last for more; `rollserve bench drafts` gives them "
         "by epoch), as the rollout drafter keeps an engine's outputs; default: --spec-accept "
         "for all",
+    )
+    policies.add_argument(
+        "--spec-history-outputs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --spec-accept-by-history: count what an engine holds of a prompt in its "
+        "earlier outputs, N to a step (the samples per group of the rollouts that measured it; "
+        "`rollserve bench drafts` prints it); 0: each earlier group it ran any sample of",
     )
     policies.add_argument(
         "--shared-history",

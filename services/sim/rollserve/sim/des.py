@@ -324,11 +324,12 @@ class _Fleet:
         self.discarded_tokens = 0  # generated, then thrown away by an abort
         self.moves = 0
         self.moved_tokens = 0
-        # Per engine, the prompts it finished samples of, and of which groups: what a drafter
-        # that keeps an engine's earlier outputs (the rollout drafter's history) would hold.
-        self.finished_prompts: dict[str, dict[str, set[str]]] = {eid: {} for eid in self.sims}
+        # Per engine, the prompts it finished samples of, of which groups and how many of each
+        # (prompt -> {group key: samples}): what a drafter that keeps an engine's earlier
+        # outputs (the rollout drafter's history) would hold.
+        self.finished_prompts: dict[str, dict[str, dict[str, int]]] = {eid: {} for eid in self.sims}
         if cfg.shared_history:  # one record that every engine reads
-            shared: dict[str, set[str]] = {}
+            shared: dict[str, dict[str, int]] = {}
             self.finished_prompts = dict.fromkeys(self.sims, shared)
         self.history_starts = 0  # samples started where an earlier group of their prompt ended
         self.fresh_starts = 0  # samples started from scratch
@@ -513,10 +514,15 @@ class _Fleet:
         ``carried`` tokens (prompt + partial response as its prompt)."""
         sg = r.group.group
         rid = f"{sg.key}/{r.index}"
-        groups = self.finished_prompts[r.engine_id].get(sg.prompt_key, ())
+        groups = self.finished_prompts[r.engine_id].get(sg.prompt_key, {})
         earlier = sum(1 for key in groups if key != sg.key)
+        outputs = sum(count for key, count in groups.items() if key != sg.key)
         spec = self.sims[r.engine_id].profile.spec
-        accept = spec.accept_for(earlier) if spec is not None and spec.accept_by_history else None
+        accept = (
+            spec.accept_for(earlier, outputs)
+            if spec is not None and spec.accept_by_history
+            else None
+        )
         self.sims[r.engine_id].add(
             SimRequest(
                 request_id=rid,
@@ -613,8 +619,8 @@ class _Fleet:
             self._count(g, r.index, tokens)
             g.finished[r.index] = tokens
             g.finish_times.append(self.now)
-            ran = self.finished_prompts[ended].setdefault(g.group.prompt_key, set())
-            ran.add(g.group.key)
+            ran = self.finished_prompts[ended].setdefault(g.group.prompt_key, {})
+            ran[g.group.key] = ran.get(g.group.key, 0) + 1
             g.left -= 1
             if g.done:
                 g.done_at = self.now

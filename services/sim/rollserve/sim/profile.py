@@ -94,6 +94,11 @@ class SpecDecoding:
     # The discrete-event mode gives each sample its value and a speculating step the mean over
     # its decoding sequences; vLLM's counters (``counters``) still take accept_len.
     accept_by_history: tuple[float, ...] = ()
+    # What counts as one earlier group there: 0, each earlier group of which the engine ran
+    # any sample; N, every N earlier outputs of the prompt the engine ran (the samples a group
+    # of the walk that measured accept_by_history had: ``bench drafts --n``), so an engine that
+    # ran part of a group, or groups of another size, is counted by what it holds.
+    history_outputs: int = 0
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
@@ -117,6 +122,10 @@ class SpecDecoding:
                     f"spec accept_by_history[{i}] ({value}) must be between 1 and "
                     f"{self.proposed + 1:g}, as accept_len"
                 )
+        if self.history_outputs < 0:
+            raise ValueError(
+                f"spec history_outputs ({self.history_outputs}) must be >= 0 (0: count groups)"
+            )
         if self.token_s is not None and not (math.isfinite(self.token_s) and self.token_s >= 0):
             raise ValueError(f"spec token_s ({self.token_s}) must be at least 0 seconds")
         if self.max_batch < 0:
@@ -145,18 +154,27 @@ class SpecDecoding:
         drafts = round(passes)
         return drafts, round(drafts * self.proposed), round(passes * (self.accept_len - 1))
 
-    def accept_for(self, earlier_groups: int) -> float:
-        """The accept_len of a sample whose engine holds ``earlier_groups`` earlier groups of
-        its prompt."""
+    def accept_for(self, earlier_groups: int, earlier_outputs: int = 0) -> float:
+        """The accept_len of a sample whose engine holds ``earlier_outputs`` outputs of
+        ``earlier_groups`` earlier groups of its prompt (which of them counts:
+        ``history_outputs``)."""
         by = self.accept_by_history
-        return by[min(earlier_groups, len(by) - 1)] if by else self.accept_len
+        if not by:
+            return self.accept_len
+        held = earlier_outputs // self.history_outputs if self.history_outputs else earlier_groups
+        return by[min(held, len(by) - 1)]
 
     def describe(self) -> str:
         batch = f" at <= {self.max_batch} sequences" if self.max_batch else ""
         cut = f" ({self.drafted:g} proposed on average)" if self.drafted is not None else ""
         accept = (
             f"{'/'.join(f'{a:g}' for a in self.accept_by_history)} tokens a pass with 0/1/.. "
-            "earlier groups of the prompt on the engine"
+            + (
+                f"x {self.history_outputs} earlier outputs"
+                if self.history_outputs
+                else "earlier groups"
+            )
+            + " of the prompt on the engine"
             if self.accept_by_history
             else f"{self.accept_len:g} tokens a pass"
         )
