@@ -76,3 +76,26 @@ def test_move_settings_are_checked(
     )
     with pytest.raises(ValueError, match=match):
         run_policies(config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--spec-history-outputs", "4"], "--spec-history-outputs says how"),
+        (["--spec-accept-by-history", "1.5,2"], "--spec-accept-by-history refines"),
+        (
+            [
+                *("--spec-accept", "2", "--spec-accept-by-history", "1.5,2"),
+                *("--spec-history-outputs", "-1"),
+            ],
+            r"history_outputs \(-1\) must be >= 0",
+        ),
+    ],
+)
+def test_the_history_flags_are_checked_before_anything_runs(
+    tmp_path: Path, flags: list[str], match: str
+) -> None:
+    from rollserve.cli.main import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", "policies", "--out-dir", str(tmp_path), *flags])

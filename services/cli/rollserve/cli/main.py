@@ -134,6 +134,11 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
 
     policies = tuple(p for p in args.policies.split(",") if p) if args.policies else None
     try:
+        if args.spec_history_outputs and not args.spec_accept_by_history:
+            raise ValueError(
+                "--spec-history-outputs says how --spec-accept-by-history counts an engine's "
+                "history: give both"
+            )
         if args.spec_accept_by_history and args.spec_accept is None:
             raise ValueError(
                 "--spec-accept-by-history refines --spec-accept (the mean, for vLLM's "
