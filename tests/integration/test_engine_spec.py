@@ -10,7 +10,7 @@ repeats itself, so ngram drafts find matches and get accepted.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -57,7 +57,11 @@ async def spec_stub(spec_engine: str) -> AsyncIterator[pb_grpc.EngineAsyncStub]:
 
 
 async def greedy(
-    engine: pb_grpc.EngineAsyncStub, request_id: str, prompt: list[int], n: int = 1
+    engine: pb_grpc.EngineAsyncStub,
+    request_id: str,
+    prompt: list[int],
+    n: int = 1,
+    earlier_outputs: Sequence[Sequence[int]] = (),
 ) -> dict[int, pb.Complete]:
     """Each sample's Complete, with all its tokens and logprobs gathered into it."""
     request = pb.GenerateRequest(
@@ -65,6 +69,7 @@ async def greedy(
         prompt_token_ids=prompt,
         n=n,
         sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        earlier_outputs=[pb.EarlierOutput(token_ids=output) for output in earlier_outputs],
     )
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list[float]] = {}

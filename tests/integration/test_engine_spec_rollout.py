@@ -88,3 +88,29 @@ async def test_a_prompt_asked_again_drafts_from_its_earlier_samples(
         second.spec_accepted_tokens,
         first.spec_accepted_tokens,
     )
+
+
+async def test_outputs_a_call_carries_are_drafted_from_as_if_the_engine_had_made_them(
+    rollout_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
+) -> None:
+    """A prompt this engine never ran, with its greedy output made on another engine in the
+    call's ``earlier_outputs`` (as the scheduler sends what other engines made): the drafter
+    has it whole from the first sample on, and the output is the same as without."""
+    assert (await rollout_stub.Stats(pb.StatsRequest())).takes_earlier_outputs
+    assert not (await plain_stub.Stats(pb.StatsRequest())).takes_earlier_outputs
+    prompt = [11 + 5 * j for j in range(40)]  # prompts no other test sends
+    control = [13 + 5 * j for j in range(40)]
+    made = (await greedy(plain_stub, "carried-plain", prompt))[0]
+    told = (await greedy(rollout_stub, "carried-0", prompt, earlier_outputs=[made.token_ids]))[0]
+    fresh = (await greedy(rollout_stub, "carried-control", control))[0]
+    assert list(told.token_ids) == list(made.token_ids)
+    tokens = len(told.token_ids)
+    assert told.spec_accepted_tokens >= 0.9 * told.spec_draft_tokens, (
+        told.spec_accepted_tokens,
+        told.spec_draft_tokens,
+    )
+    assert told.spec_accepted_tokens >= 0.7 * tokens, (told.spec_accepted_tokens, tokens)
+    assert told.spec_accepted_tokens > fresh.spec_accepted_tokens, (
+        told.spec_accepted_tokens,
+        fresh.spec_accepted_tokens,
+    )

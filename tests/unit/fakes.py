@@ -78,6 +78,7 @@ class FakeEngine:
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
     progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
     progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
+    takes_earlier_outputs: bool = False  # what Stats says (it records what calls carry)
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -268,6 +269,7 @@ class _Servicer(pb_grpc.EngineServicer):
             kv_capacity_tokens=self._e.kv_capacity_tokens,
             weights_version=self._e.weights[0],
             weights_path=self._e.weights[1],
+            takes_earlier_outputs=self._e.takes_earlier_outputs,
         )
 
     async def UpdateWeights(

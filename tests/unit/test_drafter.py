@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 from rollserve.engine import drafting
-from rollserve.engine.drafter import DRAFTER_ENV, DrafterConfig, RolloutDrafter
+from rollserve.engine.drafter import (
+    ADD_OUTPUTS_METHOD,
+    DRAFTER_ENV,
+    DrafterConfig,
+    RolloutDrafter,
+    RolloutWorkerExtension,
+)
 from rollserve.engine.drafting import NO_MATCH, DraftSettings, History, Match, PromptCorpus
 
 S = DraftSettings(k=4, min_n=2, max_n=5)
@@ -428,6 +434,37 @@ def test_a_later_round_of_the_prompt_drafts_from_the_earlier_ones() -> None:
     assert drafter.propose_rows(4, batch, [[40], [7]]) == [[41, 42, 43, 44], []]
     # another prompt does not draft from it
     assert drafter.live_prompts == 2
+
+
+def test_outputs_made_elsewhere_draft_later_and_running_samples() -> None:
+    """The scheduler hands an engine a prompt's outputs from other engines: a sample that
+    starts later drafts from them, and so do the prompt's samples already running."""
+    drafter = _drafter()
+    drafter.add_outputs(PROMPT, [[40, 41, 42, 43, 44]])
+    assert _outputs(drafter.history, tuple(PROMPT)) == [(40, 41, 42, 43, 44)]
+    batch = _Batch()
+    batch.set([("a/0", PROMPT, [40])])
+    assert drafter.propose_rows(4, batch, [[40]]) == [[41, 42, 43, 44]]
+    batch.set([("a/0", PROMPT, [40, 41, 60])])
+    assert drafter.propose_rows(4, batch, [[41, 60]]) == [[]]  # nothing went on from 60
+    drafter.add_outputs(PROMPT, [[70, 71], [41, 60, 61, 62, 63, 64]])  # while a/0 runs
+    assert drafter.propose_rows(4, batch, [[41, 60]]) == [[61, 62, 63, 64]]
+    assert len(_outputs(drafter.history, tuple(PROMPT))) == 3
+    drafter.add_outputs([9, 9], [[80, 81, 82]])  # another prompt's: not drafted from here
+    batch.set([("a/0", PROMPT, [40, 41, 60, 61, 80, 81])])
+    assert drafter.propose_rows(4, batch, [[80, 81]]) == [[]]
+
+
+def test_the_worker_extension_reaches_the_rollout_drafter_only() -> None:
+    worker = RolloutWorkerExtension()
+    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2]]) == 0  # no model runner
+    worker.model_runner = SimpleNamespace(drafter=object())  # type: ignore[attr-defined]
+    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2]]) == 0  # another drafter
+    drafter = _drafter()
+    worker.model_runner = SimpleNamespace(drafter=drafter)  # type: ignore[attr-defined]
+    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2], [3]]) == 2
+    assert _outputs(drafter.history, tuple(PROMPT)) == [(1, 2), (3,)]
+    assert hasattr(RolloutWorkerExtension, ADD_OUTPUTS_METHOD)
 
 
 def test_no_drafts_in_steps_vllm_does_not_speculate_nor_past_the_model_length() -> None:

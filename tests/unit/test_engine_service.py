@@ -13,6 +13,7 @@ from typing import Literal, cast
 import grpc
 import pytest
 from rollserve.engine.service import (
+    SERVER_OPTIONS,
     BackendError,
     EngineCounters,
     EngineServicer,
@@ -32,14 +33,27 @@ INFO = ModelInfo(
 class ScriptedBackend:
     """Sample of seed ``s`` generates tokens ``s, s + 1, s + 2`` (``7, 8, 9`` unseeded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, takes_earlier_outputs: bool = False) -> None:
         self.requests: list[SampleRequest] = []
         self.weights: list[str] = []  # the paths of its weight updates
         self.fail_update = False
+        self._info = dataclasses.replace(INFO, takes_earlier_outputs=takes_earlier_outputs)
+        # (prompt, outputs, samples started before) of each add_earlier_outputs
+        self.earlier: list[tuple[list[int], list[list[int]], int]] = []
+        self.earlier_error: BackendError | None = None
 
     @property
     def info(self) -> ModelInfo:
-        return INFO
+        return self._info
+
+    async def add_earlier_outputs(
+        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
+    ) -> None:
+        if self.earlier_error is not None:
+            raise self.earlier_error
+        self.earlier.append(
+            (list(prompt_token_ids), [list(o) for o in outputs], len(self.requests))
+        )
 
     async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
         self.requests.append(request)
@@ -162,7 +176,7 @@ async def served_servicer(
 ) -> AsyncIterator[tuple[pb_grpc.EngineAsyncStub, EngineServicer]]:
     servicer = EngineServicer("scripted", flush_interval_s=flush_interval_s)
     servicer.attach(backend)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -239,6 +253,62 @@ async def test_bad_sample_indices_are_invalid_argument(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert problem in (info.value.details() or "")
     assert backend.requests == []
+
+
+def with_earlier(req: pb.GenerateRequest, *outputs: list[int]) -> pb.GenerateRequest:
+    req.earlier_outputs.extend(pb.EarlierOutput(token_ids=output) for output in outputs)
+    return req
+
+
+async def test_earlier_outputs_reach_a_backend_that_drafts_from_them_before_the_samples() -> None:
+    backend = ScriptedBackend(takes_earlier_outputs=True)
+    async with served(backend) as stub:
+        assert (await stub.Stats(pb.StatsRequest())).takes_earlier_outputs
+        out = await tokens_by_index(stub, with_earlier(request(n=2), [9, 8], [7]))
+        assert out == {0: [100, 101, 102], 1: [101, 102, 103]}  # the samples as without
+        await tokens_by_index(stub, request(n=1))  # none: no call to the backend
+    assert backend.earlier == [([5, 6, 7], [[9, 8], [7]], 0)]
+
+
+async def test_earlier_outputs_are_ignored_by_a_backend_that_does_not_draft_from_them(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+) -> None:
+    stub, backend = engine
+    assert not (await stub.Stats(pb.StatsRequest())).takes_earlier_outputs
+    out = await tokens_by_index(stub, with_earlier(request(n=1), [9, 8]))
+    assert out == {0: [100, 101, 102]}
+    assert backend.earlier == []
+
+
+async def test_an_engine_that_cannot_take_earlier_outputs_ends_the_call_with_its_error() -> None:
+    backend = ScriptedBackend(takes_earlier_outputs=True)
+    backend.earlier_error = BackendError("vLLM engine is dead", retryable=True)
+    async with served(backend) as stub:
+        messages = [m async for m in stub.Generate(with_earlier(request(n=1), [9]), timeout=10)]
+    assert [m.WhichOneof("kind") for m in messages] == ["error"]
+    assert messages[0].error.retryable and "dead" in messages[0].error.message
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize(
+    ("outputs", "problem"),
+    [
+        ([[5], [3, 1000]], "earlier_outputs[1].token_ids[1] (1000) is outside the vocabulary"),
+        ([[-2]], "earlier_outputs[0].token_ids[0] (-2) is outside the vocabulary"),
+        ([[1]] * 257, "earlier_outputs holds 257 outputs, over the limit of 256 a call"),
+        ([[1] * (1 << 21)] * 3, "earlier_outputs holds 6291456 tokens, over the limit of 4194304"),
+    ],
+)
+async def test_bad_earlier_outputs_are_invalid_argument(
+    outputs: list[list[int]], problem: str
+) -> None:
+    backend = ScriptedBackend(takes_earlier_outputs=True)
+    async with served(backend) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await tokens_by_index(stub, with_earlier(request(n=1), *outputs))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or "")
+    assert backend.requests == [] and backend.earlier == []
 
 
 async def read_until_complete(

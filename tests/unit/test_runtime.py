@@ -390,6 +390,57 @@ async def test_round_robin_spreads_groups_over_engines_and_delivers_each_once(
     assert runtime.counters.samples_delivered == 24
 
 
+@pytest.mark.parametrize("per_prompt", [16, 0])
+async def test_calls_carry_the_outputs_of_their_prompt_that_the_engine_did_not_make(
+    redis_url: str, per_prompt: int
+) -> None:
+    """Engine ``a`` drafts from earlier outputs, ``b`` does not: a call on ``a`` carries the
+    outputs of its prompt that ``b`` made (``a`` made the others, and each is sent once);
+    calls on ``b`` carry none, nor does a prompt with no outputs yet. None with
+    ``earlier_outputs_per_prompt`` 0."""
+    a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
+    b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
+    runtime = await make_runtime(
+        redis_url, [a, b], policy="round_robin", earlier_outputs_per_prompt=per_prompt
+    )
+    run = new_run()
+    other = dataclasses.replace(spec("other", n=4, run_id=run), prompt_token_ids=(1, 2, 3))
+    try:
+        for round_ in range(3):
+            groups = [spec(f"g{round_}", n=4, run_id=run)] + ([other] if round_ == 1 else [])
+            await runtime.submit(run, groups)
+            await read_stream(redis_url, run, round_ + 1 + (round_ >= 1))
+        sent = runtime.status().earlier_outputs_sent
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert all(not r.earlier_outputs for r in b.requests)
+    carried = {r.request_id: [list(o.token_ids) for o in r.earlier_outputs] for r in a.requests}
+
+    def group_of(request: pb.GenerateRequest) -> str:
+        return request.request_id.split("/")[1].split("#")[0]
+
+    made_on_b: dict[str, int] = {}
+    for request, indices in zip(b.requests, b.asked(), strict=True):
+        made_on_b[group_of(request)] = made_on_b.get(group_of(request), 0) + len(indices)
+    assert {"g0", "g1"} <= set(made_on_b)  # round robin put samples of both on b
+    expected = 0
+    calls_per_group: dict[str, int] = {}
+    for request in a.requests:
+        outputs = carried[request.request_id]
+        group = group_of(request)
+        calls_per_group[group] = calls_per_group.get(group, 0) + 1
+        if per_prompt == 0 or group in {"other", "g0"}:
+            assert outputs == [], (request.request_id, outputs)
+            continue
+        # a's first call of a round carries the outputs b made in the round before
+        want = made_on_b[f"g{int(group[1:]) - 1}"] if calls_per_group[group] == 1 else 0
+        assert outputs == [[500, 501, 502, 503]] * want, (request.request_id, outputs)
+        expected += want
+    assert sent == expected and (per_prompt == 0 or expected > 0)
+
+
 async def test_an_engine_that_drains_gets_no_new_work_and_finishes_what_it_runs(
     redis_url: str,
 ) -> None:

@@ -234,6 +234,9 @@ class SchedulerStatus:
     fleet_weights_version: int = 0
     # Publishes without weights whose engines have not all said what the samples had made.
     publishes_awaiting_counts: int = 0
+    # Earlier outputs of their prompts (made on other engines) that calls carried to engines
+    # that draft from them.
+    earlier_outputs_sent: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -261,6 +264,7 @@ class SchedulerStatus:
             fleet_weights_path=msg.fleet_weights_path,
             fleet_weights_version=msg.fleet_weights_version,
             publishes_awaiting_counts=msg.publishes_awaiting_counts,
+            earlier_outputs_sent=msg.earlier_outputs_sent,
         )
 
     @property

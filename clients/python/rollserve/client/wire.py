@@ -33,6 +33,8 @@ WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, versio
 MAX_RUN_ID_LEN = 128
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
 MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)
+MAX_EARLIER_OUTPUTS = 256  # earlier outputs a Generate call carries (the drafter keeps 64)
+MAX_EARLIER_OUTPUT_TOKENS = 1 << 22  # their tokens a call (16 MiB as 4-byte ids)
 RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

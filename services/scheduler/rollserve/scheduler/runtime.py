@@ -70,7 +70,13 @@ from dataclasses import dataclass, field
 import grpc
 import redis.exceptions
 from rollserve.client.types import PublishResult
-from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, first_non_finite
+from rollserve.client.wire import (
+    MAX_EARLIER_OUTPUT_TOKENS,
+    FinishReason,
+    GroupResult,
+    GroupStatus,
+    first_non_finite,
+)
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import (
     LengthFit,
@@ -87,6 +93,7 @@ from rollserve.scheduler.core.snapshot import (
 )
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
 from rollserve.scheduler.lease import LeaseLost, SchedulerLease
+from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
 from rollserve.scheduler.store import FleetWeights, Store
@@ -170,6 +177,7 @@ class Counters:
     groups_cancelled: int = 0
     engine_failures: int = 0
     samples_preempted: int = 0
+    earlier_outputs_sent: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -239,6 +247,15 @@ class SchedulerRuntime:
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
         self.counters = Counters()
+        # Finished outputs by prompt, for engines that draft from those they did not make.
+        self._outputs = (
+            EarlierOutputs(
+                per_prompt=settings.earlier_outputs_per_prompt,
+                max_tokens=settings.earlier_outputs_tokens,
+            )
+            if settings.earlier_outputs_per_prompt
+            else None
+        )
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # (predicted before learning, true length) of the latest delivered samples.
@@ -647,6 +664,7 @@ class SchedulerRuntime:
             fleet_weights_path="" if self._weights is None else self._weights.path,
             fleet_weights_version=0 if self._weights is None else self._weights.version,
             publishes_awaiting_counts=len(self._questions()),
+            earlier_outputs_sent=c.earlier_outputs_sent,
         )
 
     # ------------------------------------------------------------ queue and dispatch
@@ -972,7 +990,12 @@ class SchedulerRuntime:
         record, engine = call.record, call.engine
         resumption = record.samples[call.indices[0]].preemptions if call.resumed else 0
         stream = engine.generate(
-            record.spec, call.request_id, call.indices, call.resumed, resumption
+            record.spec,
+            call.request_id,
+            call.indices,
+            call.resumed,
+            resumption,
+            earlier_outputs=self._earlier_outputs(call),
         )
         try:
             await self._consume(call, stream)
@@ -994,6 +1017,34 @@ class SchedulerRuntime:
                 stream.cancel()
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
+
+    def _earlier_outputs(self, call: _Call) -> list[Sequence[int]]:
+        """The outputs of the call's prompt its engine lacks, where it drafts from them (a
+        resumed sample's prompt holds its partial response: it drafts from its own tokens)."""
+        info = call.engine.info
+        if self._outputs is None or call.resumed or info is None:
+            return []
+        if not info.takes_earlier_outputs:
+            return []
+        outputs: list[Sequence[int]] = list(
+            self._outputs.missing(
+                call.record.spec.prompt_token_ids, call.engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS
+            )
+        )
+        self.counters.earlier_outputs_sent += len(outputs)
+        return outputs
+
+    def _keep_output(self, call: _Call, index: int, reason: FinishReason) -> None:
+        """A sample finished: its output is kept for engines that draft from it, as held by
+        the call's engine where it made the output whole."""
+        if self._outputs is None or reason is FinishReason.ABORT:
+            return
+        record = call.record
+        self._outputs.finished(
+            record.spec.prompt_token_ids,
+            record.samples[index].token_ids,
+            None if call.resumed else call.engine.engine_id,
+        )
 
     def _stamps(self, run_id: str) -> bool:
         """Whether the run's tokens are labelled by the engines' weights (it publishes the
@@ -1047,6 +1098,7 @@ class SchedulerRuntime:
                 record.finish_sample(
                     done.index, reason, done.num_prompt_tokens, done.num_cached_tokens
                 )
+                self._keep_output(call, done.index, reason)
             elif kind == "error":
                 if message.error.retryable:
                     raise _EngineFault(f"engine error: {message.error.message}")
@@ -1356,6 +1408,8 @@ class SchedulerRuntime:
     async def _remove_engine(self, engine: EngineHandle, reason: str) -> None:
         await self._engine_down(engine, reason)
         del self._engines[engine.engine_id]
+        if self._outputs is not None:
+            self._outputs.forget_engine(engine.engine_id)
         if engine.registered:
             self._registered -= 1
         watch = self._watches.pop(engine.engine_id, None)
@@ -1473,6 +1527,9 @@ class SchedulerRuntime:
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
+        if (restarted or not engine.healthy) and self._outputs is not None:
+            # It may have restarted: its drafter holds none of the outputs counted as its.
+            self._outputs.forget_engine(engine.engine_id)
         if (restarted or not engine.healthy) and not await self._has_fleet_weights(engine):
             return  # out of service until it serves the fleet's weights
         if engine.mark(True):

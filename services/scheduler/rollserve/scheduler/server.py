@@ -316,6 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt keys whose length history is kept (least recently used dropped)",
     )
     p.add_argument(
+        "--earlier-outputs-per-prompt",
+        type=int,
+        default=64,
+        help="finished outputs of each prompt kept to hand to engines that draft from them "
+        "(--spec-method rollout) and did not make them (0: none)",
+    )
+    p.add_argument(
+        "--earlier-outputs-tokens",
+        type=int,
+        default=1 << 26,
+        help="tokens of those outputs kept in all (the prompt used least recently goes first)",
+    )
+    p.add_argument(
         "--redis-max-connections",
         type=int,
         default=64,
@@ -344,6 +357,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         policy=args.policy,
         cost_profile=args.cost_profile,
         redis_max_connections=args.redis_max_connections,
+        earlier_outputs_per_prompt=args.earlier_outputs_per_prompt,
+        earlier_outputs_tokens=args.earlier_outputs_tokens,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,
         max_n=args.max_n,

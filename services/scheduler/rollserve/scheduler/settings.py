@@ -113,6 +113,21 @@ class SchedulerSettings(BaseModel):
         description="heartbeats a second from all registered engines together, at most: the "
         "period told to each engine is at least engines / this",
     )
+    earlier_outputs_per_prompt: int = Field(
+        64,
+        ge=0,
+        le=256,
+        description="finished outputs of each prompt kept to hand to engines that draft from "
+        "them (the rollout drafter, which keeps 64 a prompt) and did not make them; 0: none "
+        "kept nor sent",
+    )
+    earlier_outputs_tokens: int = Field(
+        1 << 26,
+        ge=1,
+        description="tokens of those outputs kept in all (4 bytes each, 256 MiB at the "
+        "default, as much as one engine's drafter keeps; the prompt used least recently goes "
+        "first)",
+    )
     redis_max_connections: int = Field(
         64,
         ge=2,

@@ -53,6 +53,7 @@ from rollserve.engine.server import (
 )
 from rollserve.engine.service import (
     FINISH_REASONS,
+    SERVER_OPTIONS,
     ModelInfo,
     refuse_bad_abort,
     refuse_bad_generate,
@@ -564,7 +565,7 @@ async def _start_engine(parts: EngineParts, index: int) -> _Served:
     settings = parts.settings
     servicer = parts.servicer(index)
     health_servicer = AioHealthServicer()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
