@@ -459,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.bench.remaining import add_bench_remaining
 
     add_bench_remaining(bench_sub)
+    from rollserve.bench.share import add_bench_share
+
+    add_bench_share(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )

@@ -105,8 +105,8 @@ class DesConfig:
     told_remaining: float | None = None
     told_seed: int = 0  # another seed draws other errors
     # The drafters' history of a prompt (``SpecDecoding.accept_by_history``, history hits):
-    # each engine's own finished samples (False), or every engine's, as if engines shared
-    # their outputs (True).
+    # each engine's own finished samples (False), or every engine's (True), as the scheduler
+    # hands an engine the outputs of a prompt it lacks (``rollserve.scheduler.outputs``).
     shared_history: bool = False
 
     def __post_init__(self) -> None:
