@@ -79,6 +79,7 @@ class FakeEngine:
     progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
     progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
     takes_earlier_outputs: bool = False  # what Stats says (it records what calls carry)
+    port: int = 0  # 0: a free one (another engine may start on a stopped one's port)
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -98,7 +99,8 @@ class FakeEngine:
         pb_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self.port = port
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.address = f"127.0.0.1:{port}"

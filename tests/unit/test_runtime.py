@@ -441,6 +441,42 @@ async def test_calls_carry_the_outputs_of_their_prompt_that_the_engine_did_not_m
     assert sent == expected and (per_prompt == 0 or expected > 0)
 
 
+async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(
+    redis_url: str,
+) -> None:
+    """What the scheduler believed ``a`` held goes when ``a`` goes down: the engine that
+    comes back at its address gets the outputs the old one made too."""
+    a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
+    b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
+    runtime = await make_runtime(redis_url, [a, b], policy="round_robin")
+    run = new_run()
+    back = FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True, port=a.port)
+    try:
+        await runtime.submit(run, [spec("g0", n=4, run_id=run)])
+        await read_stream(redis_url, run, 1)
+        on_a = sum(len(indices) for indices in a.asked())
+        assert 0 < on_a < 4
+        await a.stop()
+
+        async def a_is(healthy: bool) -> bool:
+            return any(
+                e.engine_id == "a" and e.healthy == healthy for e in runtime.status().engines
+            )
+
+        await eventually(lambda: a_is(False), "a marked unhealthy")
+        await back.start()
+        await eventually(lambda: a_is(True), "a back")
+        await runtime.submit(run, [spec("g1", n=4, run_id=run)])
+        await read_stream(redis_url, run, 2)
+    finally:
+        await runtime.stop()
+        await back.stop()
+        await b.stop()
+    carried = sorted(tuple(o.token_ids) for r in back.requests for o in r.earlier_outputs)
+    made = [(100, 101, 102, 103)] * on_a + [(500, 501, 502, 503)] * (4 - on_a)
+    assert carried == sorted(made)
+
+
 async def test_an_engine_that_drains_gets_no_new_work_and_finishes_what_it_runs(
     redis_url: str,
 ) -> None:
