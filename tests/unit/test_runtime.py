@@ -120,6 +120,7 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
         assert all(len(s.logprobs) == 6 for s in r.samples)
     assert runtime.counters.groups_delivered == 5
     assert runtime.counters.samples_delivered == 15
+    assert runtime._outputs is not None and len(runtime._outputs) == 0  # no engine drafts
 
 
 async def test_engine_dying_midstream_requeues_to_another_engine(redis_url: str) -> None:

@@ -7,7 +7,8 @@ Alone, an engine holds what ran there, and a prompt's groups land on other engin
 epoch. The scheduler sees every output finish, so it keeps the newest of each prompt and hands
 an engine (one that says it takes them: Stats' ``takes_earlier_outputs``) those it has not
 made nor been given, with the call that starts the prompt's samples there. Drafts never change
-a sample, only how fast it is made: what is kept here is an optimisation, lost on a restart.
+a sample's law, only how fast it is made: what is kept here is an optimisation, lost on a
+restart, and the runtime keeps nothing while no engine has said it takes such outputs.
 
 Prompts are told apart by their tokens, as the drafter keys its history (the same prompt
 across epochs and runs shares it). A sample resumed after a preemption runs with its partial

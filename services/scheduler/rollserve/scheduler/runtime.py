@@ -256,6 +256,7 @@ class SchedulerRuntime:
             if settings.earlier_outputs_per_prompt
             else None
         )
+        self._outputs_taken = False  # some engine has said it drafts from earlier outputs
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # (predicted before learning, true length) of the latest delivered samples.
@@ -1037,8 +1038,8 @@ class SchedulerRuntime:
     def _keep_output(self, call: _Call, index: int, reason: FinishReason) -> None:
         """A sample finished: its output is kept for engines that draft from it, as held by
         the call's engine where it made the output whole."""
-        if self._outputs is None or reason is FinishReason.ABORT:
-            return
+        if self._outputs is None or not self._outputs_taken or reason is FinishReason.ABORT:
+            return  # (none kept while no engine drafts from them)
         record = call.record
         self._outputs.finished(
             record.spec.prompt_token_ids,
@@ -1518,6 +1519,8 @@ class SchedulerRuntime:
         restarted, it must serve the fleet's weights: it loads them or stays out."""
         try:
             await engine.probe(self.settings.health_timeout_s)
+            if engine.info is not None and engine.info.takes_earlier_outputs:
+                self._outputs_taken = True
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             engine.failed_probes += 1
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
