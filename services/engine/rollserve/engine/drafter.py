@@ -205,18 +205,14 @@ class RolloutDrafter:
         """A request finished or was aborted: its output joins the prompt's history."""
         output = [t for t in output_token_ids if t >= 0]  # -1: a placeholder never filled
         live = self._live.get(req_id)
-        if live is not None:
-            prompt = live.prompt
-            have = live.corpus.output_len(live.seq)
-            if len(output) > have:  # the siblings still running draft from it
-                live.corpus.extend(live.seq, output[have:])
-            self._drop(req_id)
-        else:
-            prompt = tuple(prompt_token_ids)
-            corpus = self._corpora.get(prompt)
-            if corpus is not None:  # its siblings draft from it from now on
-                corpus.add_sample(output)
-        self.history.add(prompt, output)
+        if live is None:  # it never drafted: as an output made elsewhere
+            self.add_outputs(prompt_token_ids, [output])
+            return
+        have = live.corpus.output_len(live.seq)
+        if len(output) > have:  # the siblings still running draft from it
+            live.corpus.extend(live.seq, output[have:])
+        self._drop(req_id)
+        self.history.add(live.prompt, output)
 
     def add_outputs(
         self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]

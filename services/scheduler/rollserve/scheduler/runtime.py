@@ -1019,18 +1019,14 @@ class SchedulerRuntime:
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
 
-    def _earlier_outputs(self, call: _Call) -> list[Sequence[int]]:
+    def _earlier_outputs(self, call: _Call) -> Sequence[Sequence[int]]:
         """The outputs of the call's prompt its engine lacks, where it drafts from them (a
         resumed sample's prompt holds its partial response: it drafts from its own tokens)."""
         info = call.engine.info
-        if self._outputs is None or call.resumed or info is None:
-            return []
-        if not info.takes_earlier_outputs:
-            return []
-        outputs: list[Sequence[int]] = list(
-            self._outputs.missing(
-                call.record.spec.prompt_token_ids, call.engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS
-            )
+        if self._outputs is None or call.resumed or info is None or not info.takes_earlier_outputs:
+            return ()
+        outputs = self._outputs.missing(
+            call.record.spec.prompt_token_ids, call.engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS
         )
         self.counters.earlier_outputs_sent += len(outputs)
         return outputs
@@ -1530,10 +1526,10 @@ class SchedulerRuntime:
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
-        if (restarted or not engine.healthy) and self._outputs is not None:
-            # It may have restarted: its drafter holds none of the outputs counted as its.
-            self._outputs.forget_engine(engine.engine_id)
-        if (restarted or not engine.healthy) and not await self._has_fleet_weights(engine):
-            return  # out of service until it serves the fleet's weights
+        if restarted or not engine.healthy:  # it may have restarted
+            if self._outputs is not None:  # its drafter holds none of the outputs counted its
+                self._outputs.forget_engine(engine.engine_id)
+            if not await self._has_fleet_weights(engine):
+                return  # out of service until it serves the fleet's weights
         if engine.mark(True):
             self._wake.set()
