@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,8 @@ class FakeEngine:
     progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
     takes_earlier_outputs: bool = False  # what Stats says (it records what calls carry)
     port: int = 0  # 0: a free one (another engine may start on a stopped one's port)
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what Stats says
+    stats_calls: int = 0  # Stats calls answered
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -246,6 +249,7 @@ class _Servicer(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=True)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        self._e.stats_calls += 1
         if request.with_progress and self._e.progress_fails:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine cannot say")
         ahead = self._e.made_ahead
@@ -272,6 +276,7 @@ class _Servicer(pb_grpc.EngineServicer):
             weights_version=self._e.weights[0],
             weights_path=self._e.weights[1],
             takes_earlier_outputs=self._e.takes_earlier_outputs,
+            boot_id=self._e.boot_id,
         )
 
     async def UpdateWeights(

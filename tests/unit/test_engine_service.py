@@ -628,3 +628,15 @@ async def test_one_flush_tick_sends_the_new_tokens_of_every_call() -> None:
             await stub.Abort(pb.AbortRequest(request_id=rid))
     for first in firsts:
         assert {d.index: list(d.token_ids) for d in first.chunk.deltas} == {0: [7], 1: [7]}
+
+
+async def test_stats_give_a_boot_id_of_the_process_the_same_at_every_call() -> None:
+    """A scheduler tells a restarted engine by it, even one back before a probe failed."""
+    boot_ids = []
+    for _ in range(2):  # two servicers: two starts of the engine
+        async with served(ScriptedBackend()) as stub:
+            first = await stub.Stats(pb.StatsRequest())
+            second = await stub.Stats(pb.StatsRequest())
+        assert first.boot_id and first.boot_id == second.boot_id
+        boot_ids.append(first.boot_id)
+    assert boot_ids[0] != boot_ids[1]

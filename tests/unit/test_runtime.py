@@ -478,6 +478,66 @@ async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(
     assert carried == sorted(made)
 
 
+@pytest.mark.parametrize("anew", [True, False], ids=["restarted", "same-process"])
+async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
+    redis_url: str, anew: bool
+) -> None:
+    """``a`` goes and comes back at its address at once, long before enough probes fail to
+    mark it down (50). A new process (another boot id in its Stats) is counted a restart,
+    loads the fleet's weights and gets every output of its prompt again; the same process
+    behind a broken connection (same boot id) keeps what it was handed."""
+    # Edges faked: both engines (FakeEngine over real gRPC, with the standard health
+    # service); "back" stands for what answers at a's address after the watch broke.
+    a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
+    b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
+    runtime = await make_runtime(redis_url, [a, b], policy="round_robin", health_failures=50)
+    run = new_run()
+    back = FakeEngine(
+        "a",
+        tokens_per_sample=4,
+        takes_earlier_outputs=True,
+        port=a.port,
+        boot_id=uuid.uuid4().hex if anew else a.boot_id,
+        weights=(0, "") if anew else (5, "/ckpt/step-5"),
+    )
+    try:
+        await runtime.publish_version(run, 5, "/ckpt/step-5")
+        await runtime.submit(run, [spec("g0", n=4, run_id=run)])
+        await read_stream(redis_url, run, 1)
+        on_a = sum(len(indices) for indices in a.asked())
+        assert 0 < on_a < 4
+        await a.stop()
+
+        async def a_probe_failed() -> bool:
+            return runtime._engines["a"].failed_probes > 0
+
+        await eventually(a_probe_failed, "a probe of a to fail")
+        await back.start()
+
+        async def probed_back() -> bool:
+            return bool(back.stats_calls) and not runtime._engines["a"].may_have_restarted
+
+        await eventually(probed_back, "the scheduler to read the Stats of what is at a's address")
+        await runtime.submit(run, [spec("g1", n=4, run_id=run)])
+        await read_stream(redis_url, run, 2)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await back.stop()
+        await b.stop()
+    on_b = [(500, 501, 502, 503)] * (4 - on_a)
+    made = [(100, 101, 102, 103)] * on_a + on_b if anew else on_b
+    carried = sorted(tuple(o.token_ids) for r in back.requests for o in r.earlier_outputs)
+    assert carried == sorted(made)
+    assert back.weights == (5, "/ckpt/step-5")
+    assert [u.version for u in back.weight_updates] == ([5] if anew else [])
+    restarts = {e.engine_id: e.restarts for e in status.engines}
+    assert restarts == {"a": 1 if anew else 0, "b": 0}
+    # Never marked down for failed probes (50 would have to fail); a new process is taken
+    # out of service while it loads the fleet's weights.
+    assert status.engine_failures == (1 if anew else 0)
+
+
 async def test_an_engine_that_drains_gets_no_new_work_and_finishes_what_it_runs(
     redis_url: str,
 ) -> None:
@@ -531,7 +591,7 @@ async def test_watched_healthy_engines_are_probed_in_turn_every_few_rounds(
     runtime = await make_runtime(redis_url, engines, health_interval_s=30.0, health_watched_every=3)
     probed: list[list[str]] = []
 
-    async def record(engine: EngineHandle, restarted: bool = False) -> None:
+    async def record(engine: EngineHandle) -> None:
         probed[-1].append(engine.engine_id)
 
     try:

@@ -383,6 +383,7 @@ async def test_generate_streams_every_sample_as_the_length_model_says() -> None:
     # Siblings share the prompt: all but the first admitted hit the prefix cache.
     assert sum(1 for d in completes.values() if d.num_cached_tokens > 0) >= 5
     assert stats.model == "sim:gpu-h100-llama8b"
+    assert stats.boot_id == servicer.boot_id and len(stats.boot_id) == 32
     assert stats.kv_capacity_tokens == servicer.engine.engine.kv_capacity_tokens > 0
     assert stats.engine_id == "sim"
     assert stats.generation_tokens == sum(len(t) for t in tokens.values())

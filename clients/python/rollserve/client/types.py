@@ -191,6 +191,7 @@ class EngineStatus:
     weights_path: str = ""
     weights_version: int = 0
     loading_weights: bool = False  # loading the fleet's weights now
+    restarts: int = 0  # times the scheduler found it started anew (a new boot id)
 
     @classmethod
     def from_proto(cls, msg: pb.EngineStatus) -> EngineStatus:
@@ -206,6 +207,7 @@ class EngineStatus:
             weights_path=msg.weights_path,
             weights_version=msg.weights_version,
             loading_weights=msg.loading_weights,
+            restarts=msg.restarts,
         )
 
 

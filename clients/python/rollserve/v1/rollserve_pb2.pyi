@@ -324,6 +324,7 @@ class EngineStatus(_message.Message):
     WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     LOADING_WEIGHTS_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     healthy: _builtins.bool
@@ -343,6 +344,10 @@ class EngineStatus(_message.Message):
     weights_version: _builtins.int
     loading_weights: _builtins.bool
     """the scheduler has it load the fleet's weights now"""
+    restarts: _builtins.int
+    """Times the scheduler found it started anew (its Stats gave a new boot_id): each time it
+    had it load the fleet's weights and forgot the outputs it had handed it.
+    """
     def __init__(
         self,
         *,
@@ -358,10 +363,11 @@ class EngineStatus(_message.Message):
         weights_path: _builtins.str = ...,
         weights_version: _builtins.int = ...,
         loading_weights: _builtins.bool = ...,
+        restarts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "loading_weights", b"loading_weights", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "loading_weights", b"loading_weights", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens", "restarts", b"restarts", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1041,6 +1047,7 @@ class StatsResponse(_message.Message):
     WEIGHTS_PATH_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     TAKES_EARLIER_OUTPUTS_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -1078,6 +1085,11 @@ class StatsResponse(_message.Message):
     """Whether it drafts from a Generate call's earlier_outputs (speculation with the rollout
     drafter); false: it ignores them.
     """
+    boot_id: _builtins.str
+    """Another each time the engine process starts: a scheduler that sees it change knows the
+    engine restarted (it serves the weights it was launched with and holds no outputs it was
+    handed), even when it came back before a health probe failed. "": it does not say.
+    """
     @_builtins.property
     def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampleProgress]:
         """With ``with_progress``: every running sample, when it was read."""
@@ -1106,10 +1118,11 @@ class StatsResponse(_message.Message):
         weights_path: _builtins.str = ...,
         progress: _abc.Iterable[Global___SampleProgress] | None = ...,
         takes_earlier_outputs: _builtins.bool = ...,
+        boot_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "takes_earlier_outputs", b"takes_earlier_outputs", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "takes_earlier_outputs", b"takes_earlier_outputs", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

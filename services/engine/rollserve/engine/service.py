@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -724,6 +725,7 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def __init__(self, engine_id: str, flush_interval_s: float) -> None:
         self._engine_id = engine_id
+        self._boot_id = uuid.uuid4().hex  # this process's: Stats says it (a restart shows)
         self._flush_interval_s = flush_interval_s
         self._backend: GenerationBackend | None = None
         self._runs: dict[str, _Run] = {}
@@ -912,6 +914,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             weights_path=self._weights_path,
             progress=self._progress(backend) if request.with_progress else (),
             takes_earlier_outputs=info.takes_earlier_outputs,
+            boot_id=self._boot_id,
         )
 
     def _progress(self, backend: GenerationBackend) -> list[pb.SampleProgress]:

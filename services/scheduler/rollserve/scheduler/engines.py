@@ -77,6 +77,12 @@ class EngineHandle:
         self.loading_weights = False  # the scheduler has it load the fleet's weights now
         # The weights it serves as last seen (Stats, or a load the scheduler had it do).
         self.weights: tuple[str, int] = ("", 0)
+        # Its health watch broke, or it registered again: it may be another process now,
+        # with its launch weights and none of the outputs handed to it. The next probe that
+        # reaches it reads its Stats to know.
+        self.may_have_restarted = False
+        self.boot_id = ""  # its process's, as its Stats last said ("": not known or not said)
+        self.restarts = 0  # times its Stats gave a boot id other than the one before
 
     @property
     def capacity_samples(self) -> int:
@@ -98,8 +104,11 @@ class EngineHandle:
             urgent_priority=load.urgent_priority,
         )
 
-    async def probe(self, timeout_s: float) -> None:
-        """Raises when the engine is not SERVING; learns its limits the first time."""
+    async def probe(self, timeout_s: float, look: bool = False) -> bool:
+        """Raises when the engine is not SERVING. Reads its Stats the first time and when
+        asked to ``look`` (it may have restarted), learning its limits again; returns whether
+        it is another process than the one whose Stats were read before: a new boot id, or
+        one it does not give (nothing tells then), or the first time."""
         reply = await self._health.Check(
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
@@ -107,16 +116,23 @@ class EngineHandle:
             raise RuntimeError(
                 f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
             )
-        if self.info is None:
-            stats = await self.stats(timeout_s)
-            self.info = EngineInfo(
-                stats.max_model_len,
-                stats.max_num_seqs,
-                stats.vocab_size,
-                stats.model,
-                stats.kv_capacity_tokens,
-                stats.takes_earlier_outputs,
-            )
+        if self.info is not None and not look:
+            return False
+        stats = await self.stats(timeout_s)
+        anew = self.info is None or not stats.boot_id or stats.boot_id != self.boot_id
+        if self.boot_id and stats.boot_id and stats.boot_id != self.boot_id:
+            self.restarts += 1
+            log.warning("engine %s restarted (a new boot id)", self.engine_id)
+        self.boot_id = stats.boot_id
+        self.info = EngineInfo(
+            stats.max_model_len,
+            stats.max_num_seqs,
+            stats.vocab_size,
+            stats.model,
+            stats.kv_capacity_tokens,
+            stats.takes_earlier_outputs,
+        )
+        return anew
 
     async def watch(self) -> AsyncGenerator[bool, None]:
         """Its health as it changes (gRPC health Watch): True while SERVING. Ends or raises

@@ -17,7 +17,8 @@ and a resumed call carries nothing (the drafter drafts it from its own tokens on
 
 What an engine holds is this class's belief: an engine that restarted, or dropped a prompt's
 history for room, lacks outputs counted here until the scheduler forgets it
-(:meth:`EarlierOutputs.forget_engine`, when it is marked unhealthy).
+(:meth:`EarlierOutputs.forget_engine`, when the engine's Stats give a new boot id, or it
+gives none and may have restarted, and when it leaves the fleet).
 """
 
 from __future__ import annotations

@@ -608,7 +608,8 @@ class SchedulerRuntime:
             engine.registered = True
             self._registered += 1
         engine.heartbeat()
-        await self._probe(engine, restarted=True)  # it may have restarted since it was seen
+        engine.may_have_restarted = True  # since it was seen
+        await self._probe(engine)
 
     def heartbeat_interval_ms(self) -> int:
         """The period engines are told to heartbeat at: the setting, or longer on a fleet
@@ -659,6 +660,7 @@ class SchedulerRuntime:
                     weights_path=e.weights[0],
                     weights_version=e.weights[1],
                     loading_weights=e.loading_weights,
+                    restarts=e.restarts,
                 )
                 for e in self._engines.values()
             ],
@@ -1486,7 +1488,10 @@ class SchedulerRuntime:
         watch a probe interval later. NOT_SERVING (the engine drains or its core died) stops
         new work at once; the calls it runs go on until they finish or their streams break
         (then they are requeued, as when a probe finds the engine gone). SERVING again is
-        checked by a probe, which also learns the engine's limits."""
+        checked by a probe, which also learns the engine's limits. A watch that broke leaves
+        the engine suspect of a restart until a probe reaches it: the first SERVING of the
+        watch opened next is probed too, so that an engine back before a probe failed loads
+        the fleet's weights as well."""
         while True:
             try:
                 async with contextlib.aclosing(engine.watch()) as statuses:
@@ -1498,7 +1503,7 @@ class SchedulerRuntime:
                             # A draining engine waits for every open call before it exits,
                             # this watch too: close it (it is opened again later).
                             break
-                        if not engine.healthy:
+                        if not engine.healthy or engine.may_have_restarted:
                             await self._probe(engine)
             except grpc.aio.AioRpcError:
                 pass
@@ -1507,14 +1512,17 @@ class SchedulerRuntime:
             # The watch ended: closed above on NOT_SERVING, or broken (the engine exited, or
             # the connection did). Probe it now, so that an engine that is gone counts a
             # failed probe at once (and one that restarted loads the fleet's weights).
-            await self._probe(engine, restarted=True)
+            engine.may_have_restarted = True
+            await self._probe(engine)
             await asyncio.sleep(self.settings.health_interval_s)
 
-    async def _probe(self, engine: EngineHandle, restarted: bool = False) -> None:
+    async def _probe(self, engine: EngineHandle) -> None:
         """Checks the engine's health. Before an engine serves (again), or when it may have
-        restarted, it must serve the fleet's weights: it loads them or stays out."""
+        restarted, its Stats are read: a new process holds none of the outputs handed to the
+        old one, and it must serve the fleet's weights: it loads them or stays out."""
+        look = engine.may_have_restarted or not engine.healthy
         try:
-            await engine.probe(self.settings.health_timeout_s)
+            anew = await engine.probe(self.settings.health_timeout_s, look)
             if engine.info is not None and engine.info.takes_earlier_outputs:
                 self._outputs_taken = True
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
@@ -1526,8 +1534,9 @@ class SchedulerRuntime:
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
-        if restarted or not engine.healthy:  # it may have restarted
-            if self._outputs is not None:  # its drafter holds none of the outputs counted its
+        if look:
+            engine.may_have_restarted = False
+            if anew and self._outputs is not None:  # its drafter holds none of them
                 self._outputs.forget_engine(engine.engine_id)
             if not await self._has_fleet_weights(engine):
                 return  # out of service until it serves the fleet's weights

@@ -36,6 +36,7 @@ import resource
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -162,6 +163,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
     ) -> None:
         profile = engine.engine.profile
         self.engine_id = engine_id
+        self.boot_id = uuid.uuid4().hex  # Stats says it: another when the fleet restarts
         self.info = ModelInfo(
             model=f"sim:{profile.name}",
             max_model_len=max_model_len,
@@ -304,6 +306,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
             weights_version=self._weights[0],
             weights_path=self._weights[1],
             progress=self._progress() if request.with_progress else (),
+            boot_id=self.boot_id,
         )
 
     def _progress(self) -> list[pb.SampleProgress]:
