@@ -114,3 +114,32 @@ async def test_outputs_a_call_carries_are_drafted_from_as_if_the_engine_had_made
         told.spec_accepted_tokens,
         fresh.spec_accepted_tokens,
     )
+
+
+async def test_outputs_added_outside_a_call_are_drafted_from_by_the_prompt_s_next_samples(
+    rollout_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
+) -> None:
+    """AddOutputs (the scheduler's push of outputs finished on other engines) reaches the
+    drafter in vLLM's engine core as a call's ``earlier_outputs`` do: the prompt's next
+    sample drafts from them. An engine that does not draft from them takes none."""
+    prompt = [17 + 5 * j for j in range(40)]  # prompts no other test sends
+    control = [19 + 5 * j for j in range(40)]
+    made = (await greedy(plain_stub, "pushed-plain", prompt))[0]
+    request = pb.AddOutputsRequest(
+        prompt_token_ids=prompt, outputs=[pb.EarlierOutput(token_ids=made.token_ids)]
+    )
+    assert (await rollout_stub.AddOutputs(request, timeout=60)).taken == 1
+    assert (await plain_stub.AddOutputs(request, timeout=60)).taken == 0
+    told = (await greedy(rollout_stub, "pushed-0", prompt))[0]
+    fresh = (await greedy(rollout_stub, "pushed-control", control))[0]
+    assert list(told.token_ids) == list(made.token_ids)
+    tokens = len(told.token_ids)
+    assert told.spec_accepted_tokens >= 0.9 * told.spec_draft_tokens, (
+        told.spec_accepted_tokens,
+        told.spec_draft_tokens,
+    )
+    assert told.spec_accepted_tokens >= 0.7 * tokens, (told.spec_accepted_tokens, tokens)
+    assert told.spec_accepted_tokens > fresh.spec_accepted_tokens, (
+        told.spec_accepted_tokens,
+        fresh.spec_accepted_tokens,
+    )

@@ -83,6 +83,8 @@ class FakeEngine:
     port: int = 0  # 0: a free one (another engine may start on a stopped one's port)
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what Stats says
     stats_calls: int = 0  # Stats calls answered
+    pushes: list[pb.AddOutputsRequest] = field(default_factory=list)  # AddOutputs received
+    refuse_pushes: bool = False  # AddOutputs fails with UNAVAILABLE
     address: str = ""
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
@@ -278,6 +280,15 @@ class _Servicer(pb_grpc.EngineServicer):
             takes_earlier_outputs=self._e.takes_earlier_outputs,
             boot_id=self._e.boot_id,
         )
+
+    async def AddOutputs(
+        self, request: pb.AddOutputsRequest, context: Any
+    ) -> pb.AddOutputsResponse:
+        self._e.pushes.append(request)
+        if self._e.refuse_pushes:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine cannot take them")
+        taken = len(request.outputs) if self._e.takes_earlier_outputs else 0
+        return pb.AddOutputsResponse(taken=taken)
 
     async def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: Any

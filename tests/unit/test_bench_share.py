@@ -40,9 +40,10 @@ def test_figures_are_pooled_by_stack_and_part_and_set_against_own() -> None:
     assert s.ratio("all") == pytest.approx((250 / 4) / (250 / 5))
     assert s.figures["own"]["later"]["accepted_share"] == 10 / 150
     console = Console(width=200, record=True)
-    console.print(table(s, ShareConfig(rounds=2)))
+    console.print(table(s, ShareConfig(rounds=2, own_args=("--no-earlier-outputs-push",))))
     text = console.export_text()
     assert "1.500x" in text and "bench share: 2 rounds x 4 epochs" in text
+    assert "own: --no-earlier-outputs-push" in text
 
 
 def test_samples_are_set_side_by_side_by_group_and_index() -> None:

@@ -402,7 +402,11 @@ async def test_calls_carry_the_outputs_of_their_prompt_that_the_engine_did_not_m
     a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
     b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
     runtime = await make_runtime(
-        redis_url, [a, b], policy="round_robin", earlier_outputs_per_prompt=per_prompt
+        redis_url,
+        [a, b],
+        policy="round_robin",
+        earlier_outputs_per_prompt=per_prompt,
+        earlier_outputs_push=False,  # the outputs go with calls only (pushes: below)
     )
     run = new_run()
     other = dataclasses.replace(spec("other", n=4, run_id=run), prompt_token_ids=(1, 2, 3))
@@ -440,6 +444,53 @@ async def test_calls_carry_the_outputs_of_their_prompt_that_the_engine_did_not_m
         assert outputs == [[500, 501, 502, 503]] * want, (request.request_id, outputs)
         expected += want
     assert sent == expected and (per_prompt == 0 or expected > 0)
+
+
+@pytest.mark.parametrize("case", ["push", "no-push", "takes-none", "refused"])
+async def test_outputs_finished_on_one_engine_are_pushed_to_the_group_running_on_another(
+    redis_url: str, case: str
+) -> None:
+    """``b`` finishes its share of the group at once, ``a`` runs its share for a second: the
+    scheduler sends ``b``'s outputs to ``a`` while its samples run (AddOutputs), counted in
+    the status; none to ``b``, whose call has ended. Nothing is pushed with the push turned
+    off, nor to an engine that does not draft from outputs; a push the engine refuses loses
+    nothing of the group."""
+    # Edges faked: both engines (FakeEngine over real gRPC, with the standard health service).
+    a = await FakeEngine(
+        "a",
+        tokens_per_sample=4,
+        step_s=1.0,
+        takes_earlier_outputs=case != "takes-none",
+        refuse_pushes=case == "refused",
+    ).start()
+    b = await FakeEngine(
+        "b", tokens_per_sample=4, first_token=500, takes_earlier_outputs=True
+    ).start()
+    runtime = await make_runtime(
+        redis_url, [a, b], policy="round_robin", earlier_outputs_push=case != "no-push"
+    )
+    run = new_run()
+    group = spec("g0", n=4, run_id=run)
+    try:
+        await runtime.submit(run, [group])
+        [result] = await read_stream(redis_url, run, 1)
+        pushed = runtime.status().earlier_outputs_pushed
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert result.status == GroupStatus.DELIVERED
+    assert [len(s.token_ids) for s in result.samples] == [4, 4, 4, 4]
+    on_b = sum(len(indices) for indices in b.asked())
+    assert 0 < on_b < 4 and not b.pushes
+    if case in ("no-push", "takes-none"):
+        assert not a.pushes and pushed == 0
+        return
+    assert all(list(p.prompt_token_ids) == list(group.prompt_token_ids) for p in a.pushes)
+    outputs = [list(o.token_ids) for p in a.pushes for o in p.outputs]
+    assert outputs == [[500, 501, 502, 503]] * len(outputs) and pushed == len(outputs)
+    # Each once, as they finished; after a refusal no more are sent while that push runs.
+    assert len(outputs) == on_b if case == "push" else len(outputs) >= 1
 
 
 async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(
@@ -490,7 +541,13 @@ async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
     # service); "back" stands for what answers at a's address after the watch broke.
     a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
     b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
-    runtime = await make_runtime(redis_url, [a, b], policy="round_robin", health_failures=50)
+    runtime = await make_runtime(
+        redis_url,
+        [a, b],
+        policy="round_robin",
+        health_failures=50,
+        earlier_outputs_push=False,  # what a holds comes with calls only: all of it in g1's
+    )
     run = new_run()
     back = FakeEngine(
         "a",
@@ -515,7 +572,11 @@ async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
         await back.start()
 
         async def probed_back() -> bool:
-            return bool(back.stats_calls) and not runtime._engines["a"].may_have_restarted
+            # (A new process is healthy again only once it has loaded the fleet's weights.)
+            handle = runtime._engines["a"]
+            loaded = bool(back.weight_updates) or not anew
+            looked = bool(back.stats_calls) and not handle.may_have_restarted
+            return looked and loaded and handle.healthy and not handle.loading_weights
 
         await eventually(probed_back, "the scheduler to read the Stats of what is at a's address")
         await runtime.submit(run, [spec("g1", n=4, run_id=run)])

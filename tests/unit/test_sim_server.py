@@ -645,3 +645,18 @@ async def test_serve_runs_a_fleet_each_engine_on_its_own_port(tmp_path: Path) ->
         report = await asyncio.wait_for(task, WAIT_S)
     assert report["simulated"] is True and report["engines"] == 3
     assert "simulated" in (tmp_path / "stats.json").read_text()
+
+
+async def test_add_outputs_are_checked_as_vllm_checks_them_and_taken_by_none() -> None:
+    """The simulated engine does not draft from outputs: it checks them and takes none."""
+    request = pb.AddOutputsRequest(
+        prompt_token_ids=PROMPT, outputs=[pb.EarlierOutput(token_ids=[5, 6])]
+    )
+    bad = pb.AddOutputsRequest(prompt_token_ids=[], outputs=[pb.EarlierOutput(token_ids=[5])])
+    async with sim_engine() as (_, stub):
+        reply = await stub.AddOutputs(request)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.AddOutputs(bad)
+    assert reply.taken == 0
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids is empty" in (info.value.details() or "")

@@ -3,12 +3,16 @@ real engines that speculate with the ``rollout`` drafter.
 
 An engine's rollout drafter drafts a sample from the earlier outputs of its prompt that it
 holds. Alone it holds those it made; the scheduler keeps every prompt's newest outputs and has
-each Generate call carry the ones its engine lacks (``rollserve.scheduler.outputs``; the
-scheduler's ``--earlier-outputs-per-prompt``, 0 to turn it off). This benchmark runs the same
+each Generate call carry the ones its engine lacks, and sends each output that finishes to
+the engines running its group's other samples at once (AddOutputs; ``rollserve.scheduler.
+outputs``; the scheduler's ``--earlier-outputs-per-prompt``, 0 to turn it off, and
+``--no-earlier-outputs-push``). This benchmark runs the same
 work on two dev stacks side by side, alike but for that:
 
 - ``shared``: the scheduler's default (outputs handed over);
-- ``own``: ``--earlier-outputs-per-prompt 0`` (each engine drafts from what it made).
+- ``own``: ``--earlier-outputs-per-prompt 0`` (each engine drafts from what it made), or
+  the scheduler flags ``--own-args`` gives (``--no-earlier-outputs-push``: outputs handed
+  over with a call of their prompt only, not pushed to engines running their group).
 
 A round takes ``--groups`` prompts no other round has and runs ``--epochs`` passes over them
 on each stack, an epoch's groups submitted at once and waited for (a synchronous step), with
@@ -71,6 +75,7 @@ class ShareConfig:
     policy: str = "least_outstanding"
     engine_args: tuple[str, ...] = DEFAULT_ENGINE_ARGS
     scheduler_args: tuple[str, ...] = ()
+    own_args: tuple[str, ...] = OWN_ARGS  # the ``own`` stack's scheduler flags besides
     timeout_s: float = 1800.0  # an epoch's deadline
     json_path: Path | None = None
     run_dir: Path | None = None
@@ -187,7 +192,7 @@ def run_epoch(
     from rollserve.client import PromptGroup, SamplingParams
 
     by_id = {f"r{rnd}-e{epoch}-g{g.index}": g for g in chosen}
-    handed_before = client.status().earlier_outputs_sent
+    handed_before = _handed(client)
     start = time.perf_counter()
     client.submit(
         [
@@ -221,10 +226,16 @@ def run_epoch(
     seconds = time.perf_counter() - start
     if received < len(by_id):
         raise RuntimeError(f"{arm}: {received} of {len(by_id)} groups in {cfg.timeout_s:g} s")
-    handed = client.status().earlier_outputs_sent - handed_before
+    handed = _handed(client) - handed_before
     return Epoch(
         arm, rnd, epoch, seconds, received, tokens, passes, accepted, proposed, handed, samples
     )
+
+
+def _handed(client: Any) -> int:
+    """Outputs the stack's scheduler handed to engines: with calls, and pushed."""
+    status = client.status()
+    return int(status.earlier_outputs_sent + status.earlier_outputs_pushed)
 
 
 def identical_samples(epochs: Sequence[Epoch]) -> tuple[int, int]:
@@ -252,7 +263,7 @@ def run_share(cfg: ShareConfig) -> Summary:
         for arm in ARMS:
             scheduler_args = ("--policy", cfg.policy, *cfg.scheduler_args)
             if arm == "own":
-                scheduler_args += OWN_ARGS
+                scheduler_args += cfg.own_args
             console.print(
                 f"[bold]{arm}[/bold]: starting the dev stack ({cfg.engines} engines "
                 f"{' '.join(cfg.engine_args)}; scheduler {' '.join(scheduler_args)}) …"
@@ -320,7 +331,7 @@ def table(summary: Summary, cfg: ShareConfig) -> Any:
 
     t = Table(
         title=f"bench share: {cfg.rounds} rounds x {cfg.epochs} epochs x {cfg.groups} groups x "
-        f"{cfg.n} on {cfg.engines} engines ({cfg.policy})"
+        f"{cfg.n} on {cfg.engines} engines ({cfg.policy}; own: {' '.join(cfg.own_args)})"
     )
     for column in (
         "part",
@@ -376,6 +387,12 @@ def add_bench_share(bench_sub: Any) -> None:
         help="engine flags on both stacks, one string (must use --spec-method=rollout)",
     )
     p.add_argument("--scheduler-args", default="", help="more scheduler flags, both stacks")
+    p.add_argument(
+        "--own-args",
+        default=" ".join(OWN_ARGS),
+        help="the own stack's scheduler flags besides (--no-earlier-outputs-push: outputs "
+        "handed over with calls only, to measure the push)",
+    )
     p.add_argument("--run-dir", type=output_dir, help="keep every process's log here")
     p.add_argument("--json", type=output_file)
     p.set_defaults(func=_cmd_share)
@@ -395,6 +412,7 @@ def _cmd_share(args: argparse.Namespace) -> int:
             policy=args.policy,
             engine_args=tuple(args.engine_args.split()),
             scheduler_args=tuple(args.scheduler_args.split()),
+            own_args=tuple(args.own_args.split()),
             json_path=args.json,
             run_dir=args.run_dir,
         )

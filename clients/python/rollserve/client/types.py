@@ -239,6 +239,8 @@ class SchedulerStatus:
     # Earlier outputs of their prompts (made on other engines) that calls carried to engines
     # that draft from them.
     earlier_outputs_sent: int = 0
+    # Outputs sent at once to engines running other samples of their groups (AddOutputs).
+    earlier_outputs_pushed: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -267,6 +269,7 @@ class SchedulerStatus:
             fleet_weights_version=msg.fleet_weights_version,
             publishes_awaiting_counts=msg.publishes_awaiting_counts,
             earlier_outputs_sent=msg.earlier_outputs_sent,
+            earlier_outputs_pushed=msg.earlier_outputs_pushed,
         )
 
     @property

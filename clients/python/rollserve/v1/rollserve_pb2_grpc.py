@@ -366,6 +366,11 @@ class EngineStub:
                 request_serializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.AddOutputs = channel.unary_unary(
+                '/rollserve.v1.Engine/AddOutputs',
+                request_serializer=rollserve_dot_v1_dot_rollserve__pb2.AddOutputsRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.AddOutputsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -406,6 +411,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddOutputs(self, request, context):
+        """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+        a group's samples that finished elsewhere to the engines that run its other samples, so
+        that those draft from them at once rather than from their next call. Same limits as
+        GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -428,6 +443,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'AddOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddOutputs,
+                    request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.AddOutputsRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollserve__pb2.AddOutputsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -540,6 +560,33 @@ class Engine:
             '/rollserve.v1.Engine/UpdateWeights',
             rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsRequest.SerializeToString,
             rollserve_dot_v1_dot_rollserve__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Engine/AddOutputs',
+            rollserve_dot_v1_dot_rollserve__pb2.AddOutputsRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollserve__pb2.AddOutputsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -184,6 +184,12 @@ class EngineStub:
     weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
     Tokens carry the version of the weights that made them (TokenDelta.weights_version).
     """
+    AddOutputs: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.AddOutputsRequest, _rollserve_pb2.AddOutputsResponse]
+    """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+    a group's samples that finished elsewhere to the engines that run its other samples, so
+    that those draft from them at once rather than from their next call. Same limits as
+    GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+    """
 
 @_typing.type_check_only
 class EngineAsyncStub(EngineStub):
@@ -205,6 +211,12 @@ class EngineAsyncStub(EngineStub):
     that were running first send the tokens they made so far, then go on under the new
     weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
     Tokens carry the version of the weights that made them (TokenDelta.weights_version).
+    """
+    AddOutputs: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.AddOutputsRequest, _rollserve_pb2.AddOutputsResponse]  # type: ignore[assignment]
+    """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+    a group's samples that finished elsewhere to the engines that run its other samples, so
+    that those draft from them at once rather than from their next call. Same limits as
+    GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
     """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
@@ -248,6 +260,18 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         that were running first send the tokens they made so far, then go on under the new
         weights (their KV cache recomputed), and the prefix cache starts empty. One at a time.
         Tokens carry the version of the weights that made them (TokenDelta.weights_version).
+        """
+
+    @_abc_1.abstractmethod
+    def AddOutputs(
+        self,
+        request: _rollserve_pb2.AddOutputsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollserve_pb2.AddOutputsResponse, _abc.Awaitable[_rollserve_pb2.AddOutputsResponse]]:
+        """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+        a group's samples that finished elsewhere to the engines that run its other samples, so
+        that those draft from them at once rather than from their next call. Same limits as
+        GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
         """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -848,6 +848,28 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
         return pb.AbortResponse(found=True)
 
+    async def AddOutputs(
+        self,
+        request: pb.AddOutputsRequest,
+        context: grpc.aio.ServicerContext[pb.AddOutputsRequest, pb.AddOutputsResponse],
+    ) -> pb.AddOutputsResponse:
+        """Hands a prompt's earlier outputs to the drafter (its running samples draft from
+        them from its next step); an engine that does not draft from them takes none."""
+        backend = await self._require_backend(context)
+        problem = add_outputs_problem(request, backend.info)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if not request.outputs or not backend.info.takes_earlier_outputs:
+            return pb.AddOutputsResponse(taken=0)
+        try:
+            await backend.add_earlier_outputs(
+                request.prompt_token_ids, [o.token_ids for o in request.outputs]
+            )
+        except BackendError as exc:
+            code = grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.INTERNAL
+            await context.abort(code, exc.message)
+        return pb.AddOutputsResponse(taken=len(request.outputs))
+
     async def UpdateWeights(
         self,
         request: pb.UpdateWeightsRequest,
@@ -1109,7 +1131,7 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
     if sampling.HasField("top_k") and sampling.top_k < -1:
         yield f"sampling.top_k ({sampling.top_k}) must be -1 or 0 (disabled) or at least 1"
-    yield from _earlier_output_problems(request.earlier_outputs)
+    yield from _earlier_output_problems("earlier_outputs", request.earlier_outputs)
     named: list[tuple[str, Sequence[int]]] = [
         ("prompt_token_ids", request.prompt_token_ids),
         ("sampling.stop_token_ids", sampling.stop_token_ids),
@@ -1118,6 +1140,13 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         (f"earlier_outputs[{i}].token_ids", output.token_ids)
         for i, output in enumerate(request.earlier_outputs)
     ]
+    yield from _vocabulary_problems(named, info)
+
+
+def _vocabulary_problems(
+    named: Sequence[tuple[str, Sequence[int]]], info: ModelInfo
+) -> Iterator[str]:
+    """A problem for each named list of token ids with one outside the vocabulary."""
     for name, ids in named:
         if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):
             position, token = next(
@@ -1129,18 +1158,35 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
             )
 
 
-def _earlier_output_problems(outputs: Sequence[pb.EarlierOutput]) -> Iterator[str]:
+def _earlier_output_problems(field: str, outputs: Sequence[pb.EarlierOutput]) -> Iterator[str]:
     if len(outputs) > MAX_EARLIER_OUTPUTS:
         yield (
-            f"earlier_outputs holds {len(outputs)} outputs, over the limit of "
-            f"{MAX_EARLIER_OUTPUTS} a call"
+            f"{field} holds {len(outputs)} outputs, over the limit of {MAX_EARLIER_OUTPUTS} a call"
         )
     tokens = sum(len(output.token_ids) for output in outputs)
     if tokens > MAX_EARLIER_OUTPUT_TOKENS:
         yield (
-            f"earlier_outputs holds {tokens} tokens, over the limit of "
-            f"{MAX_EARLIER_OUTPUT_TOKENS} a call"
+            f"{field} holds {tokens} tokens, over the limit of {MAX_EARLIER_OUTPUT_TOKENS} a call"
         )
+
+
+def add_outputs_problem(request: pb.AddOutputsRequest, info: ModelInfo) -> str | None:
+    """The first problem with an AddOutputs request, worded for the caller; None if valid."""
+
+    def problems() -> Iterator[str]:
+        if not request.prompt_token_ids:
+            yield "prompt_token_ids is empty; send the prompt the outputs answer"
+        if len(request.prompt_token_ids) > info.max_model_len:
+            yield (
+                f"prompt_token_ids holds {len(request.prompt_token_ids)} tokens, over the "
+                f"model's context ({info.max_model_len})"
+            )
+        yield from _earlier_output_problems("outputs", request.outputs)
+        named: list[tuple[str, Sequence[int]]] = [("prompt_token_ids", request.prompt_token_ids)]
+        named += [(f"outputs[{i}].token_ids", o.token_ids) for i, o in enumerate(request.outputs)]
+        yield from _vocabulary_problems(named, info)
+
+    return next(problems(), None)
 
 
 def _index_problems(indices: Sequence[int], n: int) -> Iterator[str]:

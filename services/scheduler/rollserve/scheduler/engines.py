@@ -149,6 +149,20 @@ class EngineHandle:
         request = pb.UpdateWeightsRequest(weights_path=path, version=version)
         await self._stub.UpdateWeights(request, timeout=timeout_s)
 
+    async def add_outputs(
+        self,
+        prompt_token_ids: Sequence[int],
+        outputs: Sequence[Sequence[int]],
+        timeout_s: float,
+    ) -> int:
+        """Hands the engine's drafter earlier outputs of the prompt; how many it took."""
+        request = pb.AddOutputsRequest(
+            prompt_token_ids=prompt_token_ids,
+            outputs=[pb.EarlierOutput(token_ids=o) for o in outputs],
+        )
+        reply: pb.AddOutputsResponse = await self._stub.AddOutputs(request, timeout=timeout_s)
+        return reply.taken
+
     async def stats(self, timeout_s: float, *, with_progress: bool = False) -> pb.StatsResponse:
         request = pb.StatsRequest(with_progress=with_progress)
         reply: pb.StatsResponse = await self._stub.Stats(request, timeout=timeout_s)

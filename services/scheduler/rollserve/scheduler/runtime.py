@@ -178,6 +178,7 @@ class Counters:
     engine_failures: int = 0
     samples_preempted: int = 0
     earlier_outputs_sent: int = 0
+    earlier_outputs_pushed: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -257,6 +258,8 @@ class SchedulerRuntime:
             else None
         )
         self._outputs_taken = False  # some engine has said it drafts from earlier outputs
+        # (engine id, group key) -> the task sending that engine the group's new outputs
+        self._pushes: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # (predicted before learning, true length) of the latest delivered samples.
@@ -368,7 +371,7 @@ class SchedulerRuntime:
         runs again only to unwind."""
         self._lost = lost
         current = asyncio.current_task()
-        for task in (*self._background, *self._tasks, *self._questions()):
+        for task in (*self._background, *self._tasks, *self._questions(), *self._pushes.values()):
             if task is not current:
                 task.cancel()
 
@@ -404,6 +407,7 @@ class SchedulerRuntime:
             *self._tasks,
             *self._watches.values(),
             *self._questions(),
+            *self._pushes.values(),
         ]
         for task in tasks:
             task.cancel()
@@ -412,6 +416,7 @@ class SchedulerRuntime:
         self._asking.clear()
         self._tasks.clear()
         self._watches.clear()
+        self._pushes.clear()
         self._calls.clear()
         if self._lost is None:
             await self._save_history()
@@ -668,6 +673,7 @@ class SchedulerRuntime:
             fleet_weights_version=0 if self._weights is None else self._weights.version,
             publishes_awaiting_counts=len(self._questions()),
             earlier_outputs_sent=c.earlier_outputs_sent,
+            earlier_outputs_pushed=c.earlier_outputs_pushed,
         )
 
     # ------------------------------------------------------------ queue and dispatch
@@ -1035,7 +1041,8 @@ class SchedulerRuntime:
 
     def _keep_output(self, call: _Call, index: int, reason: FinishReason) -> None:
         """A sample finished: its output is kept for engines that draft from it, as held by
-        the call's engine where it made the output whole."""
+        the call's engine where it made the output whole, and pushed to the engines that run
+        the group's other samples."""
         if self._outputs is None or not self._outputs_taken or reason is FinishReason.ABORT:
             return  # (none kept while no engine drafts from them)
         record = call.record
@@ -1044,6 +1051,64 @@ class SchedulerRuntime:
             record.samples[index].token_ids,
             None if call.resumed else call.engine.engine_id,
         )
+        if self.settings.earlier_outputs_push:
+            self._push_outputs(record.spec.key, call.engine)
+
+    def _push_outputs(self, key: str, source: EngineHandle) -> None:
+        """Starts sending the group's outputs to each other engine that drafts from them and
+        runs samples of the group started from its prompt (a resumed one drafts from its own
+        tokens), unless a send to it is under way (that one sends what is new when it
+        returns)."""
+        for call in self._calls.get(key, {}).values():
+            engine = call.engine
+            info = engine.info
+            if (
+                engine is source
+                or call.resumed
+                or not engine.healthy
+                or info is None
+                or not info.takes_earlier_outputs
+                or (engine.engine_id, key) in self._pushes
+                or not call.running()
+            ):
+                continue
+            task = asyncio.create_task(
+                self._push(engine, key, call.record.spec.prompt_token_ids),
+                name=f"push {key} to {engine.engine_id}",
+            )
+            self._pushes[(engine.engine_id, key)] = task
+            task.add_done_callback(functools.partial(self._push_ended, (engine.engine_id, key)))
+
+    async def _push(self, engine: EngineHandle, key: str, prompt: Sequence[int]) -> None:
+        """Sends the engine the prompt's outputs it lacks (AddOutputs), again while more
+        arrive and the group still runs there. Drafts are an optimisation: a failed send is
+        logged (the engine's calls and probes tell whether it is down)."""
+        assert self._outputs is not None
+        while any(
+            c.engine is engine and not c.resumed and c.running()
+            for c in self._calls.get(key, {}).values()
+        ):
+            outputs = self._outputs.missing(prompt, engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS)
+            if not outputs:
+                return
+            self.counters.earlier_outputs_pushed += len(outputs)
+            try:
+                await engine.add_outputs(prompt, outputs, self.settings.health_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.info(
+                    "engine %s did not take %d outputs of group %s: %s: %s",
+                    engine.engine_id,
+                    len(outputs),
+                    key,
+                    exc.code().name,
+                    exc.details(),
+                )
+                return
+
+    def _push_ended(self, push: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self._pushes.get(push) is task:
+            del self._pushes[push]
+        _log_crash(task)
 
     def _stamps(self, run_id: str) -> bool:
         """Whether the run's tokens are labelled by the engines' weights (it publishes the

@@ -323,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(--spec-method rollout) and did not make them (0: none)",
     )
     p.add_argument(
+        "--no-earlier-outputs-push",
+        dest="earlier_outputs_push",
+        action="store_false",
+        help="hand a finished output to other engines only with their next call of its "
+        "prompt, not at once to those running its group's other samples",
+    )
+    p.add_argument(
         "--earlier-outputs-tokens",
         type=int,
         default=1 << 26,
@@ -358,6 +365,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         cost_profile=args.cost_profile,
         redis_max_connections=args.redis_max_connections,
         earlier_outputs_per_prompt=args.earlier_outputs_per_prompt,
+        earlier_outputs_push=args.earlier_outputs_push,
         earlier_outputs_tokens=args.earlier_outputs_tokens,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,

@@ -121,6 +121,12 @@ class SchedulerSettings(BaseModel):
         "them (the rollout drafter, which keeps 64 a prompt) and did not make them; 0: none "
         "kept nor sent",
     )
+    earlier_outputs_push: bool = Field(
+        True,
+        description="send each finished output at once to the engines running other samples "
+        "of its group that draft from such outputs (AddOutputs), rather than with their next "
+        "call only",
+    )
     earlier_outputs_tokens: int = Field(
         1 << 26,
         ge=1,

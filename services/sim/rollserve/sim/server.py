@@ -56,6 +56,7 @@ from rollserve.engine.service import (
     FINISH_REASONS,
     SERVER_OPTIONS,
     ModelInfo,
+    add_outputs_problem,
     refuse_bad_abort,
     refuse_bad_generate,
     weights_request_problem,
@@ -276,6 +277,18 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         for run in self._runs.values():
             self._seal(run)
         self._weights = (request.version, request.weights_path)
+
+    async def AddOutputs(
+        self,
+        request: pb.AddOutputsRequest,
+        context: grpc.aio.ServicerContext[pb.AddOutputsRequest, pb.AddOutputsResponse],
+    ) -> pb.AddOutputsResponse:
+        """Checked as a vLLM engine checks them, then ignored: the simulated engine does not
+        draft from outputs (its speculation is a mean acceptance)."""
+        problem = add_outputs_problem(request, self.info)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return pb.AddOutputsResponse(taken=0)
 
     async def Stats(
         self,
