@@ -125,8 +125,9 @@ async def test_outputs_added_outside_a_call_are_drafted_from_by_the_prompt_s_nex
     prompt = [17 + 5 * j for j in range(40)]  # prompts no other test sends
     control = [19 + 5 * j for j in range(40)]
     made = (await greedy(plain_stub, "pushed-plain", prompt))[0]
+    outputs = [pb.EarlierOutput(token_ids=made.token_ids)]
     request = pb.AddOutputsRequest(
-        prompt_token_ids=prompt, outputs=[pb.EarlierOutput(token_ids=made.token_ids)]
+        prompts=[pb.PromptOutputs(prompt_token_ids=prompt, outputs=outputs)]
     )
     assert (await rollout_stub.AddOutputs(request, timeout=60)).taken == 1
     assert (await plain_stub.AddOutputs(request, timeout=60)).taken == 0

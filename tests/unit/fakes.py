@@ -287,7 +287,8 @@ class _Servicer(pb_grpc.EngineServicer):
         self._e.pushes.append(request)
         if self._e.refuse_pushes:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine cannot take them")
-        taken = len(request.outputs) if self._e.takes_earlier_outputs else 0
+        outputs = sum(len(p.outputs) for p in request.prompts)
+        taken = outputs if self._e.takes_earlier_outputs else 0
         return pb.AddOutputsResponse(taken=taken)
 
     async def UpdateWeights(

@@ -457,13 +457,15 @@ def test_outputs_made_elsewhere_draft_later_and_running_samples() -> None:
 
 def test_the_worker_extension_reaches_the_rollout_drafter_only() -> None:
     worker = RolloutWorkerExtension()
-    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2]]) == 0  # no model runner
+    assert worker.rollserve_add_earlier_outputs([(PROMPT, [[1, 2]])]) == 0  # no model runner
     worker.model_runner = SimpleNamespace(drafter=object())  # type: ignore[attr-defined]
-    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2]]) == 0  # another drafter
+    assert worker.rollserve_add_earlier_outputs([(PROMPT, [[1, 2]])]) == 0  # another drafter
     drafter = _drafter()
     worker.model_runner = SimpleNamespace(drafter=drafter)  # type: ignore[attr-defined]
-    assert worker.rollserve_add_earlier_outputs(PROMPT, [[1, 2], [3]]) == 2
+    other = [9, 9]
+    assert worker.rollserve_add_earlier_outputs([(PROMPT, [[1, 2], [3]]), (other, [[4]])]) == 3
     assert _outputs(drafter.history, tuple(PROMPT)) == [(1, 2), (3,)]
+    assert _outputs(drafter.history, tuple(other)) == [(4,)]
     assert hasattr(RolloutWorkerExtension, ADD_OUTPUTS_METHOD)
 
 

@@ -71,3 +71,12 @@ def test_bounds_must_be_positive() -> None:
         EarlierOutputs(per_prompt=0, max_tokens=10)
     with pytest.raises(ValueError, match="max_tokens"):
         EarlierOutputs(per_prompt=1, max_tokens=0)
+
+
+def test_at_most_max_outputs_are_chosen_the_newest_and_the_rest_later() -> None:
+    kept = EarlierOutputs(per_prompt=8, max_tokens=1000)
+    for token in range(5):
+        kept.finished(P, [token], "b")
+    assert lists(kept.missing(P, "a", 1000, max_outputs=2)) == [[3], [4]]
+    assert lists(kept.missing(P, "a", 1000, max_outputs=0)) == []
+    assert lists(kept.missing(P, "a", 1000)) == [[0], [1], [2]]

@@ -18,6 +18,7 @@ from rollserve.engine.service import (
     EngineCounters,
     EngineServicer,
     ModelInfo,
+    PromptOutputs,
     SampleOutput,
     SampleRequest,
 )
@@ -46,14 +47,11 @@ class ScriptedBackend:
     def info(self) -> ModelInfo:
         return self._info
 
-    async def add_earlier_outputs(
-        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
-    ) -> None:
+    async def add_earlier_outputs(self, prompts: Sequence[PromptOutputs]) -> None:
         if self.earlier_error is not None:
             raise self.earlier_error
-        self.earlier.append(
-            (list(prompt_token_ids), [list(o) for o in outputs], len(self.requests))
-        )
+        for prompt, outputs in prompts:
+            self.earlier.append((list(prompt), [list(o) for o in outputs], len(self.requests)))
 
     async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
         self.requests.append(request)
@@ -311,44 +309,59 @@ async def test_bad_earlier_outputs_are_invalid_argument(
     assert backend.requests == [] and backend.earlier == []
 
 
-def add_outputs(prompt: list[int], *outputs: list[int]) -> pb.AddOutputsRequest:
+def add_outputs(*prompts: tuple[list[int], list[list[int]]]) -> pb.AddOutputsRequest:
     return pb.AddOutputsRequest(
-        prompt_token_ids=prompt, outputs=[pb.EarlierOutput(token_ids=o) for o in outputs]
+        prompts=[
+            pb.PromptOutputs(
+                prompt_token_ids=prompt, outputs=[pb.EarlierOutput(token_ids=o) for o in outputs]
+            )
+            for prompt, outputs in prompts
+        ]
     )
 
 
 @pytest.mark.parametrize("takes", [True, False])
-async def test_add_outputs_hands_a_prompt_s_outputs_to_a_backend_that_drafts_from_them(
+async def test_add_outputs_hands_prompts_outputs_to_a_backend_that_drafts_from_them(
     takes: bool,
 ) -> None:
     """Outside a call (the scheduler pushes outputs finished elsewhere to engines that run
-    the group); a backend that does not draft from them takes none."""
+    the group), several prompts at once; a backend that does not draft from them takes none."""
     backend = ScriptedBackend(takes_earlier_outputs=takes)
     async with served(backend) as stub:
-        reply = await stub.AddOutputs(add_outputs([5, 6, 7], [9, 8], [7]))
-        empty = await stub.AddOutputs(add_outputs([5, 6, 7]))
-    assert (reply.taken, empty.taken) == ((2, 0) if takes else (0, 0))
-    assert backend.earlier == ([([5, 6, 7], [[9, 8], [7]], 0)] if takes else [])
+        reply = await stub.AddOutputs(add_outputs(([5, 6, 7], [[9, 8], [7]]), ([4], [[3]])))
+        empty = await stub.AddOutputs(add_outputs(([5, 6, 7], [])))
+    assert (reply.taken, empty.taken) == ((3, 0) if takes else (0, 0))
+    expected = [([5, 6, 7], [[9, 8], [7]], 0), ([4], [[3]], 0)]
+    assert backend.earlier == (expected if takes else [])
 
 
 @pytest.mark.parametrize(
-    ("prompt", "outputs", "problem"),
+    ("prompts", "problem"),
     [
-        ([], [[5]], "prompt_token_ids is empty"),
-        ([1] * 257, [[5]], "prompt_token_ids holds 257 tokens, over the model's context (256)"),
-        ([5, 1000], [[5]], "prompt_token_ids[1] (1000) is outside the vocabulary [0, 1000)"),
-        ([5], [[5], [3, -1]], "outputs[1].token_ids[1] (-1) is outside the vocabulary"),
-        ([5], [[1]] * 257, "outputs holds 257 outputs, over the limit of 256 a call"),
-        ([5], [[1] * (1 << 21)] * 3, "outputs holds 6291456 tokens, over the limit of 4194304"),
+        ([([], [[5]])], "prompts[0].prompt_token_ids is empty"),
+        (
+            [([5], [[5]]), ([1] * 257, [[5]])],
+            "prompts[1].prompt_token_ids holds 257 tokens, over the model's context (256)",
+        ),
+        ([([5, 1000], [[5]])], "prompts[0].prompt_token_ids[1] (1000) is outside the vocabulary"),
+        ([([5], [[5], [3, -1]])], "prompts[0].outputs[1].token_ids[1] (-1) is outside the vocab"),
+        (
+            [([5], [[1]] * 200), ([6], [[1]] * 57)],
+            "prompts[*].outputs holds 257 outputs, over the limit of 256 a call",
+        ),
+        (
+            [([5], [[1] * (1 << 21)] * 3)],
+            "prompts[*].outputs holds 6291456 tokens, over the limit of 4194304",
+        ),
     ],
 )
 async def test_bad_add_outputs_are_invalid_argument(
-    prompt: list[int], outputs: list[list[int]], problem: str
+    prompts: list[tuple[list[int], list[list[int]]]], problem: str
 ) -> None:
     backend = ScriptedBackend(takes_earlier_outputs=True)
     async with served(backend) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.AddOutputs(add_outputs(prompt, *outputs))
+            await stub.AddOutputs(add_outputs(*prompts))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert problem in (info.value.details() or "")
     assert backend.earlier == []
@@ -359,7 +372,7 @@ async def test_add_outputs_on_a_dead_engine_is_unavailable() -> None:
     backend.earlier_error = BackendError("vLLM engine is dead", retryable=True)
     async with served(backend) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.AddOutputs(add_outputs([5], [9]))
+            await stub.AddOutputs(add_outputs(([5], [[9]])))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "dead" in (info.value.details() or "")
 

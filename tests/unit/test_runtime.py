@@ -467,7 +467,11 @@ async def test_outputs_finished_on_one_engine_are_pushed_to_the_group_running_on
         "b", tokens_per_sample=4, first_token=500, takes_earlier_outputs=True
     ).start()
     runtime = await make_runtime(
-        redis_url, [a, b], policy="round_robin", earlier_outputs_push=case != "no-push"
+        redis_url,
+        [a, b],
+        policy="round_robin",
+        earlier_outputs_push=case != "no-push",
+        earlier_outputs_push_interval_s=0.01,
     )
     run = new_run()
     group = spec("g0", n=4, run_id=run)
@@ -486,11 +490,53 @@ async def test_outputs_finished_on_one_engine_are_pushed_to_the_group_running_on
     if case in ("no-push", "takes-none"):
         assert not a.pushes and pushed == 0
         return
-    assert all(list(p.prompt_token_ids) == list(group.prompt_token_ids) for p in a.pushes)
-    outputs = [list(o.token_ids) for p in a.pushes for o in p.outputs]
+    prompts = [p for push in a.pushes for p in push.prompts]
+    assert all(list(p.prompt_token_ids) == list(group.prompt_token_ids) for p in prompts)
+    outputs = [list(o.token_ids) for p in prompts for o in p.outputs]
     assert outputs == [[500, 501, 502, 503]] * len(outputs) and pushed == len(outputs)
     # Each once, as they finished; after a refusal no more are sent while that push runs.
     assert len(outputs) == on_b if case == "push" else len(outputs) >= 1
+
+
+@pytest.mark.parametrize("interval_s", [0.01, 3600.0])
+async def test_an_engine_gets_pushed_outputs_at_most_once_an_interval(
+    redis_url: str, interval_s: float
+) -> None:
+    """``a`` runs its share of groups g0 and g1 (another prompt) for seconds, ``b`` finishes
+    its share of each at once. g0's outputs reach ``a`` at once (its first push); g1's,
+    submitted after, go in a second push an interval after the first: soon with a short
+    interval, never while ``a`` runs them with an hour's."""
+    # Edges faked: both engines (FakeEngine over real gRPC, with the standard health service).
+    a = await FakeEngine("a", tokens_per_sample=4, step_s=1.5, takes_earlier_outputs=True).start()
+    b = await FakeEngine(
+        "b", tokens_per_sample=4, first_token=500, takes_earlier_outputs=True
+    ).start()
+    runtime = await make_runtime(
+        redis_url, [a, b], policy="round_robin", earlier_outputs_push_interval_s=interval_s
+    )
+    run = new_run()
+    g0 = spec("g0", n=2, run_id=run)
+    g1 = dataclasses.replace(spec("g1", n=2, run_id=run), prompt_token_ids=(1, 2, 3))
+    try:
+        await runtime.submit(run, [g0])
+
+        async def pushed() -> bool:
+            return bool(a.pushes)
+
+        await eventually(pushed, "g0's output pushed to a")
+        await runtime.submit(run, [g1])
+        await read_stream(redis_url, run, 2)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    prompts = [[tuple(p.prompt_token_ids) for p in push.prompts] for push in a.pushes]
+    if interval_s < 1:
+        assert prompts == [[g0.prompt_token_ids], [g1.prompt_token_ids]]
+    else:
+        assert prompts == [[g0.prompt_token_ids]]
+    assert status.earlier_outputs_pushed == len(prompts)  # one output of b's a group
 
 
 async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(

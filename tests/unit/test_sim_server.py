@@ -649,14 +649,15 @@ async def test_serve_runs_a_fleet_each_engine_on_its_own_port(tmp_path: Path) ->
 
 async def test_add_outputs_are_checked_as_vllm_checks_them_and_taken_by_none() -> None:
     """The simulated engine does not draft from outputs: it checks them and takes none."""
+    outputs = [pb.EarlierOutput(token_ids=[5, 6])]
     request = pb.AddOutputsRequest(
-        prompt_token_ids=PROMPT, outputs=[pb.EarlierOutput(token_ids=[5, 6])]
+        prompts=[pb.PromptOutputs(prompt_token_ids=PROMPT, outputs=outputs)]
     )
-    bad = pb.AddOutputsRequest(prompt_token_ids=[], outputs=[pb.EarlierOutput(token_ids=[5])])
+    bad = pb.AddOutputsRequest(prompts=[pb.PromptOutputs(prompt_token_ids=[], outputs=outputs)])
     async with sim_engine() as (_, stub):
         reply = await stub.AddOutputs(request)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.AddOutputs(bad)
     assert reply.taken == 0
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt_token_ids is empty" in (info.value.details() or "")
+    assert "prompts[0].prompt_token_ids is empty" in (info.value.details() or "")

@@ -636,6 +636,26 @@ Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 class AddOutputsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PROMPTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def prompts(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptOutputs]: ...
+    def __init__(
+        self,
+        *,
+        prompts: _abc.Iterable[Global___PromptOutputs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompts", b"prompts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddOutputsRequest: _TypeAlias = AddOutputsRequest  # noqa: Y015
+
+@_typing.final
+class PromptOutputs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
@@ -656,7 +676,7 @@ class AddOutputsRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___AddOutputsRequest: _TypeAlias = AddOutputsRequest  # noqa: Y015
+Global___PromptOutputs: _TypeAlias = PromptOutputs  # noqa: Y015
 
 @_typing.final
 class AddOutputsResponse(_message.Message):

@@ -412,10 +412,12 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AddOutputs(self, request, context):
-        """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+        """Earlier outputs of prompts, outside a Generate call: the scheduler sends the outputs of
         a group's samples that finished elsewhere to the engines that run its other samples, so
-        that those draft from them at once rather than from their next call. Same limits as
-        GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+        that those draft from them before their next call (at most one such call an engine a
+        second, by default, gathering what finished meanwhile). At most 256 outputs and
+        4,194,304 tokens a call over all its prompts, each token in the vocabulary; an engine that
+        does not draft from them takes none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

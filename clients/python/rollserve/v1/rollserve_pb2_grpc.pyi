@@ -185,10 +185,12 @@ class EngineStub:
     Tokens carry the version of the weights that made them (TokenDelta.weights_version).
     """
     AddOutputs: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.AddOutputsRequest, _rollserve_pb2.AddOutputsResponse]
-    """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+    """Earlier outputs of prompts, outside a Generate call: the scheduler sends the outputs of
     a group's samples that finished elsewhere to the engines that run its other samples, so
-    that those draft from them at once rather than from their next call. Same limits as
-    GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+    that those draft from them before their next call (at most one such call an engine a
+    second, by default, gathering what finished meanwhile). At most 256 outputs and
+    4,194,304 tokens a call over all its prompts, each token in the vocabulary; an engine that
+    does not draft from them takes none.
     """
 
 @_typing.type_check_only
@@ -213,10 +215,12 @@ class EngineAsyncStub(EngineStub):
     Tokens carry the version of the weights that made them (TokenDelta.weights_version).
     """
     AddOutputs: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.AddOutputsRequest, _rollserve_pb2.AddOutputsResponse]  # type: ignore[assignment]
-    """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+    """Earlier outputs of prompts, outside a Generate call: the scheduler sends the outputs of
     a group's samples that finished elsewhere to the engines that run its other samples, so
-    that those draft from them at once rather than from their next call. Same limits as
-    GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+    that those draft from them before their next call (at most one such call an engine a
+    second, by default, gathering what finished meanwhile). At most 256 outputs and
+    4,194,304 tokens a call over all its prompts, each token in the vocabulary; an engine that
+    does not draft from them takes none.
     """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
@@ -268,10 +272,12 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         request: _rollserve_pb2.AddOutputsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollserve_pb2.AddOutputsResponse, _abc.Awaitable[_rollserve_pb2.AddOutputsResponse]]:
-        """Earlier outputs of a prompt, outside a Generate call: the scheduler sends the outputs of
+        """Earlier outputs of prompts, outside a Generate call: the scheduler sends the outputs of
         a group's samples that finished elsewhere to the engines that run its other samples, so
-        that those draft from them at once rather than from their next call. Same limits as
-        GenerateRequest.earlier_outputs; an engine that does not draft from them takes none.
+        that those draft from them before their next call (at most one such call an engine a
+        second, by default, gathering what finished meanwhile). At most 256 outputs and
+        4,194,304 tokens a call over all its prompts, each token in the vocabulary; an engine that
+        does not draft from them takes none.
         """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

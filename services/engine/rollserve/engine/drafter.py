@@ -295,16 +295,17 @@ class RolloutWorkerExtension:
     ``collective_rpc(ADD_OUTPUTS_METHOD, ...)``."""
 
     def rollserve_add_earlier_outputs(
-        self, prompt_token_ids: list[int], outputs: list[list[int]]
+        self, prompts: list[tuple[list[int], list[list[int]]]]
     ) -> int:
-        """Hands ``outputs`` of the prompt to the drafter; the count it took (0: the worker's
-        drafter is not the rollout drafter)."""
+        """Hands each ``(prompt, outputs)`` to the drafter; the count of outputs it took (0:
+        the worker's drafter is not the rollout drafter)."""
         runner = getattr(self, "model_runner", None)
         drafter = getattr(runner, "drafter", None)
         if not isinstance(drafter, RolloutDrafter):
             return 0
-        drafter.add_outputs(prompt_token_ids, outputs)
-        return len(outputs)
+        for prompt, outputs in prompts:
+            drafter.add_outputs(prompt, outputs)
+        return sum(len(outputs) for _, outputs in prompts)
 
 
 _HOOKED = "_rollserve_rollout_drafter_hooks"

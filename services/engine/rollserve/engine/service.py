@@ -166,6 +166,10 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
 
 
+PromptOutputs = tuple[Sequence[int], Sequence[Sequence[int]]]
+"""A prompt's token ids and earlier outputs of it (made elsewhere) for the drafter."""
+
+
 class BackendError(Exception):
     """The backend failed a request; `retryable` when another engine may succeed."""
 
@@ -191,10 +195,8 @@ class GenerationBackend(Protocol):
         """Ends the given requests; their streams finish with reason "abort"."""
         ...
 
-    async def add_earlier_outputs(
-        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
-    ) -> None:
-        """Earlier outputs of the prompt, made elsewhere, for its drafter (only called where
+    async def add_earlier_outputs(self, prompts: Sequence[PromptOutputs]) -> None:
+        """Earlier outputs of prompts, made elsewhere, for its drafter (only called where
         ``info.takes_earlier_outputs``); in place before samples that start after it.
         BackendError only where the engine cannot generate (a failure to keep them is not
         the call's)."""
@@ -352,22 +354,20 @@ class VllmBackend:
         if request_ids:
             await self._llm.abort(list(request_ids))
 
-    async def add_earlier_outputs(
-        self, prompt_token_ids: Sequence[int], outputs: Sequence[Sequence[int]]
-    ) -> None:
+    async def add_earlier_outputs(self, prompts: Sequence[PromptOutputs]) -> None:
         """Hands the outputs to the rollout drafter in the engine core (the worker extension
-        :class:`rollserve.engine.drafter.RolloutWorkerExtension`). vLLM runs the call between
-        two steps, in order with the requests added after it, so the call's samples find
-        them. Drafting is an optimisation: a failure is logged and generation goes on."""
+        :class:`rollserve.engine.drafter.RolloutWorkerExtension`), all prompts in one call:
+        vLLM runs it between two steps (each such call costs the engine a step's pause), in
+        order with the requests added after it, so the call's samples find them. Drafting is
+        an optimisation: a failure is logged and generation goes on."""
+        pairs = [(list(prompt), [list(o) for o in outputs]) for prompt, outputs in prompts]
         try:
-            await self._llm.collective_rpc(
-                ADD_OUTPUTS_METHOD,
-                args=(list(prompt_token_ids), [list(output) for output in outputs]),
-            )
+            await self._llm.collective_rpc(ADD_OUTPUTS_METHOD, args=(pairs,))
         except self._dead_error as exc:
             raise BackendError(f"vLLM engine is dead: {exc}", retryable=True) from exc
         except Exception:
-            logger.exception("the rollout drafter did not take %d earlier outputs", len(outputs))
+            outputs = sum(len(o) for _, o in pairs)
+            logger.exception("the rollout drafter did not take %d earlier outputs", outputs)
 
     async def update_weights(
         self,
@@ -787,9 +787,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             if request.earlier_outputs and backend.info.takes_earlier_outputs:
                 try:
-                    await backend.add_earlier_outputs(
-                        request.prompt_token_ids, [o.token_ids for o in request.earlier_outputs]
-                    )
+                    outputs = [o.token_ids for o in request.earlier_outputs]
+                    await backend.add_earlier_outputs([(request.prompt_token_ids, outputs)])
                 except BackendError as exc:
                     yield pb.GenerateResponse(
                         error=pb.Error(message=exc.message, retryable=exc.retryable)
@@ -853,22 +852,25 @@ class EngineServicer(pb_grpc.EngineServicer):
         request: pb.AddOutputsRequest,
         context: grpc.aio.ServicerContext[pb.AddOutputsRequest, pb.AddOutputsResponse],
     ) -> pb.AddOutputsResponse:
-        """Hands a prompt's earlier outputs to the drafter (its running samples draft from
+        """Hands prompts' earlier outputs to the drafter (their running samples draft from
         them from its next step); an engine that does not draft from them takes none."""
         backend = await self._require_backend(context)
         problem = add_outputs_problem(request, backend.info)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if not request.outputs or not backend.info.takes_earlier_outputs:
+        prompts = [
+            (p.prompt_token_ids, [o.token_ids for o in p.outputs])
+            for p in request.prompts
+            if p.outputs
+        ]
+        if not prompts or not backend.info.takes_earlier_outputs:
             return pb.AddOutputsResponse(taken=0)
         try:
-            await backend.add_earlier_outputs(
-                request.prompt_token_ids, [o.token_ids for o in request.outputs]
-            )
+            await backend.add_earlier_outputs(prompts)
         except BackendError as exc:
             code = grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.INTERNAL
             await context.abort(code, exc.message)
-        return pb.AddOutputsResponse(taken=len(request.outputs))
+        return pb.AddOutputsResponse(taken=sum(len(outputs) for _, outputs in prompts))
 
     async def UpdateWeights(
         self,
@@ -1174,17 +1176,24 @@ def add_outputs_problem(request: pb.AddOutputsRequest, info: ModelInfo) -> str |
     """The first problem with an AddOutputs request, worded for the caller; None if valid."""
 
     def problems() -> Iterator[str]:
-        if not request.prompt_token_ids:
-            yield "prompt_token_ids is empty; send the prompt the outputs answer"
-        if len(request.prompt_token_ids) > info.max_model_len:
-            yield (
-                f"prompt_token_ids holds {len(request.prompt_token_ids)} tokens, over the "
-                f"model's context ({info.max_model_len})"
-            )
-        yield from _earlier_output_problems("outputs", request.outputs)
-        named: list[tuple[str, Sequence[int]]] = [("prompt_token_ids", request.prompt_token_ids)]
-        named += [(f"outputs[{i}].token_ids", o.token_ids) for i, o in enumerate(request.outputs)]
-        yield from _vocabulary_problems(named, info)
+        yield from _earlier_output_problems(
+            "prompts[*].outputs", [o for p in request.prompts for o in p.outputs]
+        )
+        for i, p in enumerate(request.prompts):
+            prompt = p.prompt_token_ids
+            if not prompt:
+                yield f"prompts[{i}].prompt_token_ids is empty; send the prompt they answer"
+            if len(prompt) > info.max_model_len:
+                yield (
+                    f"prompts[{i}].prompt_token_ids holds {len(prompt)} tokens, over the "
+                    f"model's context ({info.max_model_len})"
+                )
+            named: list[tuple[str, Sequence[int]]] = [(f"prompts[{i}].prompt_token_ids", prompt)]
+            named += [
+                (f"prompts[{i}].outputs[{j}].token_ids", o.token_ids)
+                for j, o in enumerate(p.outputs)
+            ]
+            yield from _vocabulary_problems(named, info)
 
     return next(problems(), None)
 

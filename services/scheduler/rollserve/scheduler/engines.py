@@ -151,14 +151,18 @@ class EngineHandle:
 
     async def add_outputs(
         self,
-        prompt_token_ids: Sequence[int],
-        outputs: Sequence[Sequence[int]],
+        prompts: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
         timeout_s: float,
     ) -> int:
-        """Hands the engine's drafter earlier outputs of the prompt; how many it took."""
+        """Hands the engine's drafter earlier outputs of prompts; how many it took."""
         request = pb.AddOutputsRequest(
-            prompt_token_ids=prompt_token_ids,
-            outputs=[pb.EarlierOutput(token_ids=o) for o in outputs],
+            prompts=[
+                pb.PromptOutputs(
+                    prompt_token_ids=prompt,
+                    outputs=[pb.EarlierOutput(token_ids=o) for o in outputs],
+                )
+                for prompt, outputs in prompts
+            ]
         )
         reply: pb.AddOutputsResponse = await self._stub.AddOutputs(request, timeout=timeout_s)
         return reply.taken

@@ -91,10 +91,16 @@ class EarlierOutputs:
             self.tokens -= dropped.tokens
 
     def missing(
-        self, prompt_token_ids: Sequence[int], engine_id: str, max_tokens: int
+        self,
+        prompt_token_ids: Sequence[int],
+        engine_id: str,
+        max_tokens: int,
+        *,
+        max_outputs: int | None = None,
     ) -> list[array[int]]:
         """The prompt's outputs ``engine_id`` does not hold, oldest first, the newest of them
-        up to ``max_tokens`` tokens; counted as held from now on (the call carries them)."""
+        up to ``max_tokens`` tokens and ``max_outputs`` outputs; counted as held from now on
+        (the call carries them)."""
         key = prompt_digest(prompt_token_ids)
         entry = self._prompts.get(key)
         if entry is None:
@@ -104,6 +110,8 @@ class EarlierOutputs:
         chosen: list[array[int]] = []
         room = max_tokens
         for seq, tokens in reversed(entry.outputs):
+            if max_outputs is not None and len(chosen) >= max_outputs:
+                break
             if seq in held or len(tokens) > room:
                 continue
             held.add(seq)

@@ -63,6 +63,7 @@ import logging
 import math
 import time
 import uuid
+from array import array
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ import redis.exceptions
 from rollserve.client.types import PublishResult
 from rollserve.client.wire import (
     MAX_EARLIER_OUTPUT_TOKENS,
+    MAX_EARLIER_OUTPUTS,
     FinishReason,
     GroupResult,
     GroupStatus,
@@ -258,8 +260,11 @@ class SchedulerRuntime:
             else None
         )
         self._outputs_taken = False  # some engine has said it drafts from earlier outputs
-        # (engine id, group key) -> the task sending that engine the group's new outputs
-        self._pushes: dict[tuple[str, str], asyncio.Task[None]] = {}
+        # Engine id -> groups it runs whose outputs that finished elsewhere it lacks, the
+        # task that sends them, and when it last sent (time.monotonic()).
+        self._push_due: dict[str, set[str]] = {}
+        self._pushers: dict[str, asyncio.Task[None]] = {}
+        self._pushed_at: dict[str, float] = {}
         self._predictor = LengthPredictor(settings.predictor)
         self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # (predicted before learning, true length) of the latest delivered samples.
@@ -371,7 +376,7 @@ class SchedulerRuntime:
         runs again only to unwind."""
         self._lost = lost
         current = asyncio.current_task()
-        for task in (*self._background, *self._tasks, *self._questions(), *self._pushes.values()):
+        for task in (*self._background, *self._tasks, *self._questions(), *self._pushers.values()):
             if task is not current:
                 task.cancel()
 
@@ -407,7 +412,7 @@ class SchedulerRuntime:
             *self._tasks,
             *self._watches.values(),
             *self._questions(),
-            *self._pushes.values(),
+            *self._pushers.values(),
         ]
         for task in tasks:
             task.cancel()
@@ -416,7 +421,8 @@ class SchedulerRuntime:
         self._asking.clear()
         self._tasks.clear()
         self._watches.clear()
-        self._pushes.clear()
+        self._pushers.clear()
+        self._push_due.clear()
         self._calls.clear()
         if self._lost is None:
             await self._save_history()
@@ -1055,10 +1061,9 @@ class SchedulerRuntime:
             self._push_outputs(record.spec.key, call.engine)
 
     def _push_outputs(self, key: str, source: EngineHandle) -> None:
-        """Starts sending the group's outputs to each other engine that drafts from them and
-        runs samples of the group started from its prompt (a resumed one drafts from its own
-        tokens), unless a send to it is under way (that one sends what is new when it
-        returns)."""
+        """Marks the group's outputs due to each other engine that drafts from them and runs
+        samples of the group started from its prompt (a resumed one drafts from its own
+        tokens), and starts that engine's pusher unless it runs."""
         for call in self._calls.get(key, {}).values():
             engine = call.engine
             info = engine.info
@@ -1068,46 +1073,64 @@ class SchedulerRuntime:
                 or not engine.healthy
                 or info is None
                 or not info.takes_earlier_outputs
-                or (engine.engine_id, key) in self._pushes
                 or not call.running()
             ):
                 continue
-            task = asyncio.create_task(
-                self._push(engine, key, call.record.spec.prompt_token_ids),
-                name=f"push {key} to {engine.engine_id}",
-            )
-            self._pushes[(engine.engine_id, key)] = task
-            task.add_done_callback(functools.partial(self._push_ended, (engine.engine_id, key)))
+            self._push_due.setdefault(engine.engine_id, set()).add(key)
+            if engine.engine_id not in self._pushers:
+                task = asyncio.create_task(self._pusher(engine), name=f"push {engine.engine_id}")
+                self._pushers[engine.engine_id] = task
+                task.add_done_callback(functools.partial(self._pusher_ended, engine.engine_id))
 
-    async def _push(self, engine: EngineHandle, key: str, prompt: Sequence[int]) -> None:
-        """Sends the engine the prompt's outputs it lacks (AddOutputs), again while more
-        arrive and the group still runs there. Drafts are an optimisation: a failed send is
-        logged (the engine's calls and probes tell whether it is down)."""
+    async def _pusher(self, engine: EngineHandle) -> None:
+        """Sends the engine the outputs it lacks of the groups it runs whose samples finished
+        elsewhere, all in one AddOutputs call, at most once every
+        ``earlier_outputs_push_interval_s`` (each such call pauses a vLLM engine for about a
+        step: 20 a second cost a CPU engine 12% of its tokens). Drafts are an optimisation: a
+        failed send is logged (the engine's calls and probes tell whether it is down)."""
         assert self._outputs is not None
-        while any(
-            c.engine is engine and not c.resumed and c.running()
-            for c in self._calls.get(key, {}).values()
-        ):
-            outputs = self._outputs.missing(prompt, engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS)
-            if not outputs:
-                return
-            self.counters.earlier_outputs_pushed += len(outputs)
+        interval = self.settings.earlier_outputs_push_interval_s
+        engine_id = engine.engine_id
+        while self._push_due.get(engine_id):
+            wait = self._pushed_at.get(engine_id, -math.inf) + interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            due = self._push_due.pop(engine_id, set())
+            prompts: list[tuple[Sequence[int], list[array[int]]]] = []
+            room, count = MAX_EARLIER_OUTPUT_TOKENS, MAX_EARLIER_OUTPUTS
+            for key in due:
+                calls = self._calls.get(key, {}).values()
+                if not any(c.engine is engine and not c.resumed and c.running() for c in calls):
+                    continue  # its samples there have ended meanwhile
+                if room <= 0 or count <= 0:  # the next call's
+                    self._push_due.setdefault(engine_id, set()).add(key)
+                    continue
+                prompt = next(iter(calls)).record.spec.prompt_token_ids
+                outputs = self._outputs.missing(prompt, engine_id, room, max_outputs=count)
+                if outputs:
+                    prompts.append((prompt, outputs))
+                    room -= sum(len(o) for o in outputs)
+                    count -= len(outputs)
+            if not prompts:
+                continue
+            sent = MAX_EARLIER_OUTPUTS - count
+            self.counters.earlier_outputs_pushed += sent
+            self._pushed_at[engine_id] = time.monotonic()
             try:
-                await engine.add_outputs(prompt, outputs, self.settings.health_timeout_s)
+                await engine.add_outputs(prompts, self.settings.health_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 log.info(
-                    "engine %s did not take %d outputs of group %s: %s: %s",
-                    engine.engine_id,
-                    len(outputs),
-                    key,
+                    "engine %s did not take %d outputs of %d groups: %s: %s",
+                    engine_id,
+                    sent,
+                    len(prompts),
                     exc.code().name,
                     exc.details(),
                 )
-                return
 
-    def _push_ended(self, push: tuple[str, str], task: asyncio.Task[None]) -> None:
-        if self._pushes.get(push) is task:
-            del self._pushes[push]
+    def _pusher_ended(self, engine_id: str, task: asyncio.Task[None]) -> None:
+        if self._pushers.get(engine_id) is task:
+            del self._pushers[engine_id]
         _log_crash(task)
 
     def _stamps(self, run_id: str) -> bool:
@@ -1474,6 +1497,7 @@ class SchedulerRuntime:
         del self._engines[engine.engine_id]
         if self._outputs is not None:
             self._outputs.forget_engine(engine.engine_id)
+        self._push_due.pop(engine.engine_id, None)
         if engine.registered:
             self._registered -= 1
         watch = self._watches.pop(engine.engine_id, None)

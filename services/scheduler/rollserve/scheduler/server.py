@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt, not at once to those running its group's other samples",
     )
     p.add_argument(
+        "--earlier-outputs-push-interval-s",
+        type=float,
+        default=1.0,
+        help="an engine gets outputs pushed at most once this often (each push pauses a vLLM "
+        "engine for about a step)",
+    )
+    p.add_argument(
         "--earlier-outputs-tokens",
         type=int,
         default=1 << 26,
@@ -366,6 +373,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         redis_max_connections=args.redis_max_connections,
         earlier_outputs_per_prompt=args.earlier_outputs_per_prompt,
         earlier_outputs_push=args.earlier_outputs_push,
+        earlier_outputs_push_interval_s=args.earlier_outputs_push_interval_s,
         earlier_outputs_tokens=args.earlier_outputs_tokens,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,

@@ -123,9 +123,16 @@ class SchedulerSettings(BaseModel):
     )
     earlier_outputs_push: bool = Field(
         True,
-        description="send each finished output at once to the engines running other samples "
-        "of its group that draft from such outputs (AddOutputs), rather than with their next "
-        "call only",
+        description="send finished outputs to the engines running other samples of their "
+        "group that draft from such outputs (AddOutputs), rather than with their next call "
+        "only",
+    )
+    earlier_outputs_push_interval_s: float = Field(
+        1.0,
+        gt=0,
+        le=3600,
+        description="an engine gets such outputs at most once this often (each AddOutputs "
+        "pauses a vLLM engine for about a step)",
     )
     earlier_outputs_tokens: int = Field(
         1 << 26,
