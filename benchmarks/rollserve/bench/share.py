@@ -122,7 +122,8 @@ class Epoch:
     passes: int  # verification passes that carried drafts
     accepted: int  # draft tokens accepted
     proposed: int  # draft tokens proposed
-    handed: int  # earlier outputs the scheduler handed to engines in the epoch
+    handed: int  # earlier outputs the scheduler handed to engines in the epoch (both ways)
+    pushed: int = 0  # of those, pushed to engines running their groups (AddOutputs)
     # each sample's tokens by "group id/index", to set the stacks' samples side by side
     samples: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
@@ -136,6 +137,7 @@ class Totals:
     accepted: int = 0
     proposed: int = 0
     handed: int = 0
+    pushed: int = 0
 
     def add(self, e: Epoch) -> None:
         self.seconds += e.seconds
@@ -145,6 +147,7 @@ class Totals:
         self.accepted += e.accepted
         self.proposed += e.proposed
         self.handed += e.handed
+        self.pushed += e.pushed
 
     def figures(self) -> dict[str, float]:
         return {
@@ -157,6 +160,7 @@ class Totals:
             "accepted_share": self.accepted / self.tokens if self.tokens else 0.0,
             "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
             "outputs_handed": self.handed,
+            "outputs_pushed": self.pushed,
         }
 
 
@@ -192,7 +196,7 @@ def run_epoch(
     from rollserve.client import PromptGroup, SamplingParams
 
     by_id = {f"r{rnd}-e{epoch}-g{g.index}": g for g in chosen}
-    handed_before = _handed(client)
+    handed_before, pushed_before = _handed(client)
     start = time.perf_counter()
     client.submit(
         [
@@ -226,16 +230,29 @@ def run_epoch(
     seconds = time.perf_counter() - start
     if received < len(by_id):
         raise RuntimeError(f"{arm}: {received} of {len(by_id)} groups in {cfg.timeout_s:g} s")
-    handed = _handed(client) - handed_before
+    handed, pushed = _handed(client)
     return Epoch(
-        arm, rnd, epoch, seconds, received, tokens, passes, accepted, proposed, handed, samples
+        arm,
+        rnd,
+        epoch,
+        seconds,
+        received,
+        tokens,
+        passes,
+        accepted,
+        proposed,
+        handed - handed_before,
+        pushed - pushed_before,
+        samples,
     )
 
 
-def _handed(client: Any) -> int:
-    """Outputs the stack's scheduler handed to engines: with calls, and pushed."""
+def _handed(client: Any) -> tuple[int, int]:
+    """Outputs the stack's scheduler handed to engines (with calls, and pushed), and of
+    those pushed, since it started."""
     status = client.status()
-    return int(status.earlier_outputs_sent + status.earlier_outputs_pushed)
+    pushed = int(status.earlier_outputs_pushed)
+    return int(status.earlier_outputs_sent) + pushed, pushed
 
 
 def identical_samples(epochs: Sequence[Epoch]) -> tuple[int, int]:
@@ -341,7 +358,7 @@ def table(summary: Summary, cfg: ShareConfig) -> Any:
         "tokens/s",
         "tokens/drafted pass",
         "accepted share",
-        "outputs handed",
+        "outputs handed (pushed)",
         "tokens/s vs own",
     ):
         t.add_column(column, justify="left" if column in ("part", "stack") else "right")
@@ -356,7 +373,7 @@ def table(summary: Summary, cfg: ShareConfig) -> Any:
                 f"{f['tokens_per_s']:.0f}",
                 f"{f['tokens_per_drafted_pass']:.2f}",
                 f"{100 * f['accepted_share']:.1f}%",
-                f"{int(f['outputs_handed'])}",
+                f"{int(f['outputs_handed'])} ({int(f['outputs_pushed'])})",
                 f"{summary.ratio(part):.3f}x" if arm == "shared" else "1",
             )
     return t

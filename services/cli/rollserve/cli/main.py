@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.bench.share import add_bench_share
 
     add_bench_share(bench_sub)
+    from rollserve.bench.push_cost import add_bench_push_cost
+
+    add_bench_push_cost(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )
