@@ -177,12 +177,14 @@ async def one_run(
 
         pusher = asyncio.create_task(push()) if rate > 0 else None
         start = time.perf_counter()
-        made = await asyncio.gather(*(generate(i, p) for i, p in enumerate(prompts)))
+        try:
+            made = await asyncio.gather(*(generate(i, p) for i, p in enumerate(prompts)))
+            seconds = time.perf_counter() - start
+        finally:
+            done.set()
+            if pusher is not None:
+                await pusher
         tokens = sum(made)
-        seconds = time.perf_counter() - start
-        done.set()
-        if pusher is not None:
-            await pusher
     return seconds, tokens, latencies
 
 

@@ -1086,8 +1086,8 @@ class SchedulerRuntime:
         """Sends the engine the outputs it lacks of the groups it runs whose samples finished
         elsewhere, all in one AddOutputs call, at most once every
         ``earlier_outputs_push_interval_s`` (each such call pauses a vLLM engine for about a
-        step: 20 a second cost a CPU engine 12% of its tokens). Drafts are an optimisation: a
-        failed send is logged (the engine's calls and probes tell whether it is down)."""
+        step: ``rollserve bench push-cost``). Drafts are an optimisation: a failed send is
+        logged (the engine's calls and probes tell whether it is down)."""
         assert self._outputs is not None
         interval = self.settings.earlier_outputs_push_interval_s
         engine_id = engine.engine_id
@@ -1498,6 +1498,7 @@ class SchedulerRuntime:
         if self._outputs is not None:
             self._outputs.forget_engine(engine.engine_id)
         self._push_due.pop(engine.engine_id, None)
+        self._pushed_at.pop(engine.engine_id, None)
         if engine.registered:
             self._registered -= 1
         watch = self._watches.pop(engine.engine_id, None)
