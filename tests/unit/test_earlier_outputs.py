@@ -80,3 +80,17 @@ def test_at_most_max_outputs_are_chosen_the_newest_and_the_rest_later() -> None:
     assert lists(kept.missing(P, "a", 1000, max_outputs=2)) == [[3], [4]]
     assert lists(kept.missing(P, "a", 1000, max_outputs=0)) == []
     assert lists(kept.missing(P, "a", 1000)) == [[0], [1], [2]]
+
+
+def test_outputs_that_did_not_reach_an_engine_are_not_held_by_it() -> None:
+    kept = EarlierOutputs(per_prompt=8, max_tokens=1000)
+    kept.finished(P, [1], "b")
+    kept.finished(P, [2], "b")
+    first = kept.missing(P, "a", 1000)
+    kept.finished(P, [3], "b")
+    second = kept.missing(P, "a", 1000)
+    kept.release(P, "a", first)  # the call that carried them was refused
+    kept.release(Q, "a", first)  # another prompt's: nothing
+    kept.release(P, "c", first)  # an engine that holds nothing: nothing
+    assert lists(second) == [[3]]
+    assert lists(kept.missing(P, "a", 1000)) == [[1], [2]]  # [3] still held

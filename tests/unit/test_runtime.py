@@ -494,8 +494,40 @@ async def test_outputs_finished_on_one_engine_are_pushed_to_the_group_running_on
     assert all(list(p.prompt_token_ids) == list(group.prompt_token_ids) for p in prompts)
     outputs = [list(o.token_ids) for p in prompts for o in p.outputs]
     assert outputs == [[500, 501, 502, 503]] * len(outputs) and pushed == len(outputs)
-    # Each once, as they finished; after a refusal no more are sent while that push runs.
+    # Each once, as they finished; what a refused is not counted as held by it.
     assert len(outputs) == on_b if case == "push" else len(outputs) >= 1
+    assert runtime._outputs is not None
+    lacks = runtime._outputs.missing(group.prompt_token_ids, "a", 1 << 20)
+    assert [list(o) for o in lacks] == ([] if case == "push" else [[500, 501, 502, 503]] * on_b)
+
+
+async def test_outputs_a_refused_call_carried_are_sent_with_the_next(redis_url: str) -> None:
+    """``a`` refuses g1's call (INVALID_ARGUMENT, before it takes anything): the outputs of
+    g0 that ``b`` made, which the call carried, are not counted as held by ``a``."""
+    # Edges faked: both engines (FakeEngine over real gRPC, with the standard health service).
+    a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
+    b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
+    runtime = await make_runtime(
+        redis_url, [a, b], policy="round_robin", earlier_outputs_push=False
+    )
+    run = new_run()
+    g0, g1 = spec("g0", n=2, run_id=run), spec("g1", n=2, run_id=run)
+    try:
+        await runtime.submit(run, [g0])
+        await read_stream(redis_url, run, 1)
+        a.behaviour = Behaviour.REJECT
+        await runtime.submit(run, [g1])
+        [_, refused] = await read_stream(redis_url, run, 2)
+    finally:
+        await runtime.stop()
+        await a.stop()
+        await b.stop()
+    assert refused.status == GroupStatus.FAILED
+    carried = [list(o.token_ids) for o in a.requests[-1].earlier_outputs]
+    assert carried == [[500, 501, 502, 503]]
+    assert runtime._outputs is not None
+    lacks = runtime._outputs.missing(g1.prompt_token_ids, "a", 1 << 20)
+    assert [list(o) for o in lacks] == carried
 
 
 @pytest.mark.parametrize("interval_s", [0.01, 3600.0])

@@ -18,7 +18,9 @@ and a resumed call carries nothing (the drafter drafts it from its own tokens on
 What an engine holds is this class's belief: an engine that restarted, or dropped a prompt's
 history for room, lacks outputs counted here until the scheduler forgets it
 (:meth:`EarlierOutputs.forget_engine`, when the engine's Stats give a new boot id, or it
-gives none and may have restarted, and when it leaves the fleet).
+gives none and may have restarted, and when it leaves the fleet). Outputs that a refused call
+or push carried (refused before the engine took them, or never delivered) are not held
+(:meth:`EarlierOutputs.release`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,19 @@ class EarlierOutputs:
             room -= len(tokens)
         chosen.reverse()
         return chosen
+
+    def release(
+        self, prompt_token_ids: Sequence[int], engine_id: str, outputs: Sequence[array[int]]
+    ) -> None:
+        """``outputs`` (as :meth:`missing` gave them) did not reach ``engine_id`` (the call or
+        push that carried them was refused before the engine took them): not held after all."""
+        entry = self._prompts.get(prompt_digest(prompt_token_ids))
+        held = entry.held.get(engine_id) if entry is not None else None
+        if entry is None or held is None:
+            return
+        for seq, tokens in entry.outputs:
+            if any(tokens is output for output in outputs):
+                held.discard(seq)
 
     def forget_engine(self, engine_id: str) -> None:
         """The engine holds nothing any more (it restarted, or may have)."""

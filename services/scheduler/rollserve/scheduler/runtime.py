@@ -122,6 +122,9 @@ _REJECTIONS = frozenset(
         grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
+# Codes of a call or push that the engine refused, or never got, whole: what it carried
+# did not reach the engine's drafter.
+_UNDELIVERED = _REJECTIONS | {grpc.StatusCode.UNAVAILABLE}
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 # Publishes without weights of one run whose counts may be awaited at once; the next waits.
 _MAX_COUNTS_AWAITED = 4
@@ -1004,18 +1007,21 @@ class SchedulerRuntime:
     async def _attempt(self, call: _Call) -> None:
         record, engine = call.record, call.engine
         resumption = record.samples[call.indices[0]].preemptions if call.resumed else 0
+        earlier = self._earlier_outputs(call)
         stream = engine.generate(
             record.spec,
             call.request_id,
             call.indices,
             call.resumed,
             resumption,
-            earlier_outputs=self._earlier_outputs(call),
+            earlier_outputs=earlier,
         )
         try:
             await self._consume(call, stream)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REJECTIONS:
+                if self._outputs is not None:  # refused before the engine took them
+                    self._outputs.release(record.spec.prompt_token_ids, engine.engine_id, earlier)
                 await self._end(record, f"engine {engine.engine_id} rejected it: {exc.details()}")
                 return
             await self._engine_down(engine, f"{exc.code().name}: {exc.details()}")
@@ -1033,12 +1039,12 @@ class SchedulerRuntime:
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
 
-    def _earlier_outputs(self, call: _Call) -> Sequence[Sequence[int]]:
+    def _earlier_outputs(self, call: _Call) -> list[array[int]]:
         """The outputs of the call's prompt its engine lacks, where it drafts from them (a
         resumed sample's prompt holds its partial response: it drafts from its own tokens)."""
         info = call.engine.info
         if self._outputs is None or call.resumed or info is None or not info.takes_earlier_outputs:
-            return ()
+            return []
         outputs = self._outputs.missing(
             call.record.spec.prompt_token_ids, call.engine.engine_id, MAX_EARLIER_OUTPUT_TOKENS
         )
@@ -1119,6 +1125,9 @@ class SchedulerRuntime:
             try:
                 await engine.add_outputs(prompts, self.settings.health_timeout_s)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() in _UNDELIVERED:  # a later push or call sends them again
+                    for refused, outputs in prompts:
+                        self._outputs.release(refused, engine_id, outputs)
                 log.info(
                     "engine %s did not take %d outputs of %d groups: %s: %s",
                     engine_id,
