@@ -227,6 +227,11 @@ async def test_cancel_running_group_aborts_engine_call_and_never_delivers(
     try:
         await runtime.submit(run, specs(run, 2))
         await eventually(running(runtime, 2), "2 running groups")
+
+        async def hanging_there() -> bool:  # a cancel before a call reached it goes unseen
+            return hanging.hanging >= 2
+
+        await eventually(hanging_there, "both calls hanging on the engine")
         cancelled, unknown = await runtime.cancel(run, ["g0", "g1", "nope"])
         assert sorted(cancelled) == ["g0", "g1"] and unknown == ["nope"]
 
