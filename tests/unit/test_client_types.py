@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rollserve.client import InvalidArgument, PromptGroup
+from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
 from rollserve.client.types import (
     WEIGHTS_TIMEOUT_S,
     publish_timeout_s,
     publish_version_request,
 )
+from rollserve.client.wire import MAX_EPOCH
 
 
 def test_epoch_is_optional_and_goes_on_the_wire() -> None:
@@ -21,9 +22,10 @@ def test_epoch_is_optional_and_goes_on_the_wire() -> None:
     assert PromptGroup(group_id="g", prompt_text="hi", n=1, epoch=7).to_proto().epoch == 7
 
 
-def test_a_negative_epoch_is_refused_with_its_value() -> None:
-    with pytest.raises(InvalidArgument, match=r"epoch \(-1\) must be >= 0"):
-        PromptGroup(group_id="g", prompt_token_ids=[1], n=1, epoch=-1)
+@pytest.mark.parametrize("epoch", [-1, MAX_EPOCH + 1])
+def test_an_epoch_out_of_range_is_refused_with_its_value(epoch: int) -> None:
+    with pytest.raises(InvalidArgument, match=rf"epoch \({epoch}\) must be in 0\.\.{MAX_EPOCH}"):
+        PromptGroup(group_id="g", prompt_token_ids=[1], n=1, epoch=epoch)
 
 
 @pytest.mark.parametrize(
@@ -56,3 +58,16 @@ def test_a_publish_that_loads_weights_waits_longer_than_other_calls() -> None:
     assert request.weights_path == "/ckpt/step-2"
     with pytest.raises(InvalidArgument, match="weights_path must be a str, got PosixPath"):
         publish_version_request("run-1", 2, Path("/ckpt"))  # type: ignore[arg-type]
+
+
+def test_a_seed_out_of_int64_or_whose_last_sample_passes_it_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"seed \(9223372036854775808\) must fit in int64"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(InvalidArgument, match=r"top_k \(2147483648\)"):
+        SamplingParams(top_k=2**31)
+    last = SamplingParams(seed=2**63 - 2)
+    assert PromptGroup(group_id="g", prompt_token_ids=[1], n=2, sampling=last).to_proto()
+    with pytest.raises(
+        InvalidArgument, match=r"sampling\.seed \(9223372036854775806\) \+ n - 1 \(2\)"
+    ):
+        PromptGroup(group_id="g", prompt_token_ids=[1], n=3, sampling=last)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,7 +33,8 @@ INFO = ModelInfo(
 
 
 class ScriptedBackend:
-    """Sample of seed ``s`` generates tokens ``s, s + 1, s + 2`` (``7, 8, 9`` unseeded)."""
+    """Sample of seed ``s`` generates tokens ``s, s + 1, s + 2`` (``7, 8, 9`` unseeded; a seed
+    past the vocabulary wraps around it)."""
 
     def __init__(self, *, takes_earlier_outputs: bool = False) -> None:
         self.requests: list[SampleRequest] = []
@@ -55,7 +57,7 @@ class ScriptedBackend:
 
     async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
         self.requests.append(request)
-        first = 7 if request.seed is None else request.seed
+        first = 7 if request.seed is None else request.seed % (INFO.vocab_size - 2)
         tokens = [first, first + 1, first + 2][: request.max_tokens]
         yield SampleOutput(tokens, [-0.5] * len(tokens), "length", len(request.prompt_token_ids), 0)
 
@@ -251,6 +253,48 @@ async def test_bad_sample_indices_are_invalid_argument(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert problem in (info.value.details() or "")
     assert backend.requests == []
+
+
+def sampled(n: int, indices: Sequence[int] = (), **sampling: float) -> pb.GenerateRequest:
+    req = request(n, indices, seed=None)
+    for name, value in sampling.items():
+        setattr(req.sampling, name, value)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("req", "problem"),
+    [
+        (sampled(2, temperature=math.inf), "sampling.temperature (inf) must be finite and >= 0"),
+        (sampled(2, temperature=math.nan), "sampling.temperature (nan) must be finite"),
+        (sampled(2, temperature=-0.5), "sampling.temperature (-0.5) must be finite and >= 0"),
+        (
+            sampled(3, seed=2**63 - 2),
+            f"sampling.seed ({2**63 - 2}) + the last sample's index (2) passes int64's limit",
+        ),
+        (
+            sampled(8, [1], seed=2**63 - 1),
+            f"sampling.seed ({2**63 - 1}) + the last sample's index (1) passes",
+        ),
+    ],
+)
+async def test_bad_sampling_is_invalid_argument(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend], req: pb.GenerateRequest, problem: str
+) -> None:
+    stub, backend = engine
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await tokens_by_index(stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or "")
+    assert backend.requests == []
+
+
+async def test_the_last_seed_int64_holds_is_taken(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+) -> None:
+    stub, backend = engine
+    await tokens_by_index(stub, sampled(8, [0, 7], seed=2**63 - 8))
+    assert [r.seed for r in backend.requests] == [2**63 - 8, 2**63 - 1]
 
 
 def with_earlier(req: pb.GenerateRequest, *outputs: list[int]) -> pb.GenerateRequest:

@@ -86,6 +86,18 @@ def test_late_observation_of_an_old_epoch_weighs_less() -> None:
         p.observe("q", -1)
 
 
+def test_an_observation_aged_to_nothing_counts_for_nothing() -> None:
+    """Past about 1,100 half-lives a weight is 0.0 in floating point: a sample of such an old
+    epoch (or one from before a far later epoch moved the clock) changes no estimate."""
+    p = LengthPredictor(PredictorSettings(half_life_epochs=1.0))
+    p.observe("q", 1000, epoch=5000, prompt_len=10)
+    before = p.predict("fresh-key", prompt_len=10)
+    p.observe("other", 10, epoch=0, prompt_len=10)  # first of its prompt-length bucket
+    p.observe("q", 10, epoch=0, prompt_len=300)  # first of its bucket too
+    assert p.predict("fresh-key", prompt_len=10).mean == pytest.approx(before.mean)
+    assert p.predict("q").mean > 500
+
+
 # -- prior ---------------------------------------------------------------------------
 
 

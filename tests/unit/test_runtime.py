@@ -17,7 +17,7 @@ from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.engines import EngineHandle
-from rollserve.scheduler.runtime import QueueFull, SchedulerRuntime, VersionBehind
+from rollserve.scheduler.runtime import FleetFull, QueueFull, SchedulerRuntime, VersionBehind
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
 from rollserve.scheduler.store import DuplicateGroup, Store
@@ -147,6 +147,49 @@ async def test_engine_dying_midstream_requeues_to_another_engine(redis_url: str)
     assert {s.engine_id for s in result.samples} == {"healthy"}
     # Partial tokens from the dead engine were dropped, not glued to the new run.
     assert all(s.token_ids == [100 + t for t in range(6)] for s in result.samples)
+
+
+async def test_registered_engines_down_and_silent_leave_the_fleet_which_has_a_limit(
+    redis_url: str,
+) -> None:
+    """A registered engine that is down and sends no heartbeat leaves after
+    ``forget_engine_after_s`` (at least five heartbeat periods, here 0.5 s); one that is up,
+    or one of the settings, stays. A full fleet refuses a new engine, not one it knows."""
+    static = await FakeEngine("static").start()
+    up = await FakeEngine("up").start()
+    gone = await FakeEngine("gone").start()
+    runtime = await make_runtime(
+        redis_url,
+        [static],
+        max_engines=3,
+        forget_engine_after_s=0.2,
+        heartbeat_interval_ms=100,
+        health_failures=1,
+    )
+    try:
+        await runtime.register_engine("up", up.address)
+        await runtime.register_engine("gone", gone.address)
+        with pytest.raises(
+            FleetFull, match=r"the fleet has 3 engines of at most 3 \(max_engines\)"
+        ):
+            await runtime.register_engine("more", "127.0.0.1:1")
+        await runtime.register_engine("up", up.address)  # known: no room needed
+        await static.stop()
+        await gone.stop()
+
+        def engine_ids() -> set[str]:
+            return {e.engine_id for e in runtime.status().engines}
+
+        async def left() -> bool:
+            return "gone" not in engine_ids()
+
+        await eventually(left, "the silent engine to leave")
+        assert engine_ids() == {"static", "up"}
+        assert not runtime.failed.is_set()
+        await runtime.register_engine("more", up.address)  # room again
+    finally:
+        await runtime.stop()
+        await up.stop()
 
 
 async def test_group_fails_with_reason_after_max_attempts(redis_url: str) -> None:
@@ -298,6 +341,24 @@ async def test_queue_full_refuses_whole_batch(redis_url: str) -> None:
             await runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)])
         assert runtime.status().queue_depth == 2
         await runtime.cancel(run, ["g0", "g1"])  # leave nothing pending in Redis
+    finally:
+        await runtime.stop()
+
+
+async def test_prompt_tokens_held_past_the_limit_refuse_the_whole_batch(redis_url: str) -> None:
+    """Groups are held in memory until delivered: their prompt tokens are bounded, and a
+    group that ends (here: cancelled) frees its share."""
+    runtime = await make_runtime(redis_url, [], max_held_prompt_tokens=17)  # 3 groups of 5
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 2))
+        with pytest.raises(QueueFull, match=r"hold 10 prompt tokens of at most 17.* 10 do not"):
+            await runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)])
+        assert runtime.status().queue_depth == 2
+        await runtime.cancel(run, ["g0"])
+        await runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)])
+        assert runtime.status().queue_depth == 3
+        await runtime.cancel(run, ["g1", "x0", "x1"])
     finally:
         await runtime.stop()
 

@@ -1,4 +1,5 @@
 import pytest
+from rollserve.client.wire import MAX_EPOCH
 from rollserve.scheduler.validation import Limits, ValidationError, validate_submit
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -99,7 +100,7 @@ def test_unknown_context_skips_context_check() -> None:
     assert spec.sampling.max_tokens == 10_000
 
 
-def test_epoch_is_optional_and_never_negative() -> None:
+def test_epoch_is_optional_and_in_range() -> None:
     [unset] = validate_submit(submit(proto_group("a")), LIMITS, None)
     assert unset.epoch is None
     group = proto_group("b")
@@ -110,5 +111,25 @@ def test_epoch_is_optional_and_never_negative() -> None:
     [zero] = validate_submit(submit(group), LIMITS, None)
     assert zero.epoch == 0
     group.epoch = -1
-    with pytest.raises(ValidationError, match=r"groups\[0\] \(b\)\.epoch \(-1\) must be >= 0"):
+    with pytest.raises(ValidationError, match=r"groups\[0\] \(b\)\.epoch \(-1\) must be in 0\.\."):
+        validate_submit(submit(group), LIMITS, None)
+    group.epoch = MAX_EPOCH
+    [last] = validate_submit(submit(group), LIMITS, None)
+    assert last.epoch == MAX_EPOCH
+    group.epoch = MAX_EPOCH + 1
+    with pytest.raises(
+        ValidationError, match=rf"epoch \({MAX_EPOCH + 1}\) must be in 0\.\.{MAX_EPOCH}"
+    ):
+        validate_submit(submit(group), LIMITS, None)
+
+
+def test_a_seed_whose_last_sample_passes_int64_is_refused() -> None:
+    group = proto_group("s", n=4)
+    group.sampling.seed = 2**63 - 4
+    [spec] = validate_submit(submit(group), LIMITS, None)
+    assert spec.sampling.seed == 2**63 - 4
+    group.sampling.seed = 2**63 - 3
+    with pytest.raises(
+        ValidationError, match=r"sampling\.seed \(9223372036854775805\) \+ n - 1 \(3\)"
+    ):
         validate_submit(submit(group), LIMITS, None)

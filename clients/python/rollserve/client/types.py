@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.wire import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_EPOCH,
     MAX_POLICY_VERSION,
     FinishReason,
     GroupResult,
@@ -35,8 +39,6 @@ __all__ = [
     "SamplingParams",
     "SchedulerStatus",
 ]
-
-INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +70,7 @@ class SamplingParams:
             raise InvalidArgument(f"temperature ({self.temperature}) must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p ({self.top_p}) must be in (0, 1]")
-        if self.top_k < -1:
+        if not -1 <= self.top_k <= INT32_MAX:
             raise InvalidArgument(f"top_k ({self.top_k}) must be -1 or 0 (disabled) or >= 1")
         if not 1 <= self.max_tokens <= INT32_MAX:
             raise InvalidArgument(f"max_tokens ({self.max_tokens}) must be >= 1")
@@ -76,6 +78,8 @@ class SamplingParams:
             raise InvalidArgument("stop strings must not be empty")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidArgument(f"stop_token_ids ({self.stop_token_ids}) must be >= 0")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise InvalidArgument(f"seed ({self.seed}) must fit in int64")
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(
@@ -131,13 +135,19 @@ class PromptGroup:
             raise InvalidArgument(f"group {self.group_id!r}: prompt_token_ids must be >= 0")
         if not 1 <= self.n <= INT32_MAX:
             raise InvalidArgument(f"group {self.group_id!r}: n ({self.n}) must be >= 1")
+        seed = self.sampling.seed
+        if seed is not None and seed + self.n - 1 > INT64_MAX:
+            raise InvalidArgument(
+                f"group {self.group_id!r}: sampling.seed ({seed}) + n - 1 ({self.n - 1}) passes "
+                f"int64's limit ({INT64_MAX}); sample i is seeded seed + i"
+            )
         if not -INT32_MAX <= self.priority <= INT32_MAX:
             raise InvalidArgument(
                 f"group {self.group_id!r}: priority ({self.priority}) must fit in int32"
             )
-        if self.epoch is not None and not 0 <= self.epoch <= INT32_MAX:
+        if self.epoch is not None and not 0 <= self.epoch <= MAX_EPOCH:
             raise InvalidArgument(
-                f"group {self.group_id!r}: epoch ({self.epoch}) must be >= 0 and fit in int32"
+                f"group {self.group_id!r}: epoch ({self.epoch}) must be in 0..{MAX_EPOCH}"
             )
         if any(not isinstance(v, str) for v in self.metadata.values()):
             raise InvalidArgument(f"group {self.group_id!r}: metadata values must be str")

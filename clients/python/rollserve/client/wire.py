@@ -32,6 +32,11 @@ WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, versio
 
 MAX_RUN_ID_LEN = 128
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
+# A group's epoch (passes over the dataset): far past any run's, so a wrong one is caught before
+# it moves the length predictor's clock and ages all it learnt away.
+MAX_EPOCH = 1_000_000
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (sample i is seeded seed + i)
 MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)
 MAX_EARLIER_OUTPUTS = 256  # earlier outputs a Generate call carries (the drafter keeps 64)
 MAX_EARLIER_OUTPUT_TOKENS = 1 << 22  # their tokens a call (16 MiB as 4-byte ids)

@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 
 import grpc
 from rollserve.client.wire import (
+    INT64_MAX,
     MAX_EARLIER_OUTPUT_TOKENS,
     MAX_EARLIER_OUTPUTS,
     MAX_WEIGHTS_PATH_LEN,
@@ -1127,8 +1128,15 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
             f"({info.max_model_len}) minus the prompt ({prompt_len}); "
             f"use at most {max(info.max_model_len - prompt_len, 0)}"
         )
-    if sampling.HasField("temperature") and not sampling.temperature >= 0:
-        yield f"sampling.temperature ({sampling.temperature}) must be >= 0 (0 is greedy)"
+    if sampling.HasField("temperature") and not 0 <= sampling.temperature < math.inf:
+        yield f"sampling.temperature ({sampling.temperature}) must be finite and >= 0 (0 is greedy)"
+    if sampling.HasField("seed"):
+        last = max(request.sample_indices, default=request.n - 1)
+        if sampling.seed + last > INT64_MAX:
+            yield (
+                f"sampling.seed ({sampling.seed}) + the last sample's index ({last}) passes "
+                f"int64's limit ({INT64_MAX}); sample i is seeded seed + i"
+            )
     if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
         yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
     if sampling.HasField("top_k") and sampling.top_k < -1:

@@ -134,12 +134,16 @@ _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("%s crashed: %r", task.get_name(), task.exception())
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
 
 
 class QueueFull(Exception):
     pass
+
+
+class FleetFull(Exception):
+    """RegisterEngine of a new engine when the fleet has ``max_engines``."""
 
 
 class WeightsNotLoaded(Exception):
@@ -233,6 +237,7 @@ class SchedulerRuntime:
         self._store = store
         self._policy = policy
         self._groups: dict[str, GroupRecord] = {}  # every group that has not ended
+        self._held_prompt_tokens = 0  # of the groups in _groups
         self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
         self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
         self._tasks: set[asyncio.Task[None]] = set()  # every call's task, until it ends
@@ -461,6 +466,14 @@ class SchedulerRuntime:
                 f"{self.settings.max_queued_groups}; {len(specs)} more do not fit "
                 f"(room for {max(0, room)}): retry later"
             )
+        tokens = sum(len(spec.prompt_token_ids) for spec in specs)
+        held, limit = self._held_prompt_tokens, self.settings.max_held_prompt_tokens
+        if held + tokens > limit:
+            raise QueueFull(
+                f"the groups not yet delivered hold {held} prompt tokens of at most {limit} "
+                f"(max_held_prompt_tokens); these {len(specs)} groups' {tokens} do not fit: "
+                "retry once some are delivered"
+            )
         specs = [self._with_epoch(spec) for spec in specs]
         if run_id not in self._versions:
             self._versions.update(await self._store.load_versions([run_id]))
@@ -617,6 +630,13 @@ class SchedulerRuntime:
             await self._remove_engine(engine, f"re-registered at {address}")
             engine = None
         if engine is None:
+            if len(self._engines) >= self.settings.max_engines:
+                raise FleetFull(
+                    f"the fleet has {len(self._engines)} engines of at most "
+                    f"{self.settings.max_engines} (max_engines); engine_id {engine_id!r} is not "
+                    "added (engines that are down and silent leave after "
+                    f"forget_engine_after_s, {self.settings.forget_engine_after_s:g} s)"
+                )
             engine = self._add_engine(engine_id, address)
         if not engine.registered:
             engine.registered = True
@@ -700,6 +720,7 @@ class SchedulerRuntime:
         spec = self._with_epoch(spec)
         self._seq += 1
         self._groups[spec.key] = GroupRecord.new(spec, self._seq)
+        self._held_prompt_tokens += len(spec.prompt_token_ids)
         self._queue[spec.key] = None
 
     def _loads(self, predict: bool = True) -> dict[str, EngineLoad]:
@@ -1351,6 +1372,7 @@ class SchedulerRuntime:
         if self._groups.get(key) is not record:
             return False
         del self._groups[key]
+        self._held_prompt_tokens -= len(record.spec.prompt_token_ids)
         self._queue.pop(key, None)
         self._predicted.pop(key, None)
         self._fits.pop(key, None)
@@ -1562,6 +1584,30 @@ class SchedulerRuntime:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             await self._probe_all()
+            await self._forget_silent_engines()
+
+    async def _forget_silent_engines(self) -> None:
+        """Takes out of the fleet the registered engines that are down and have sent no
+        heartbeat for ``forget_engine_after_s`` (and five heartbeat periods): engines of a
+        fleet that changes (new ids as machines come and go) would otherwise be watched and
+        probed for as long as the scheduler runs. Engines of the settings stay."""
+        silent_s = max(self.settings.forget_engine_after_s, 5 * self.heartbeat_interval_ms() / 1000)
+        configured = {e.engine_id for e in self.settings.engines}
+        now = time.monotonic()
+        for engine in list(self._engines.values()):
+            if (
+                engine.registered
+                and not engine.healthy
+                and engine.engine_id not in configured
+                and now - engine.last_heartbeat > silent_s
+            ):
+                log.warning(
+                    "engine %s at %s left the fleet: down, and no heartbeat for %.0f s",
+                    engine.engine_id,
+                    engine.address,
+                    now - engine.last_heartbeat,
+                )
+                await self._remove_engine(engine, f"no heartbeat for {silent_s:g} s")
 
     async def _probe_all(self) -> None:
         """Probes the engines that are unhealthy or not followed by a health watch every

@@ -23,6 +23,7 @@ from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
 from rollserve.scheduler.runtime import (
+    FleetFull,
     QueueFull,
     SchedulerRuntime,
     VersionBehind,
@@ -111,12 +112,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters",
             )
         host, sep, port = request.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not _is_port(port):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"address {request.address!r} is not host:port with a port in 1..65535",
             )
-        await self._runtime.register_engine(request.engine_id, request.address)
+        try:
+            await self._runtime.register_engine(request.engine_id, request.address)
+        except _REFUSALS as exc:
+            await context.abort(*_refusal(exc))
         return pb.RegisterEngineResponse(
             heartbeat_interval_ms=self._runtime.heartbeat_interval_ms()
         )
@@ -136,6 +140,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 # gets; nothing of the call was done.
 _REFUSALS = (
     ValidationError,
+    FleetFull,
     DuplicateGroup,
     VersionBehind,
     QueueFull,
@@ -145,8 +150,13 @@ _REFUSALS = (
 )
 
 
+def _is_port(text: str) -> bool:
+    """``text`` is a TCP port number in ASCII digits (``str.isdigit`` takes '²' too)."""
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
 def _refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, (QueueFull, FleetFull)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, WeightsNotLoaded):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
@@ -254,7 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", help="model dir used to tokenize prompt_text")
     p.add_argument("--max-queued-groups", type=int, default=100_000)
+    p.add_argument("--max-held-prompt-tokens", type=int, default=64 * 2**20)
     p.add_argument("--max-n", type=int, default=64)
+    p.add_argument("--max-engines", type=int, default=4096)
+    p.add_argument(
+        "--forget-engine-after-s",
+        type=float,
+        default=300.0,
+        help="a registered engine down and silent (no heartbeat) this long leaves the fleet",
+    )
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--health-interval-s", type=float, default=1.0)
@@ -377,7 +395,10 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         earlier_outputs_tokens=args.earlier_outputs_tokens,
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,
+        max_held_prompt_tokens=args.max_held_prompt_tokens,
         max_n=args.max_n,
+        max_engines=args.max_engines,
+        forget_engine_after_s=args.forget_engine_after_s,
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,

@@ -43,6 +43,12 @@ class SchedulerSettings(BaseModel):
     max_queued_groups: int = Field(
         100_000, ge=1, description="groups waiting for an engine before Submit is refused"
     )
+    max_held_prompt_tokens: int = Field(
+        64 * 2**20,
+        ge=1,
+        description="prompt tokens of the groups not yet delivered (queued or running) before "
+        "Submit is refused: the scheduler keeps them in memory (about 40 bytes a token)",
+    )
     max_groups_per_submit: int = Field(10_000, ge=1, description="groups in one Submit call")
     max_n: int = Field(64, ge=1, le=4096, description="samples per group")
     max_prompt_tokens: int = Field(131_072, ge=1, description="prompt length in tokens")
@@ -98,6 +104,15 @@ class SchedulerSettings(BaseModel):
         False,
         description="at start, forget the weights a PublishVersion of an earlier run made the "
         "fleet's (kept in Redis), so that engines serve the weights they were launched with",
+    )
+    max_engines: int = Field(
+        4096, ge=1, le=65_536, description="engines in the fleet before RegisterEngine is refused"
+    )
+    forget_engine_after_s: float = Field(
+        300.0,
+        gt=0,
+        description="a registered engine that is down and sent no heartbeat for this long (and "
+        "for at least five heartbeat periods) leaves the fleet; engines of the settings stay",
     )
     heartbeat_interval_ms: int = Field(
         2000,

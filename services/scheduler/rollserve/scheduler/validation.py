@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollserve.client.wire import MAX_RUN_ID_LEN, RUN_ID_ALPHABET
+from rollserve.client.wire import INT64_MAX, MAX_EPOCH, MAX_RUN_ID_LEN, RUN_ID_ALPHABET
 from rollserve.scheduler.state import GroupSpec, SamplingSpec
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -96,11 +96,16 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
     if group.n > limits.max_n:
         raise ValidationError(f"{where}.n ({group.n}) is above the limit ({limits.max_n})")
     sampling = _validate_sampling(f"{where}.sampling", group.sampling, len(prompt), limits)
-    epoch = group.epoch if group.HasField("epoch") else None
-    if epoch is not None and epoch < 0:
+    if sampling.seed is not None and sampling.seed + group.n - 1 > INT64_MAX:
         raise ValidationError(
-            f"{where}.epoch ({epoch}) must be >= 0 (the pass over the dataset, from 0); "
-            "leave it unset to let the scheduler count"
+            f"{where}.sampling.seed ({sampling.seed}) + n - 1 ({group.n - 1}) passes int64's "
+            f"limit ({INT64_MAX}); sample i is seeded seed + i"
+        )
+    epoch = group.epoch if group.HasField("epoch") else None
+    if epoch is not None and not 0 <= epoch <= MAX_EPOCH:
+        raise ValidationError(
+            f"{where}.epoch ({epoch}) must be in 0..{MAX_EPOCH} (the pass over the dataset, "
+            "from 0); leave it unset to let the scheduler count"
         )
     metadata = tuple(sorted(group.metadata.items()))
     size = sum(len(k) + len(v) for k, v in metadata)

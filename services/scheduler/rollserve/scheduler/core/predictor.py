@@ -197,6 +197,8 @@ class _Moments:
     m2: float = 0.0
 
     def add(self, y: float, w: float) -> None:
+        if w <= 0:  # aged to nothing (an epoch far behind the clock) counts for nothing
+            return
         total = self.weight + w
         delta = y - self.mean
         self.mean += delta * w / total

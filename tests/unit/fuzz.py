@@ -1,0 +1,363 @@
+"""Requests to throw at a gRPC service: a valid request changed in one to three places to
+values at and past the edges of each field's type, and requests filled at random.
+
+Every change is made by walking the request's descriptor, so a field added to the proto is
+fuzzed without a change here. Seeded: a failure names the seed and the changes, and
+``mutant(seed_request, Random(seed))`` makes the same request again.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+# The statuses a service may answer a request with, whatever is in it. UNKNOWN and INTERNAL
+# (an exception escaped a handler), DEADLINE_EXCEEDED (it hung) and UNAVAILABLE (it fell
+# over) are not among them.
+REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+    }
+)
+# Refusals whose message must name a field of the request (the rest may be about the
+# service: its queue is full, its engine is loading weights).
+NAMES_A_FIELD = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+
+_I32 = (0, 1, -1, 2, 3, 7, 255, 256, 257, 1_000, 65_536, 10**6, 2**31 - 1, -(2**31), 2**31 - 2)
+_I64 = (*_I32, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 10**15)
+_U32 = (0, 1, 2, 256, 2**31, 2**32 - 1)
+_U64 = (*_U32, 2**63, 2**64 - 1)
+_FLOATS = (
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    1.5,
+    2.0,
+    1e-45,
+    1e-30,
+    3.4e38,
+    math.nan,
+    math.inf,
+    -math.inf,
+    1e6,
+    -1e6,
+)
+_DOUBLES = (*_FLOATS, 1e300, -1e300, 5e-324)
+_STRINGS = (
+    "",
+    " ",
+    "x",
+    "0",
+    "-1",
+    "\x00",
+    "\n",
+    "\t ",
+    "²",  # a digit to str.isdigit, not to int()
+    "١٢",  # Arabic-Indic digits: int() reads them
+    "😀",
+    "\u202e",
+    "%s%n{0}",
+    "../../etc/passwd",
+    "/",
+    ":",
+    "a:b:c",
+    "localhost:0",
+    "localhost:99999",
+    "localhost:²",
+    "[::1]:1",
+    "127.0.0.1:1",
+    "host:-1",
+    "x" * 129,
+    "x" * 4_097,
+    "é" * 70_000,
+    "x" * 1_100_000,
+)
+_BYTES = (b"", b"\x00", b"\xff" * 17, bytes(range(256)), b"x" * 70_000)
+_VALUES: dict[int, tuple[object, ...]] = {
+    FieldDescriptor.CPPTYPE_INT32: _I32,
+    FieldDescriptor.CPPTYPE_INT64: _I64,
+    FieldDescriptor.CPPTYPE_UINT32: _U32,
+    FieldDescriptor.CPPTYPE_UINT64: _U64,
+    FieldDescriptor.CPPTYPE_FLOAT: _FLOATS,
+    FieldDescriptor.CPPTYPE_DOUBLE: _DOUBLES,
+    FieldDescriptor.CPPTYPE_STRING: _STRINGS,
+}
+_LENGTHS = (2, 3, 9, 129, 257, 2_000, 70_000)
+_COPIES = (2, 3, 17, 257, 1_100)
+# What one change may add to a request, so that a mutant stays one a client could send
+# (the services' message limit is 256 MiB; past that gRPC itself refuses it).
+_MAX_ADDED_BYTES = 16 * 1024 * 1024
+
+
+# A field's or a message's descriptor: protobuf's pure-Python classes or upb's, which the
+# stubs type apart.
+Field = Any
+
+
+@dataclass(frozen=True)
+class Change:
+    """One place of a request and what was done to it, to name in a failure."""
+
+    path: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+def mutant(valid: Message, rng: random.Random, changes: int = 0) -> tuple[Message, list[Change]]:
+    """A copy of ``valid`` changed in ``changes`` places (one to three when 0)."""
+    message = type(valid)()
+    message.CopyFrom(valid)
+    made: list[Change] = []
+    for _ in range(changes or rng.choice((1, 1, 1, 2, 3))):
+        places = list(_places(message, ""))
+        if not places:
+            break
+        made.append(rng.choice(places)(rng))
+    return message, made
+
+
+def filled(descriptor_type: type[Message], rng: random.Random) -> tuple[Message, list[Change]]:
+    """A request of that type whose fields are each set (or left out) at random."""
+    message = descriptor_type()
+    made: list[Change] = []
+    _fill(message, "", rng, made, depth=0)
+    return message, made
+
+
+def requests(
+    valid: Message, rng: random.Random, count: int
+) -> Iterator[tuple[Message, list[Change]]]:
+    """``count`` requests: mostly mutants of ``valid``, one in five filled at random."""
+    for _ in range(count):
+        if rng.random() < 0.2:
+            yield filled(type(valid), rng)
+        else:
+            yield mutant(valid, rng)
+
+
+def field_names(descriptor: Any) -> set[str]:
+    """Every field name of a message type and the types it holds."""
+    names: set[str] = set()
+    seen: set[str] = set()
+    todo = [descriptor]
+    while todo:
+        current = todo.pop()
+        if current.full_name in seen:
+            continue
+        seen.add(current.full_name)
+        for field in current.fields:
+            names.add(field.name)
+            if field.message_type is not None:
+                todo.append(field.message_type)
+    return names
+
+
+# ---------------------------------------------------------------- places to change
+
+Place = Callable[[random.Random], Change]
+
+
+def _places(message: Message, prefix: str) -> Iterator[Place]:
+    """A change for every field of ``message`` and of the messages it holds."""
+    for field in message.DESCRIPTOR.fields:
+        path = f"{prefix}{field.name}"
+        if _is_map(field):
+            yield _map_change(message, field, path)
+        elif field.is_repeated:
+            yield _repeated_change(message, field, path)
+            values = getattr(message, field.name)
+            if field.message_type is not None:
+                for i, element in enumerate(values):
+                    yield from _places(element, f"{path}[{i}].")
+            else:
+                for i in range(len(values)):
+                    yield _element_change(values, field, i, f"{path}[{i}]")
+        elif field.message_type is not None:
+            yield _message_change(message, field, path)
+            if message.HasField(field.name):
+                yield from _places(getattr(message, field.name), f"{path}.")
+        else:
+            yield _scalar_change(message, field, path)
+
+
+def _scalar_change(message: Message, field: Field, path: str) -> Place:
+    def change(rng: random.Random) -> Change:
+        if field.has_presence and rng.random() < 0.15:
+            message.ClearField(field.name)
+            return Change(path, "left out")
+        value = _edge(field, rng)
+        setattr(message, field.name, value)
+        return Change(path, _show(value))
+
+    return change
+
+
+def _element_change(values: object, field: Field, index: int, path: str) -> Place:
+    def change(rng: random.Random) -> Change:
+        value = _edge(field, rng)
+        values[index] = value  # type: ignore[index]
+        return Change(path, _show(value))
+
+    return change
+
+
+def _repeated_change(message: Message, field: Field, path: str) -> Place:
+    def change(rng: random.Random) -> Change:
+        values = getattr(message, field.name)
+        choice = rng.randrange(4)
+        if choice == 0 or (choice == 1 and not values):
+            message.ClearField(field.name)
+            return Change(path, "emptied")
+        if choice == 1:
+            first = values[0]
+            copies = _fitting(rng.choice(_COPIES), _size(first))
+            if field.message_type is not None:
+                for _ in range(copies - 1):
+                    values.add().CopyFrom(first)
+            else:
+                values.extend([first] * (copies - 1))
+            return Change(path, f"its first element {copies} times")
+        if field.message_type is not None:
+            values.add()
+            return Change(path, "an empty element added")
+        if choice == 2:
+            value = _edge(field, rng)
+            values.append(value)
+            return Change(path, f"{_show(value)} appended")
+        value = _edge(field, rng)
+        count = _fitting(rng.choice(_LENGTHS), _size(value))
+        message.ClearField(field.name)
+        getattr(message, field.name).extend([value] * count)
+        return Change(path, f"{count} x {_show(value)}")
+
+    return change
+
+
+def _map_change(message: Message, field: Field, path: str) -> Place:
+    key_field = field.message_type.fields_by_name["key"]
+    value_field = field.message_type.fields_by_name["value"]
+
+    def change(rng: random.Random) -> Change:
+        entries = getattr(message, field.name)
+        if rng.random() < 0.25:
+            message.ClearField(field.name)
+            return Change(path, "emptied")
+        count = rng.choice((1, 1, 2, 300, 5_000))
+        added = 0
+        for i in range(count):
+            key = _edge(key_field, rng)
+            key = f"{key}{i}" if isinstance(key, str) and count > 1 else key
+            value = None if value_field.message_type is not None else _edge(value_field, rng)
+            added += _size(key) + _size(value)
+            if added > _MAX_ADDED_BYTES:
+                count = i
+                break
+            if value is None:
+                entries[key].SetInParent()
+            else:
+                entries[key] = value
+        return Change(path, f"{count} entries")
+
+    return change
+
+
+def _message_change(message: Message, field: Field, path: str) -> Place:
+    def change(rng: random.Random) -> Change:
+        if message.HasField(field.name) and rng.random() < 0.5:
+            message.ClearField(field.name)
+            return Change(path, "left out")
+        getattr(message, field.name).Clear()
+        getattr(message, field.name).SetInParent()
+        return Change(path, "empty")
+
+    return change
+
+
+# ---------------------------------------------------------------- values
+
+
+def _edge(field: Field, rng: random.Random) -> object:
+    cpp = field.cpp_type
+    if cpp == FieldDescriptor.CPPTYPE_BOOL:
+        return rng.random() < 0.5
+    if cpp == FieldDescriptor.CPPTYPE_ENUM:
+        numbers = [v.number for v in field.enum_type.values]
+        return rng.choice([*numbers, max(numbers) + 1, 99, -1])
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return rng.choice(_BYTES)
+    values = _VALUES.get(cpp)
+    if values is None:
+        raise TypeError(f"no edge values for {field.full_name} (cpp type {cpp})")
+    return rng.choice(values)
+
+
+def _fill(
+    message: Message, prefix: str, rng: random.Random, made: list[Change], depth: int
+) -> None:
+    for field in message.DESCRIPTOR.fields:
+        if rng.random() < 0.4:
+            continue
+        path = f"{prefix}{field.name}"
+        if _is_map(field):
+            made.append(_map_change(message, field, path)(rng))
+        elif field.message_type is not None:
+            if depth >= 3:
+                continue
+            count = rng.choice((1, 1, 2, 3)) if field.is_repeated else 1
+            for i in range(count):
+                child = getattr(message, field.name)
+                child = child.add() if field.is_repeated else child
+                child.SetInParent()
+                where = f"{path}[{i}]." if field.is_repeated else f"{path}."
+                _fill(child, where, rng, made, depth + 1)
+        elif field.is_repeated:
+            count = rng.choice((1, 2, 5, 40))
+            values = [_edge(field, rng) for _ in range(count)]
+            getattr(message, field.name).extend(values)
+            made.append(Change(path, f"{count} values"))
+        else:
+            value = _edge(field, rng)
+            setattr(message, field.name, value)
+            made.append(Change(path, _show(value)))
+
+
+def _size(value: object) -> int:
+    """About what ``value`` takes on the wire."""
+    if isinstance(value, Message):
+        return value.ByteSize() + 2
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass")) + 2
+    if isinstance(value, bytes):
+        return len(value) + 2
+    return 10
+
+
+def _fitting(count: int, size: int) -> int:
+    """``count`` copies of something of ``size`` bytes, fewer where they would pass
+    ``_MAX_ADDED_BYTES`` (at least two, so that the change still repeats it)."""
+    return max(2, min(count, _MAX_ADDED_BYTES // max(size, 1)))
+
+
+def _is_map(field: Field) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"

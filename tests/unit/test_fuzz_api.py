@@ -1,0 +1,320 @@
+"""No request crashes a service: each RPC of the scheduler, the engine service and the
+simulated engine is sent a few hundred requests made from a valid one changed at the edges
+of its fields' types (``fuzz.py``), and every answer is OK or a refusal with a message that
+names a field; the service still serves afterwards and a valid request still works.
+
+Faked: the engines behind the scheduler (``fakes.FakeEngine``) and the engine service's
+backend (the scripted one of ``test_engine_service``); the servers, gRPC, the tokenizer and
+Redis are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.scheduler.server import serve
+from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.sim.server import FleetStarted
+from rollserve.sim.server import serve as serve_sim
+from rollserve.sim.settings import SimSettings
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.unit.fakes import FakeEngine
+from tests.unit.fuzz import NAMES_A_FIELD, REFUSED, field_names, requests
+from tests.unit.test_engine_service import ScriptedBackend, served
+from tests.unit.test_runtime import read_stream
+
+CALL_TIMEOUT_S = 20.0
+# Requests an RPC, and the seed of the first RPC's (the next RPC's is one more): a longer
+# campaign is ROLLSERVE_FUZZ_MUTANTS=5000 ROLLSERVE_FUZZ_SEED=$RANDOM; a failure names its seed.
+MUTANTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "150"))
+SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "1"))
+TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))  # print each request before it is sent
+
+# The bundled reasoner: a tokenizer for prompt_text, a checkpoint for UpdateWeights.
+REASONER = resources.files("rollserve.assets") / "reasoner"
+
+Call = Callable[[Message], Awaitable[Any]]
+
+
+async def check_answers(
+    name: str, call: Call, valid: Message, seed: int, alive: Callable[[], Awaitable[None]]
+) -> dict[str, int]:
+    """Sends the mutants of ``valid`` one by one; asserts each answer is OK or a refusal that
+    names a field, and that the service is ``alive`` after each. Returns the codes seen."""
+    names = field_names(valid.DESCRIPTOR)
+    seen: dict[str, int] = {}
+    for i, (request, changes) in enumerate(requests(valid, random.Random(seed), MUTANTS)):
+        what = f"{name} #{i} (seed {seed}): " + "; ".join(map(str, changes))
+        if TRACE:
+            print(what[:300], flush=True)
+        try:
+            await call(request)
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            assert code in REFUSED, f"{what}: {code.name}: {details}"
+            if code in NAMES_A_FIELD:
+                assert any(n in details for n in names), f"{what}: names no field: {details}"
+        seen[code.name] = seen.get(code.name, 0) + 1
+        await alive()
+    return seen
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+@asynccontextmanager
+async def scheduler(
+    redis_url: str, engine: FakeEngine
+) -> AsyncIterator[tuple[Any, asyncio.Task[None], Any]]:
+    """A scheduler served as ``rollserve scheduler`` serves it (``serve``), with the bundled
+    reasoner's tokenizer, on one fake engine; yields its stub, its task and a health stub."""
+    settings = SchedulerSettings(
+        port=0,
+        redis_url=redis_url,
+        engines=(EngineEndpoint(engine_id=engine.engine_id, address=engine.address),),
+        tokenizer=str(REASONER),
+        health_interval_s=0.1,
+        health_timeout_s=1.0,
+        max_queued_groups=2_000,
+        predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
+        shutdown_grace_s=0.0,
+    )
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
+    try:
+        bound = await asyncio.wait_for(asyncio.shield(port), timeout=CALL_TIMEOUT_S)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
+            yield pb_grpc.SchedulerStub(channel), task, health_pb2_grpc.HealthStub(channel)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=CALL_TIMEOUT_S)
+
+
+def valid_group(group_id: str) -> pb.PromptGroup:
+    return pb.PromptGroup(
+        group_id=group_id,
+        prompt_token_ids=[5, 6, 7, 8],
+        n=2,
+        sampling=pb.SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=8, seed=3),
+        prompt_key="k0",
+        priority=1,
+        metadata={"row": "0"},
+        epoch=0,
+    )
+
+
+async def test_no_request_crashes_the_scheduler(redis_url: str) -> None:
+    engine = await FakeEngine("e0", step_s=0.001).start()
+    try:
+        async with scheduler(redis_url, engine) as (stub, task, health):
+
+            async def alive() -> None:
+                assert not task.done(), "the scheduler stopped"
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                await stub.Status(pb.StatusRequest(), timeout=5)
+
+            run = f"fuzz-{uuid.uuid4().hex[:8]}"
+            counter = iter(range(10**9))
+
+            async def submit(request: Message) -> Any:
+                assert isinstance(request, pb.SubmitRequest)
+                # fresh group ids, so that a mutant is refused for what was changed in it
+                # rather than as a duplicate of an earlier one
+                for group in request.groups:
+                    if group.group_id == "g":
+                        group.group_id = f"g{next(counter)}"
+                return await stub.Submit(request, timeout=CALL_TIMEOUT_S)
+
+            valid_submit = pb.SubmitRequest(run_id=run, groups=[valid_group("g")])
+            seen = {
+                "Submit": await check_answers("Submit", submit, valid_submit, SEED, alive),
+                "Cancel": await check_answers(
+                    "Cancel",
+                    lambda r: stub.Cancel(r, timeout=CALL_TIMEOUT_S),
+                    pb.CancelRequest(run_id=run, group_ids=["g0", "nope"]),
+                    SEED + 2,
+                    alive,
+                ),
+                "PublishVersion": await check_answers(
+                    "PublishVersion",
+                    lambda r: stub.PublishVersion(r, timeout=CALL_TIMEOUT_S),
+                    pb.PublishVersionRequest(run_id=run, version=1, weights_path="/w/1"),
+                    SEED + 3,
+                    alive,
+                ),
+                "RegisterEngine": await check_answers(
+                    "RegisterEngine",
+                    lambda r: stub.RegisterEngine(r, timeout=CALL_TIMEOUT_S),
+                    pb.RegisterEngineRequest(engine_id="e9", address="127.0.0.1:1"),
+                    SEED + 4,
+                    alive,
+                ),
+                "Heartbeat": await check_answers(
+                    "Heartbeat",
+                    lambda r: stub.Heartbeat(r, timeout=CALL_TIMEOUT_S),
+                    pb.HeartbeatRequest(engine_id="e0"),
+                    SEED + 5,
+                    alive,
+                ),
+                "Status": await check_answers(
+                    "Status",
+                    lambda r: stub.Status(r, timeout=CALL_TIMEOUT_S),
+                    pb.StatusRequest(),
+                    SEED + 6,
+                    alive,
+                ),
+            }
+            print(seen)
+            # every RPC took some requests and refused others
+            for rpc in ("Submit", "Cancel", "PublishVersion", "RegisterEngine", "Heartbeat"):
+                assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
+                assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
+
+            # and a valid group of a new run is still delivered
+            after = f"after-{uuid.uuid4().hex[:8]}"
+            await stub.Submit(pb.SubmitRequest(run_id=after, groups=[valid_group("last")]))
+            [delivered] = await read_stream(redis_url, after, 1)
+            assert delivered.group_id == "last"
+    finally:
+        await engine.stop()
+
+
+# ---------------------------------------------------------------- the engines
+
+
+def valid_generate() -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id="r",
+        prompt_token_ids=[5, 6, 7, 8],
+        n=2,
+        sampling=pb.SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=20, max_tokens=8, seed=3, stop_token_ids=[9]
+        ),
+        priority=1,
+        sample_indices=[0, 1],
+        earlier_outputs=[pb.EarlierOutput(token_ids=[10, 11, 12])],
+    )
+
+
+def valid_add_outputs() -> pb.AddOutputsRequest:
+    return pb.AddOutputsRequest(
+        prompts=[
+            pb.PromptOutputs(
+                prompt_token_ids=[5, 6, 7, 8], outputs=[pb.EarlierOutput(token_ids=[10, 11])]
+            )
+        ]
+    )
+
+
+async def check_engine(stub: Any, alive: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+    """Every RPC of the Engine API, each from a valid request; a request id of ``r`` is made
+    unique per call (a duplicate of a running one is refused for that alone)."""
+    counter = iter(range(10**9))
+
+    async def generate(request: Message) -> None:
+        assert isinstance(request, pb.GenerateRequest)
+        if request.request_id == "r":
+            request.request_id = f"r{next(counter)}"
+        async for reply in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+            if reply.WhichOneof("kind") == "error":
+                assert reply.error.message, f"an in-band error without a message: {request}"
+
+    return {
+        "Generate": await check_answers("Generate", generate, valid_generate(), SEED, alive),
+        "Abort": await check_answers(
+            "Abort",
+            lambda r: stub.Abort(r, timeout=CALL_TIMEOUT_S),
+            pb.AbortRequest(request_id="r0", sample_indices=[0]),
+            SEED + 1,
+            alive,
+        ),
+        "AddOutputs": await check_answers(
+            "AddOutputs",
+            lambda r: stub.AddOutputs(r, timeout=CALL_TIMEOUT_S),
+            valid_add_outputs(),
+            SEED + 2,
+            alive,
+        ),
+        "UpdateWeights": await check_answers(
+            "UpdateWeights",
+            lambda r: stub.UpdateWeights(r, timeout=CALL_TIMEOUT_S),
+            pb.UpdateWeightsRequest(weights_path=str(REASONER), version=1),
+            SEED + 3,
+            alive,
+        ),
+        "Stats": await check_answers(
+            "Stats",
+            lambda r: stub.Stats(r, timeout=CALL_TIMEOUT_S),
+            pb.StatsRequest(with_progress=True),
+            SEED + 4,
+            alive,
+        ),
+    }
+
+
+async def test_no_request_crashes_the_engine_service() -> None:
+    """The vLLM engine's servicer, on a scripted backend that drafts from earlier outputs."""
+    backend = ScriptedBackend(takes_earlier_outputs=True)
+    async with served(backend) as stub:
+
+        async def alive() -> None:
+            await stub.Stats(pb.StatsRequest(), timeout=5)
+
+        seen = await check_engine(stub, alive)
+        print(seen)
+        for rpc in ("Generate", "AddOutputs", "UpdateWeights"):
+            assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
+            assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
+        # a valid call still generates
+        request = valid_generate()
+        request.request_id = "last"
+        replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+        assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
+
+
+async def test_no_request_crashes_a_simulated_engine() -> None:
+    """``rollserve sim``'s server (``serve``: one engine, a hundred times real time)."""
+    settings = SimSettings(engines=1, port=0, time_scale=0.01, response_median=30)
+    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_sim(settings, ready=started.set_result, stop=stop))
+    try:
+        fleet = await asyncio.wait_for(asyncio.shield(started), timeout=CALL_TIMEOUT_S)
+        [address] = fleet.addresses.values()
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def alive() -> None:
+                assert not task.done(), "the sim engine stopped"
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                await stub.Stats(pb.StatsRequest(), timeout=5)
+
+            seen = await check_engine(stub, alive)
+            print(seen)
+            for rpc in ("Generate", "AddOutputs"):
+                assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
+                assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
+            request = valid_generate()
+            request.request_id = "last"
+            replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+            assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=CALL_TIMEOUT_S)
