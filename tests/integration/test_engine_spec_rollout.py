@@ -10,8 +10,12 @@ indexed on the drafter's thread here (``--spec-background-tokens=1``).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +24,8 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.integration.engine_proc import serving_engine
 from tests.integration.test_engine_spec import LOGPROB_TOLERANCE, PROMPTS, SPEC_TOKENS, greedy
+from tests.unit.fuzz import check_rpc
+from tests.unit.test_fuzz_api import valid_add_outputs, valid_generate
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +137,109 @@ def assert_drafted_from(made: pb.Complete, told: pb.Complete, fresh: pb.Complete
         told.spec_accepted_tokens,
         fresh.spec_accepted_tokens,
     )
+
+
+async def test_top_k_without_top_p_samples_on_a_speculating_engine(
+    rollout_stub: pb_grpc.EngineAsyncStub,
+) -> None:
+    """A speculating engine verifies at every step, also one without drafts (a new request's
+    first): on CPUs, top-k sampling without top-p took vLLM's engine core down there
+    (``rollserve.engine.vllm_fixes`` guards it). The call ends with every sample."""
+    request = pb.GenerateRequest(
+        request_id="top-k-only",
+        prompt_token_ids=[29 + 5 * j for j in range(40)],
+        n=2,
+        sampling=pb.SamplingParams(temperature=1.0, top_k=3, top_p=1.0, max_tokens=16, seed=5),
+    )
+    ends = 0
+    async for reply in rollout_stub.Generate(request, timeout=120):
+        assert reply.WhichOneof("kind") != "error", reply.error.message
+        ends += reply.WhichOneof("kind") == "complete"
+    assert ends == 2
+    await rollout_stub.Stats(pb.StatsRequest(), timeout=30)
+
+
+# Requests an RPC and the first RPC's seed (as in test_fuzz_api: ROLLSERVE_FUZZ_MUTANTS and
+# ROLLSERVE_FUZZ_SEED make a longer campaign)
+FUZZ_REQUESTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "50"))
+FUZZ_SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "11"))
+FUZZ_TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))
+FUZZ_READ_S = 2.0  # a Generate call's stream is read this long, then cancelled
+
+
+async def test_no_request_crashes_the_engine_or_its_drafter(
+    rollout_stub: pb_grpc.EngineAsyncStub,
+) -> None:
+    """``tests/unit/test_fuzz_api.py``'s requests, changed at their fields' edges, against
+    vLLM and the drafter in its engine core (Generate with earlier outputs, AddOutputs,
+    Abort, Stats; UpdateWeights is left out: a valid one would change the shared engine's
+    weights version): each answer is OK or a refusal naming a field, the engine serves after
+    each, and a greedy sample made before is made again after."""
+    prompt = [23 + 5 * j for j in range(40)]  # a prompt no other test sends
+    before = (await greedy(rollout_stub, "fuzz-before", prompt))[0]
+    ids = itertools.count()
+
+    async def alive() -> None:
+        await rollout_stub.Stats(pb.StatsRequest(), timeout=30)
+
+    async def generate(request: Any) -> None:
+        assert isinstance(request, pb.GenerateRequest)
+        if request.request_id == "r":
+            request.request_id = f"fuzz-{next(ids)}"
+        call = rollout_stub.Generate(request, timeout=60)
+
+        async def read() -> None:
+            async for reply in call:
+                if reply.WhichOneof("kind") == "error":
+                    assert reply.error.message, f"an in-band error without a message: {request}"
+
+        try:
+            await asyncio.wait_for(read(), FUZZ_READ_S)
+        except TimeoutError:
+            pass  # long samples: what matters is how the call starts
+        finally:
+            call.cancel()
+
+    seen = {
+        "Generate": await check_rpc(
+            "Generate",
+            generate,
+            valid_generate(),
+            seed=FUZZ_SEED,
+            count=FUZZ_REQUESTS,
+            alive=alive,
+            trace=FUZZ_TRACE,
+        ),
+        "AddOutputs": await check_rpc(
+            "AddOutputs",
+            lambda r: rollout_stub.AddOutputs(r, timeout=60),
+            valid_add_outputs(),
+            seed=FUZZ_SEED + 1,
+            count=FUZZ_REQUESTS,
+            alive=alive,
+            trace=FUZZ_TRACE,
+        ),
+        "Abort": await check_rpc(
+            "Abort",
+            lambda r: rollout_stub.Abort(r, timeout=60),
+            pb.AbortRequest(request_id="fuzz-0", sample_indices=[0]),
+            seed=FUZZ_SEED + 2,
+            count=FUZZ_REQUESTS,
+            alive=alive,
+            trace=FUZZ_TRACE,
+        ),
+        "Stats": await check_rpc(
+            "Stats",
+            lambda r: rollout_stub.Stats(r, timeout=60),
+            pb.StatsRequest(with_progress=True),
+            seed=FUZZ_SEED + 3,
+            count=FUZZ_REQUESTS,
+            alive=alive,
+            trace=FUZZ_TRACE,
+        ),
+    }
+    print(seen)
+    for rpc in ("Generate", "AddOutputs"):
+        assert seen[rpc].get("OK", 0) > 0 and seen[rpc].get("INVALID_ARGUMENT", 0) > 0, seen
+    after = (await greedy(rollout_stub, "fuzz-after", prompt))[0]
+    assert list(after.token_ids) == list(before.token_ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,43 @@ def field_names(descriptor: Any) -> set[str]:
             if field.message_type is not None:
                 todo.append(field.message_type)
     return names
+
+
+Call = Callable[[Any], Awaitable[Any]]  # sends one request (of the RPC it fuzzes)
+
+
+async def check_rpc(
+    name: str,
+    call: Call,
+    valid: Message,
+    *,
+    seed: int,
+    count: int,
+    alive: Callable[[], Awaitable[None]],
+    trace: bool = False,
+) -> dict[str, int]:
+    """Sends ``count`` requests made from ``valid`` (``requests``) one by one through
+    ``call``; asserts each answer is OK or a refusal that names a field, and that the service
+    is ``alive`` after each. Returns how many answers had each status."""
+    names = field_names(valid.DESCRIPTOR)
+    seen: dict[str, int] = {}
+    for i, (request, changes) in enumerate(requests(valid, random.Random(seed), count)):
+        what = f"{name} #{i} (seed {seed}): " + "; ".join(map(str, changes))
+        if trace:
+            print(what[:300], flush=True)
+        try:
+            await call(request)
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            assert code in REFUSED, f"{what}: {code.name}: {details}"
+            # gRPC's own: the refusal's message made the trailers too big to send
+            assert "metadata size" not in details, f"{what}: {details}"
+            if code in NAMES_A_FIELD:
+                assert any(n in details for n in names), f"{what}: names no field: {details}"
+        seen[code.name] = seen.get(code.name, 0) + 1
+        await alive()
+    return seen
 
 
 # ---------------------------------------------------------------- places to change

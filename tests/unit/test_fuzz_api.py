@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -31,7 +30,7 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.unit.fakes import FakeEngine
-from tests.unit.fuzz import NAMES_A_FIELD, REFUSED, field_names, requests
+from tests.unit.fuzz import Call, check_rpc
 from tests.unit.test_engine_service import ScriptedBackend, served
 from tests.unit.test_runtime import read_stream
 
@@ -45,31 +44,11 @@ TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))  # print each request befor
 # The bundled reasoner: a tokenizer for prompt_text, a checkpoint for UpdateWeights.
 REASONER = resources.files("rollserve.assets") / "reasoner"
 
-Call = Callable[[Message], Awaitable[Any]]
-
 
 async def check_answers(
     name: str, call: Call, valid: Message, seed: int, alive: Callable[[], Awaitable[None]]
 ) -> dict[str, int]:
-    """Sends the mutants of ``valid`` one by one; asserts each answer is OK or a refusal that
-    names a field, and that the service is ``alive`` after each. Returns the codes seen."""
-    names = field_names(valid.DESCRIPTOR)
-    seen: dict[str, int] = {}
-    for i, (request, changes) in enumerate(requests(valid, random.Random(seed), MUTANTS)):
-        what = f"{name} #{i} (seed {seed}): " + "; ".join(map(str, changes))
-        if TRACE:
-            print(what[:300], flush=True)
-        try:
-            await call(request)
-            code = grpc.StatusCode.OK
-        except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            assert code in REFUSED, f"{what}: {code.name}: {details}"
-            if code in NAMES_A_FIELD:
-                assert any(n in details for n in names), f"{what}: names no field: {details}"
-        seen[code.name] = seen.get(code.name, 0) + 1
-        await alive()
-    return seen
+    return await check_rpc(name, call, valid, seed=seed, count=MUTANTS, alive=alive, trace=TRACE)
 
 
 # ---------------------------------------------------------------- the scheduler

@@ -1,8 +1,11 @@
 """rollserve's vLLM plugin (``rollserve.engine.vllm_fixes``): the CPU ``expand_kernel`` it
-puts in front of vLLM's. Nothing faked: vLLM's own C++ op is the one that fails, where
-installed; the replacement is checked against the kernel's definition."""
+puts in front of vLLM's, and its guard of top-k only sampling. Nothing faked: vLLM's own
+functions are the ones that fail, where installed; the replacements are checked against what
+vLLM's functions are meant to do."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -82,3 +85,33 @@ def test_the_engine_knows_whether_vllm_loads_the_fix(monkeypatch: pytest.MonkeyP
     assert _cpu_fix_loaded()
     monkeypatch.setenv("VLLM_PLUGINS", "none")
     assert not _cpu_fix_loaded()
+
+
+def test_the_plugin_lets_top_k_only_sampling_take_a_step_without_drafts() -> None:
+    """The rejection sampler of a speculating engine gets zero rows of logits in a step
+    where no request drafted; vLLM's CPU top-k only path fails on them, the guard does not,
+    and rows it gets are masked as vLLM masks them."""
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from rollserve.engine import vllm_fixes
+
+    original = sampler.apply_top_k_only
+    try:
+        if not getattr(original, "_rollserve_fixed", False):
+            with pytest.raises(RuntimeError, match="numel"):
+                original(torch.empty(0, 10), torch.empty(0, dtype=torch.int64))
+        vllm_fixes.register()
+        vllm_fixes.register()
+        fixed = sampler.apply_top_k_only
+        assert getattr(fixed, "_rollserve_fixed", False)
+        assert fixed(torch.empty(0, 10), torch.empty(0, dtype=torch.int64)).shape == (0, 10)
+        logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [4.0, 1.0, 2.0, 3.0]])
+        masked = fixed(logits.clone(), torch.tensor([2, 4]))
+        assert masked[0].tolist() == [-math.inf, 3.0, 2.0, -math.inf]
+        assert masked[1].tolist() == [4.0, 1.0, 2.0, 3.0]  # k = vocabulary: nothing masked
+        # what the rejection sampler calls on CPUs goes through the guard
+        empty = sampler.apply_top_k_top_p_pytorch(
+            torch.empty(0, 10), torch.empty(0, dtype=torch.int64), None, allow_cpu_sync=True
+        )
+        assert empty.shape == (0, 10)
+    finally:
+        sampler.apply_top_k_only = original

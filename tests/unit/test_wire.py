@@ -6,6 +6,7 @@ import json
 
 import pytest
 from rollserve.client.wire import (
+    MAX_STATUS_DETAILS,
     SCHEMA_VERSION,
     FinishReason,
     GroupResult,
@@ -17,6 +18,8 @@ from rollserve.client.wire import (
     encode_entry,
     ended_key,
     pending_key,
+    quoted,
+    status_details,
     stream_key,
     version_key,
 )
@@ -137,3 +140,18 @@ def test_derived_numbers() -> None:
     assert result.latency_s == pytest.approx(2.5)
     assert result.oldest_version == 3
     assert make_result(n=0).oldest_version is None
+
+
+def test_status_details_are_cut_to_what_grpc_trailers_carry() -> None:
+    short = "groups[0].n (0) must be at least 1"
+    assert status_details(short) == short
+    long = "é" * 100_000
+    cut = status_details(long)
+    assert len(cut) <= MAX_STATUS_DETAILS and cut.endswith("(100000 characters in all)")
+    # percent-encoded in the trailers: 3 bytes a UTF-8 byte, within gRPC's 16 KiB
+    assert 3 * len(cut.encode()) < 16 * 1024
+
+
+def test_quoted_text_is_cut_and_says_how_long_it_was() -> None:
+    assert quoted("e0") == "'e0'"
+    assert quoted("x" * 101) == f"{'x' * 100!r}... (101 characters)"

@@ -10,12 +10,13 @@ its queue size).
 
 from __future__ import annotations
 
-import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.wire import (
+    FLOAT32_MAX,
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
@@ -39,6 +40,22 @@ __all__ = [
     "SamplingParams",
     "SchedulerStatus",
 ]
+
+
+def _as_float32(value: float) -> float:
+    """What a proto ``float`` field makes of ``value`` (within float32's range)."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def _check_text(where: str, text: str) -> None:
+    """Raises InvalidArgument unless ``text`` can go on the wire (UTF-8: a lone surrogate,
+    as a bad decode leaves, cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{where} is not valid UTF-8 text: {text[exc.start : exc.end]!r} at {exc.start}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,16 +83,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgument(f"temperature ({self.temperature}) must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p ({self.top_p}) must be in (0, 1]")
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise InvalidArgument(f"temperature ({self.temperature}) must be >= 0 (and finite)")
+        if not 0 < self.top_p <= 1 or _as_float32(self.top_p) == 0:
+            raise InvalidArgument(f"top_p ({self.top_p}) must be in (0, 1] (as a 32-bit float)")
         if not -1 <= self.top_k <= INT32_MAX:
             raise InvalidArgument(f"top_k ({self.top_k}) must be -1 or 0 (disabled) or >= 1")
         if not 1 <= self.max_tokens <= INT32_MAX:
             raise InvalidArgument(f"max_tokens ({self.max_tokens}) must be >= 1")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must not be empty")
+        for i, text in enumerate(self.stop):
+            _check_text(f"stop[{i}]", text)
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidArgument(f"stop_token_ids ({self.stop_token_ids}) must be >= 0")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
@@ -151,6 +170,14 @@ class PromptGroup:
             )
         if any(not isinstance(v, str) for v in self.metadata.values()):
             raise InvalidArgument(f"group {self.group_id!r}: metadata values must be str")
+        if any(not isinstance(k, str) for k in self.metadata):
+            raise InvalidArgument(f"group {self.group_id!r}: metadata keys must be str")
+        _check_text("group_id", self.group_id)
+        for name in ("prompt_text", "prompt_key"):
+            _check_text(f"group {self.group_id!r}: {name}", getattr(self, name))
+        for key, value in self.metadata.items():
+            _check_text(f"group {self.group_id!r}: a metadata key", key)
+            _check_text(f"group {self.group_id!r}: metadata[{key!r}]", value)
 
     def to_proto(self) -> pb.PromptGroup:
         return pb.PromptGroup(
@@ -289,6 +316,7 @@ class SchedulerStatus:
 
 def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitRequest:
     """The Submit request of a batch; rejects a batch that repeats a group id."""
+    _check_text("run_id", run_id)
     seen: set[str] = set()
     for i, group in enumerate(groups):
         if not isinstance(group, PromptGroup):
@@ -308,6 +336,8 @@ def publish_version_request(
         raise InvalidArgument(f"version ({version}) must be in 0..{MAX_POLICY_VERSION}")
     if not isinstance(weights_path, str):
         raise InvalidArgument(f"weights_path must be a str, got {type(weights_path).__name__}")
+    _check_text("run_id", run_id)
+    _check_text("weights_path", weights_path)
     return pb.PublishVersionRequest(run_id=run_id, version=version, weights_path=weights_path)
 
 
@@ -327,4 +357,7 @@ def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:
         raise InvalidArgument("group_ids must be a sequence of ids, not one string")
     if any(not g for g in group_ids):
         raise InvalidArgument("group_ids must not contain an empty id")
+    _check_text("run_id", run_id)
+    for i, group_id in enumerate(group_ids):
+        _check_text(f"group_ids[{i}]", group_id)
     return pb.CancelRequest(run_id=run_id, group_ids=list(group_ids))

@@ -35,7 +35,13 @@ MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in
 # A group's epoch (passes over the dataset): far past any run's, so a wrong one is caught before
 # it moves the length predictor's clock and ages all it learnt away.
 MAX_EPOCH = 1_000_000
+# The most characters of a refusal's status details: gRPC sends them percent-encoded in the
+# trailers and drops a call whose trailers pass 16 KiB (the caller then reads
+# RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the refusal).
+# 1,000 characters are at most 12,000 bytes so encoded.
+MAX_STATUS_DETAILS = 1_000
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # a proto float past it is inf
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (sample i is seeded seed + i)
 MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)
 MAX_EARLIER_OUTPUTS = 256  # earlier outputs a Generate call carries (the drafter keeps 64)
@@ -162,3 +168,19 @@ def decode_entry(fields: dict[bytes, bytes]) -> GroupResult:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise SchemaError(f"stream entry body does not decode: {exc}") from exc
+
+
+def status_details(message: str) -> str:
+    """``message`` cut to ``MAX_STATUS_DETAILS`` characters (saying how long it was), so that a
+    refusal that quotes what it was sent reaches the caller whatever was sent."""
+    if len(message) <= MAX_STATUS_DETAILS:
+        return message
+    return f"{message[: MAX_STATUS_DETAILS - 40]}... ({len(message)} characters in all)"
+
+
+def quoted(text: str, limit: int = 100) -> str:
+    """``repr(text)``, its first ``limit`` characters where it is longer: for a message that
+    quotes what it was sent."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"

