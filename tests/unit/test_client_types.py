@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,10 @@ def test_a_seed_out_of_int64_or_whose_last_sample_passes_it_is_refused() -> None
         InvalidArgument, match=r"sampling\.seed \(9223372036854775806\) \+ n - 1 \(2\)"
     ):
         PromptGroup(group_id="g", prompt_token_ids=[1], n=3, sampling=last)
+
+
+def test_a_temperature_outside_vllms_range_is_refused() -> None:
+    assert SamplingParams(temperature=2.0).to_proto().temperature == 2.0
+    for hot in (2.5, math.inf, math.nan, -0.1):
+        with pytest.raises(InvalidArgument, match=r"temperature \(.*\) must be in \[0, 2\]"):
+            SamplingParams(temperature=hot)

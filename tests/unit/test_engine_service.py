@@ -265,9 +265,10 @@ def sampled(n: int, indices: Sequence[int] = (), **sampling: float) -> pb.Genera
 @pytest.mark.parametrize(
     ("req", "problem"),
     [
-        (sampled(2, temperature=math.inf), "sampling.temperature (inf) must be finite and >= 0"),
-        (sampled(2, temperature=math.nan), "sampling.temperature (nan) must be finite"),
-        (sampled(2, temperature=-0.5), "sampling.temperature (-0.5) must be finite and >= 0"),
+        (sampled(2, temperature=math.inf), "sampling.temperature (inf) must be in [0, 2]"),
+        (sampled(2, temperature=math.nan), "sampling.temperature (nan) must be in [0, 2]"),
+        (sampled(2, temperature=-0.5), "sampling.temperature (-0.5) must be in [0, 2]"),
+        (sampled(2, temperature=2.5), "sampling.temperature (2.5) must be in [0, 2] (vLLM's"),
         (
             sampled(3, seed=2**63 - 2),
             f"sampling.seed ({2**63 - 2}) + the last sample's index (2) passes int64's limit",
@@ -330,6 +331,27 @@ async def test_an_engine_that_cannot_take_earlier_outputs_ends_the_call_with_its
     assert [m.WhichOneof("kind") for m in messages] == ["error"]
     assert messages[0].error.retryable and "dead" in messages[0].error.message
     assert backend.requests == []
+
+
+class BrokenBackend(ScriptedBackend):
+    """Raises what no backend should: an exception that is not a BackendError."""
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self.requests.append(request)
+        raise ValueError("a bug")
+        yield  # (a generator)
+
+
+async def test_a_backend_that_fails_unexpectedly_ends_the_call_with_the_error() -> None:
+    """It used to end the sample's task only: the call then waited for ever."""
+    backend = BrokenBackend()
+    async with served(backend) as stub:
+        messages = [m async for m in stub.Generate(request(n=2), timeout=10)]
+        assert (await stub.Stats(pb.StatsRequest())).running_requests == 0
+    assert [m.WhichOneof("kind") for m in messages] == ["error"]
+    assert not messages[0].error.retryable
+    assert "the engine failed on r/" in messages[0].error.message
+    assert "ValueError('a bug')" in messages[0].error.message
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.client.wire import GroupStatus
 from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.sim.server import FleetStarted
@@ -171,6 +172,50 @@ async def test_no_request_crashes_the_scheduler(redis_url: str) -> None:
             assert delivered.group_id == "last"
     finally:
         await engine.stop()
+
+
+async def test_what_the_scheduler_takes_an_engine_runs(redis_url: str) -> None:
+    """The scheduler's checks cover the engine's: Submit's requests (as above) go to a
+    scheduler on a simulated engine, which refuses a call as the vLLM engine service does
+    (the same checks), and every group the scheduler took is delivered, none failed."""
+    settings = SimSettings(engines=1, port=0, time_scale=0.01, response_median=30)
+    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    sim = asyncio.create_task(serve_sim(settings, ready=started.set_result, stop=stop))
+    try:
+        fleet = await asyncio.wait_for(asyncio.shield(started), timeout=CALL_TIMEOUT_S)
+        [(engine_id, address)] = fleet.addresses.items()
+        engine = FakeEngine(engine_id)
+        engine.address = address  # (only its id and address are read)
+        async with scheduler(redis_url, engine) as (stub, task, _):
+            run = f"takes-{uuid.uuid4().hex[:8]}"
+            counter = iter(range(10**9))
+            taken: dict[str, int] = {}  # run id -> groups taken
+
+            async def alive() -> None:
+                assert not task.done(), "the scheduler stopped"
+
+            async def submit(request: Message) -> Any:
+                assert isinstance(request, pb.SubmitRequest)
+                for group in request.groups:
+                    if group.group_id == "g":
+                        group.group_id = f"g{next(counter)}"
+                reply = await stub.Submit(request, timeout=CALL_TIMEOUT_S)
+                taken[request.run_id] = taken.get(request.run_id, 0) + reply.accepted
+                return reply
+
+            valid = pb.SubmitRequest(run_id=run, groups=[valid_group("g")])
+            seen = await check_answers("Submit", submit, valid, SEED + 7, alive)
+            assert seen.get("OK", 0) > 0, seen
+            failed = []
+            for run_id, count in taken.items():
+                for result in await read_stream(redis_url, run_id, count):
+                    if result.status != GroupStatus.DELIVERED:
+                        failed.append(f"{run_id}/{result.group_id}: {result.error}")
+            assert not failed, f"{len(failed)} groups taken then failed: {failed[:5]}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(sim, timeout=CALL_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------- the engines

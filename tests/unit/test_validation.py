@@ -33,7 +33,8 @@ def test_valid_group_becomes_a_spec_with_defaults() -> None:
             proto_group("a", max_tokens=60),
             r"max_tokens \(60\) exceeds the model's context \(64\) minus the prompt \(5\)",
         ),
-        (proto_group("a", temperature=-0.5), r"temperature \(-0.5\) must be >= 0"),
+        (proto_group("a", temperature=-0.5), r"temperature \(-0.5\) must be in \[0, 2\]"),
+        (proto_group("a", temperature=2.5), r"temperature \(2.5\) must be in \[0, 2\]"),
         (proto_group("a", top_p=0.0), r"top_p \(0.0\) must be in \(0, 1\]"),
         (proto_group("a", top_p=1.5), r"top_p \(1.5\) must be in \(0, 1\]"),
         (proto_group("", n=1), "group_id is empty"),
@@ -133,3 +134,16 @@ def test_a_seed_whose_last_sample_passes_int64_is_refused() -> None:
         ValidationError, match=r"sampling\.seed \(9223372036854775805\) \+ n - 1 \(3\)"
     ):
         validate_submit(submit(group), LIMITS, None)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused() -> None:
+    limits = Limits(
+        max_n=8, max_groups_per_submit=4, max_prompt_tokens=100, max_model_len=None, vocab_size=50
+    )
+    group = proto_group("v")
+    group.sampling.stop_token_ids.extend([3, 49])
+    [spec] = validate_submit(submit(group), limits, None)
+    assert spec.sampling.stop_token_ids == (3, 49)
+    group.sampling.stop_token_ids.append(50)
+    with pytest.raises(ValidationError, match=r"stop_token_ids holds id 50; the vocabulary has 50"):
+        validate_submit(submit(group), limits, None)

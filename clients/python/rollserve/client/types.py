@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.wire import (
-    FLOAT32_MAX,
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
     MAX_EPOCH,
     MAX_POLICY_VERSION,
+    MAX_TEMPERATURE,
     FinishReason,
     GroupResult,
     GroupStatus,
@@ -62,7 +62,7 @@ def _check_text(where: str, text: str) -> None:
 class SamplingParams:
     """How the n samples of a group are drawn.
 
-    temperature: >= 0; 0 is greedy.
+    temperature: in [0, 2] (vLLM's range); 0 is greedy.
     top_p: in (0, 1].
     top_k: -1 (or 0) disables; otherwise >= 1.
     max_tokens: response tokens per sample, >= 1 (the scheduler also bounds it by
@@ -83,8 +83,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not 0 <= self.temperature <= FLOAT32_MAX:
-            raise InvalidArgument(f"temperature ({self.temperature}) must be >= 0 (and finite)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature ({self.temperature}) must be in [0, {MAX_TEMPERATURE:g}]; 0 is greedy"
+            )
         if not 0 < self.top_p <= 1 or _as_float32(self.top_p) == 0:
             raise InvalidArgument(f"top_p ({self.top_p}) must be in (0, 1] (as a 32-bit float)")
         if not -1 <= self.top_k <= INT32_MAX:

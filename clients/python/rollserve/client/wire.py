@@ -41,7 +41,7 @@ MAX_EPOCH = 1_000_000
 # 1,000 characters are at most 12,000 bytes so encoded.
 MAX_STATUS_DETAILS = 1_000
 INT32_MAX = 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38  # a proto float past it is inf
+MAX_TEMPERATURE = 2.0  # vLLM refuses a hotter request (as OpenAI's API does)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (sample i is seeded seed + i)
 MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)
 MAX_EARLIER_OUTPUTS = 256  # earlier outputs a Generate call carries (the drafter keeps 64)

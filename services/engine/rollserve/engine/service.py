@@ -38,6 +38,7 @@ from rollserve.client.wire import (
     INT64_MAX,
     MAX_EARLIER_OUTPUT_TOKENS,
     MAX_EARLIER_OUTPUTS,
+    MAX_TEMPERATURE,
     MAX_WEIGHTS_PATH_LEN,
     status_details,
 )
@@ -301,20 +302,23 @@ class VllmBackend:
             pass
 
     async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
-        params = self._sampling_params(
-            n=1,
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            stop=list(request.stop) or None,
-            stop_token_ids=list(request.stop_token_ids) or None,
-            seed=request.seed,
-            logprobs=0,
-            flat_logprobs=True,
-            detokenize=bool(request.stop),
-            output_kind=self._delta,
-        )
+        try:
+            params = self._sampling_params(
+                n=1,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                stop=list(request.stop) or None,
+                stop_token_ids=list(request.stop_token_ids) or None,
+                seed=request.seed,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=bool(request.stop),
+                output_kind=self._delta,
+            )
+        except self._client_error as exc:  # what vLLM checks and we do not
+            raise BackendError(f"vLLM rejected the request: {exc}", retryable=False) from exc
         prompt = self._tokens_input(list(request.prompt_token_ids))
         num_prompt_tokens = len(request.prompt_token_ids)
         counted_prompt = False
@@ -1038,6 +1042,12 @@ async def _pump(
     except BackendError as exc:
         run.error = exc
         run.wakeup.set()
+    except Exception as exc:  # a backend's bug: the call ends with it instead of hanging
+        logger.exception("sample %s failed", request.request_id)
+        run.error = BackendError(
+            f"the engine failed on {request.request_id}: {exc!r}", retryable=False
+        )
+        run.wakeup.set()
     if sample.finish_reason is None and run.error is None:
         run.error = BackendError(
             f"the engine ended {request.request_id} without a finish reason", retryable=True
@@ -1131,8 +1141,11 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
             f"({info.max_model_len}) minus the prompt ({prompt_len}); "
             f"use at most {max(info.max_model_len - prompt_len, 0)}"
         )
-    if sampling.HasField("temperature") and not 0 <= sampling.temperature < math.inf:
-        yield f"sampling.temperature ({sampling.temperature}) must be finite and >= 0 (0 is greedy)"
+    if sampling.HasField("temperature") and not 0 <= sampling.temperature <= MAX_TEMPERATURE:
+        yield (
+            f"sampling.temperature ({sampling.temperature}) must be in [0, {MAX_TEMPERATURE:g}] "
+            "(vLLM's range; 0 is greedy)"
+        )
     if sampling.HasField("seed"):
         last = max(request.sample_indices, default=request.n - 1)
         if sampling.seed + last > INT64_MAX:

@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollserve.client.wire import INT64_MAX, MAX_EPOCH, MAX_RUN_ID_LEN, RUN_ID_ALPHABET
+from rollserve.client.wire import (
+    INT64_MAX,
+    MAX_EPOCH,
+    MAX_RUN_ID_LEN,
+    MAX_TEMPERATURE,
+    RUN_ID_ALPHABET,
+)
 from rollserve.scheduler.state import GroupSpec, SamplingSpec
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -169,8 +175,11 @@ def _validate_sampling(
             f"{max(0, limits.max_model_len - prompt_len)}"
         )
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValidationError(f"{where}.temperature ({temperature}) must be >= 0")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValidationError(
+            f"{where}.temperature ({temperature}) must be in [0, {MAX_TEMPERATURE:g}] "
+            "(vLLM's range; 0 is greedy)"
+        )
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise ValidationError(f"{where}.top_p ({top_p}) must be in (0, 1]")
@@ -179,6 +188,11 @@ def _validate_sampling(
         raise ValidationError(f"{where}.top_k ({top_k}) must be -1 or 0 (off) or >= 1")
     if any(t < 0 for t in sampling.stop_token_ids):
         raise ValidationError(f"{where}.stop_token_ids holds a negative id")
+    high = max(sampling.stop_token_ids, default=0)
+    if limits.vocab_size is not None and high >= limits.vocab_size:
+        raise ValidationError(
+            f"{where}.stop_token_ids holds id {high}; the vocabulary has {limits.vocab_size}"
+        )
     if any(not s for s in sampling.stop):
         raise ValidationError(f"{where}.stop holds an empty string")
     return SamplingSpec(
