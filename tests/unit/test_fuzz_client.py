@@ -1,7 +1,8 @@
 """The SDK refuses what the scheduler would refuse, before anything is sent: groups and
 sampling made of values at the edges of each argument's type (seeded) either raise
 ``InvalidArgument`` naming the argument, or become a request whose every field holds what was
-given. Nothing faked; no server (what the server does with them is ``test_fuzz_api``'s)."""
+given; and what it reads from a stream decodes or is a SchemaError. Nothing faked; no server
+(what the server does with requests is ``test_fuzz_api``'s)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from typing import Any
 import pytest
 from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
 from rollserve.client.types import cancel_request, publish_version_request, submit_request
+from rollserve.client.wire import (
+    SCHEMA_VERSION,
+    GroupResult,
+    SchemaError,
+    decode_entry,
+    encode_entry,
+)
+
+from tests.unit.test_wire import make_result
 
 INTS = (0, 1, -1, 2, 255, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1)
 FLOATS = (0.0, -0.0, 0.5, 1.0, 1.5, -1.0, 1e-45, 1e-50, 1e300, math.nan, math.inf, -math.inf)
@@ -98,3 +108,39 @@ def test_run_ids_group_ids_and_weights_paths_are_refused_or_sent(value: str) -> 
             make()
         except InvalidArgument as exc:
             assert str(exc), value
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_stream_entry_decodes_or_is_a_schema_error(seed: int) -> None:
+    """A reader meets what is in the stream, whoever wrote it: an entry of the scheduler's
+    with its body's bytes flipped, cut, repeated or replaced decodes (to a GroupResult) or
+    raises SchemaError, which the consumer hands the trainer as an undecodable entry."""
+    rng = random.Random(seed)
+    body = encode_entry(make_result())["body"]
+    decoded = undecodable = 0
+    for i in range(CASES):
+        data = bytearray(body)
+        for _ in range(rng.choice((1, 1, 2, 5))):
+            where = rng.randrange(len(data))
+            choice = rng.randrange(4)
+            if choice == 0:
+                data[where] = rng.randrange(256)
+            elif choice == 1:
+                del data[where:]
+            elif choice == 2:
+                data[where:where] = data[where : where + rng.randrange(1, 40)]
+            else:
+                data[where : where + 1] = rng.choice(STRINGS).encode("utf-8", "surrogatepass")
+            if not data:
+                break
+        fields = {b"v": SCHEMA_VERSION.encode(), b"body": bytes(data)}
+        try:
+            result = decode_entry(fields)
+        except SchemaError:
+            undecodable += 1
+            continue
+        except Exception as exc:  # what the consumer does not catch
+            pytest.fail(f"case {i} (seed {seed}): {bytes(data)[:200]!r}: {exc!r}")
+        assert isinstance(result, GroupResult)
+        decoded += 1
+    assert undecodable > 0, (decoded, undecodable)
