@@ -40,6 +40,7 @@ CALL_TIMEOUT_S = 20.0
 # campaign is ROLLSERVE_FUZZ_MUTANTS=5000 ROLLSERVE_FUZZ_SEED=$RANDOM; a failure names its seed.
 MUTANTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "150"))
 SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "1"))
+DRAIN_S = 600.0  # for the groups a scheduler took to end
 TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))  # print each request before it is sent
 
 # The bundled reasoner: a tokenizer for prompt_text, a checkpoint for UpdateWeights.
@@ -97,7 +98,10 @@ def valid_group(group_id: str) -> pb.PromptGroup:
     )
 
 
-async def test_no_request_crashes_the_scheduler(redis_url: str) -> None:
+async def test_no_request_crashes_the_scheduler(other_redis_url: str) -> None:
+    """(A Redis database of its own: the weights a fuzzed PublishVersion makes the fleet's
+    stay in it, and engines that cannot load them get no work from a later scheduler.)"""
+    redis_url = other_redis_url
     engine = await FakeEngine("e0", step_s=0.001).start()
     try:
         async with scheduler(redis_url, engine) as (stub, task, health):
@@ -174,48 +178,70 @@ async def test_no_request_crashes_the_scheduler(redis_url: str) -> None:
         await engine.stop()
 
 
-async def test_what_the_scheduler_takes_an_engine_runs(redis_url: str) -> None:
+async def test_what_the_scheduler_takes_an_engine_runs(other_redis_url: str) -> None:
     """The scheduler's checks cover the engine's: Submit's requests (as above) go to a
     scheduler on a simulated engine, which refuses a call as the vLLM engine service does
     (the same checks), and every group the scheduler took is delivered, none failed."""
-    settings = SimSettings(engines=1, port=0, time_scale=0.01, response_median=30)
-    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    sim = asyncio.create_task(serve_sim(settings, ready=started.set_result, stop=stop))
-    try:
-        fleet = await asyncio.wait_for(asyncio.shield(started), timeout=CALL_TIMEOUT_S)
-        [(engine_id, address)] = fleet.addresses.items()
-        engine = FakeEngine(engine_id)
-        engine.address = address  # (only its id and address are read)
-        async with scheduler(redis_url, engine) as (stub, task, _):
-            run = f"takes-{uuid.uuid4().hex[:8]}"
-            counter = iter(range(10**9))
-            taken: dict[str, int] = {}  # run id -> groups taken
+    async with sim_fleet() as (engine_id, address, _):
+        failed = await taken_then_failed(
+            other_redis_url, engine_id, address, seed=SEED + 7, count=MUTANTS, trace=TRACE
+        )
+    assert not failed, f"{len(failed)} groups taken then failed: {failed[:5]}"
 
-            async def alive() -> None:
-                assert not task.done(), "the scheduler stopped"
 
-            async def submit(request: Message) -> Any:
-                assert isinstance(request, pb.SubmitRequest)
-                for group in request.groups:
-                    if group.group_id == "g":
-                        group.group_id = f"g{next(counter)}"
-                reply = await stub.Submit(request, timeout=CALL_TIMEOUT_S)
-                taken[request.run_id] = taken.get(request.run_id, 0) + reply.accepted
-                return reply
+async def taken_then_failed(
+    redis_url: str,
+    engine_id: str,
+    address: str,
+    *,
+    seed: int,
+    count: int,
+    max_tokens: int | None = None,
+    trace: bool = False,
+) -> list[str]:
+    """Sends ``count`` Submit requests made from a valid one (their samples cut to
+    ``max_tokens`` where given) to a scheduler on the engine at ``address``; once every
+    group it took has ended, the ones that failed, each with its error."""
+    engine = FakeEngine(engine_id)  # (only its id and address are read)
+    engine.address = address
+    async with scheduler(redis_url, engine) as (stub, task, _):
+        counter = iter(range(10**9))
+        taken: dict[str, int] = {}  # run id -> groups taken
 
-            valid = pb.SubmitRequest(run_id=run, groups=[valid_group("g")])
-            seen = await check_answers("Submit", submit, valid, SEED + 7, alive)
-            assert seen.get("OK", 0) > 0, seen
-            failed = []
-            for run_id, count in taken.items():
-                for result in await read_stream(redis_url, run_id, count):
-                    if result.status != GroupStatus.DELIVERED:
-                        failed.append(f"{run_id}/{result.group_id}: {result.error}")
-            assert not failed, f"{len(failed)} groups taken then failed: {failed[:5]}"
-    finally:
-        stop.set()
-        await asyncio.wait_for(sim, timeout=CALL_TIMEOUT_S)
+        async def alive() -> None:
+            assert not task.done(), "the scheduler stopped"
+
+        async def submit(request: Any) -> Any:
+            assert isinstance(request, pb.SubmitRequest)
+            for group in request.groups:
+                if group.group_id == "g":
+                    group.group_id = f"g{next(counter)}"
+                if max_tokens is not None:
+                    group.sampling.max_tokens = min(group.sampling.max_tokens, max_tokens)
+            reply = await stub.Submit(request, timeout=CALL_TIMEOUT_S)
+            taken[request.run_id] = taken.get(request.run_id, 0) + reply.accepted
+            return reply
+
+        valid = pb.SubmitRequest(run_id=f"takes-{uuid.uuid4().hex[:8]}", groups=[valid_group("g")])
+        seen = await check_rpc(
+            "Submit", submit, valid, seed=seed, count=count, alive=alive, trace=trace
+        )
+        assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
+
+        async def drained() -> None:
+            while True:
+                status = await stub.Status(pb.StatusRequest(), timeout=CALL_TIMEOUT_S)
+                if status.queue_depth == 0 and status.inflight_groups == 0:
+                    return
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(drained(), DRAIN_S)
+        return [
+            f"{run_id}/{result.group_id}: {result.error}"
+            for run_id, taken_there in taken.items()
+            for result in await read_stream(redis_url, run_id, taken_there)
+            if result.status != GroupStatus.DELIVERED
+        ]
 
 
 # ---------------------------------------------------------------- the engines
@@ -245,9 +271,12 @@ def valid_add_outputs() -> pb.AddOutputsRequest:
     )
 
 
-async def check_engine(stub: Any, alive: Callable[[], Awaitable[None]]) -> dict[str, Any]:
-    """Every RPC of the Engine API, each from a valid request; a request id of ``r`` is made
-    unique per call (a duplicate of a running one is refused for that alone)."""
+async def check_engine(
+    stub: Any, alive: Callable[[], Awaitable[None]], refusing: tuple[str, ...]
+) -> None:
+    """Every RPC of the Engine API, each from a valid request (a request id of ``r`` is made
+    unique per call: a duplicate of a running one is refused for that alone); the RPCs
+    ``refusing`` took some requests and refused others; a valid call still generates."""
     counter = iter(range(10**9))
 
     async def generate(request: Message) -> None:
@@ -258,7 +287,7 @@ async def check_engine(stub: Any, alive: Callable[[], Awaitable[None]]) -> dict[
             if reply.WhichOneof("kind") == "error":
                 assert reply.error.message, f"an in-band error without a message: {request}"
 
-    return {
+    seen = {
         "Generate": await check_answers("Generate", generate, valid_generate(), SEED, alive),
         "Abort": await check_answers(
             "Abort",
@@ -289,6 +318,14 @@ async def check_engine(stub: Any, alive: Callable[[], Awaitable[None]]) -> dict[
             alive,
         ),
     }
+    print(seen)
+    for rpc in refusing:
+        assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
+        assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
+    request = valid_generate()
+    request.request_id = "last"
+    replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+    assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
 
 
 async def test_no_request_crashes_the_engine_service() -> None:
@@ -299,46 +336,36 @@ async def test_no_request_crashes_the_engine_service() -> None:
         async def alive() -> None:
             await stub.Stats(pb.StatsRequest(), timeout=5)
 
-        seen = await check_engine(stub, alive)
-        print(seen)
-        for rpc in ("Generate", "AddOutputs", "UpdateWeights"):
-            assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
-            assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
-        # a valid call still generates
-        request = valid_generate()
-        request.request_id = "last"
-        replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
-        assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
+        await check_engine(stub, alive, refusing=("Generate", "AddOutputs", "UpdateWeights"))
 
 
 async def test_no_request_crashes_a_simulated_engine() -> None:
     """``rollserve sim``'s server (``serve``: one engine, a hundred times real time)."""
+    async with sim_fleet() as (_, address, task), grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def alive() -> None:
+            assert not task.done(), "the sim engine stopped"
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            await stub.Stats(pb.StatsRequest(), timeout=5)
+
+        await check_engine(stub, alive, refusing=("Generate", "AddOutputs"))
+
+
+@asynccontextmanager
+async def sim_fleet() -> AsyncIterator[tuple[str, str, asyncio.Task[dict[str, Any]]]]:
+    """One simulated engine served as ``rollserve sim`` serves it, a hundred times real time;
+    yields its id, address and the server's task."""
     settings = SimSettings(engines=1, port=0, time_scale=0.01, response_median=30)
     started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
     task = asyncio.create_task(serve_sim(settings, ready=started.set_result, stop=stop))
     try:
         fleet = await asyncio.wait_for(asyncio.shield(started), timeout=CALL_TIMEOUT_S)
-        [address] = fleet.addresses.values()
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.EngineStub(channel)
-            health = health_pb2_grpc.HealthStub(channel)
-
-            async def alive() -> None:
-                assert not task.done(), "the sim engine stopped"
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                await stub.Stats(pb.StatsRequest(), timeout=5)
-
-            seen = await check_engine(stub, alive)
-            print(seen)
-            for rpc in ("Generate", "AddOutputs"):
-                assert seen[rpc].get("OK", 0) > 0, (rpc, seen[rpc])
-                assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
-            request = valid_generate()
-            request.request_id = "last"
-            replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
-            assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
+        [(engine_id, address)] = fleet.addresses.items()
+        yield engine_id, address, task
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=CALL_TIMEOUT_S)
