@@ -32,7 +32,7 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.unit.fakes import FakeEngine
 from tests.unit.fuzz import Call, check_rpc
-from tests.unit.test_engine_service import ScriptedBackend, served
+from tests.unit.test_engine_service import HoldingBackend, ScriptedBackend, served
 from tests.unit.test_runtime import read_stream
 
 CALL_TIMEOUT_S = 20.0
@@ -41,6 +41,7 @@ CALL_TIMEOUT_S = 20.0
 MUTANTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "150"))
 SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "1"))
 DRAIN_S = 600.0  # for the groups a scheduler took to end
+HELD_SAMPLES = 8  # of the running call an Abort names
 TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))  # print each request before it is sent
 
 # The bundled reasoner: a tokenizer for prompt_text, a checkpoint for UpdateWeights.
@@ -337,6 +338,44 @@ async def test_no_request_crashes_the_engine_service() -> None:
             await stub.Stats(pb.StatsRequest(), timeout=5)
 
         await check_engine(stub, alive, refusing=("Generate", "AddOutputs", "UpdateWeights"))
+
+
+async def test_no_abort_crashes_the_engine_service_while_its_call_runs() -> None:
+    """Abort's requests (as above) each name the samples of a call that is running (a
+    backend that holds every sample until it is aborted); whatever they abort, the call then
+    ends with all its samples once the rest are aborted."""
+    backend = HoldingBackend()
+    async with served(backend) as stub:
+        calls = iter(range(10**9))
+
+        async def abort(request: Any) -> Any:
+            assert isinstance(request, pb.AbortRequest)
+            held = f"held-{next(calls)}"
+            request_id = request.request_id
+            request.request_id = held if request_id == "held" else request_id
+            call = stub.Generate(
+                pb.GenerateRequest(
+                    request_id=held,
+                    prompt_token_ids=[5, 6],
+                    n=HELD_SAMPLES,
+                    sampling=pb.SamplingParams(max_tokens=4),
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+            await asyncio.wait_for(backend.started(len(backend.requests) + HELD_SAMPLES), 10)
+            try:
+                return await stub.Abort(request, timeout=CALL_TIMEOUT_S)
+            finally:
+                await stub.Abort(pb.AbortRequest(request_id=held), timeout=CALL_TIMEOUT_S)
+                ends = [r.complete async for r in call if r.WhichOneof("kind") == "complete"]
+                assert sorted(c.index for c in ends) == list(range(HELD_SAMPLES)), held
+
+        async def alive() -> None:
+            await stub.Stats(pb.StatsRequest(), timeout=5)
+
+        valid = pb.AbortRequest(request_id="held", sample_indices=[0, 3])
+        seen = await check_answers("Abort", abort, valid, SEED + 8, alive)
+        assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
 
 
 async def test_no_request_crashes_a_simulated_engine() -> None:
