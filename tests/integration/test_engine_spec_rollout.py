@@ -10,11 +10,8 @@ indexed on the drafter's thread here (``--spec-background-tokens=1``).
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -23,8 +20,8 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.integration.engine_proc import serving_engine
 from tests.integration.test_engine_spec import LOGPROB_TOLERANCE, PROMPTS, SPEC_TOKENS, greedy
-from tests.unit.fuzz import check_rpc
-from tests.unit.test_fuzz_api import valid_add_outputs, valid_generate
+from tests.unit.fuzz import Campaign
+from tests.unit.test_fuzz_api import check_engine
 
 pytestmark = pytest.mark.integration
 
@@ -158,11 +155,9 @@ async def test_top_k_without_top_p_samples_on_a_speculating_engine(
     await rollout_stub.Stats(pb.StatsRequest(), timeout=30)
 
 
-# Requests an RPC and the first RPC's seed (as in test_fuzz_api: ROLLSERVE_FUZZ_MUTANTS and
-# ROLLSERVE_FUZZ_SEED make a longer campaign)
-FUZZ_REQUESTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "50"))
-FUZZ_SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "11"))
-FUZZ_TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))
+# A campaign of 50 requests an RPC (ROLLSERVE_FUZZ_MUTANTS and ROLLSERVE_FUZZ_SEED make a
+# longer one, as in test_fuzz_api)
+FUZZ = Campaign.from_env(count=50, seed=11)
 FUZZ_MAX_TOKENS = 32  # a Generate call's samples are cut to this many tokens (CPU time)
 
 
@@ -179,61 +174,18 @@ async def test_no_request_crashes_the_engine_or_its_drafter(
     sampling parameters, ended the sample's task and left the call waiting.)"""
     prompt = [23 + 5 * j for j in range(40)]  # a prompt no other test sends
     before = (await greedy(rollout_stub, "fuzz-before", prompt))[0]
-    ids = itertools.count()
 
     async def alive() -> None:
         await rollout_stub.Stats(pb.StatsRequest(), timeout=30)
 
-    async def generate(request: Any) -> None:
-        assert isinstance(request, pb.GenerateRequest)
-        if request.request_id == "r":
-            request.request_id = f"fuzz-{next(ids)}"
-        request.sampling.max_tokens = min(request.sampling.max_tokens, FUZZ_MAX_TOKENS)
-        # read to its end: a call that hangs runs past the deadline (DEADLINE_EXCEEDED fails)
-        async for reply in rollout_stub.Generate(request, timeout=120):
-            if reply.WhichOneof("kind") == "error":
-                assert reply.error.message, f"an in-band error without a message: {request}"
-
-    seen = {
-        "Generate": await check_rpc(
-            "Generate",
-            generate,
-            valid_generate(),
-            seed=FUZZ_SEED,
-            count=FUZZ_REQUESTS,
-            alive=alive,
-            trace=FUZZ_TRACE,
-        ),
-        "AddOutputs": await check_rpc(
-            "AddOutputs",
-            lambda r: rollout_stub.AddOutputs(r, timeout=60),
-            valid_add_outputs(),
-            seed=FUZZ_SEED + 1,
-            count=FUZZ_REQUESTS,
-            alive=alive,
-            trace=FUZZ_TRACE,
-        ),
-        "Abort": await check_rpc(
-            "Abort",
-            lambda r: rollout_stub.Abort(r, timeout=60),
-            pb.AbortRequest(request_id="fuzz-0", sample_indices=[0]),
-            seed=FUZZ_SEED + 2,
-            count=FUZZ_REQUESTS,
-            alive=alive,
-            trace=FUZZ_TRACE,
-        ),
-        "Stats": await check_rpc(
-            "Stats",
-            lambda r: rollout_stub.Stats(r, timeout=60),
-            pb.StatsRequest(with_progress=True),
-            seed=FUZZ_SEED + 3,
-            count=FUZZ_REQUESTS,
-            alive=alive,
-            trace=FUZZ_TRACE,
-        ),
-    }
-    print(seen)
-    for rpc in ("Generate", "AddOutputs"):
-        assert seen[rpc].get("OK", 0) > 0 and seen[rpc].get("INVALID_ARGUMENT", 0) > 0, seen
+    await check_engine(
+        rollout_stub,
+        alive,
+        refusing=("Generate", "AddOutputs"),
+        campaign=FUZZ,
+        max_tokens=FUZZ_MAX_TOKENS,
+        update_weights=False,
+        timeout_s=120,
+    )
     after = (await greedy(rollout_stub, "fuzz-after", prompt))[0]
     assert list(after.token_ids) == list(before.token_ids)

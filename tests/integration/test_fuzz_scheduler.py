@@ -9,17 +9,14 @@ Real: vLLM on the CPU, the scheduler, gRPC and Redis. A group's samples are cut 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.unit.fuzz import Campaign
 from tests.unit.test_fuzz_api import taken_then_failed
 
 pytestmark = pytest.mark.integration
 
-REQUESTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "100"))
-SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "21"))
-TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))
+FUZZ = Campaign.from_env(count=100, seed=21)
 MAX_TOKENS = 32
 
 
@@ -30,9 +27,7 @@ async def test_what_the_scheduler_takes_a_real_engine_runs(
         other_redis_url,
         "engine-it",
         engine_address,
-        seed=SEED,
-        count=REQUESTS,
+        FUZZ,
         max_tokens=MAX_TOKENS,
-        trace=TRACE,
     )
     assert not failed, f"{len(failed)} groups taken then failed: {failed[:5]}"

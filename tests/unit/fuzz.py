@@ -9,6 +9,7 @@ fuzzed without a change here. Seeded: a failure names the seed and the changes, 
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -169,6 +170,47 @@ def field_names(descriptor: Any) -> set[str]:
 
 
 Call = Callable[[Any], Awaitable[Any]]  # sends one request (of the RPC it fuzzes)
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """How many requests each RPC gets, the seed of the first RPC's (the next RPC's is
+    ``offset`` more), and whether each request is printed before it is sent."""
+
+    count: int
+    seed: int
+    trace: bool = False
+
+    @classmethod
+    def from_env(cls, count: int, seed: int) -> Campaign:
+        """The test's own campaign, or a longer one from the environment:
+        ``ROLLSERVE_FUZZ_MUTANTS=5000 ROLLSERVE_FUZZ_SEED=$RANDOM`` (``ROLLSERVE_FUZZ_TRACE=1``
+        prints each request); a failure names its seed."""
+        return cls(
+            count=int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", count)),
+            seed=int(os.environ.get("ROLLSERVE_FUZZ_SEED", seed)),
+            trace=bool(os.environ.get("ROLLSERVE_FUZZ_TRACE")),
+        )
+
+    async def check(
+        self,
+        name: str,
+        call: Call,
+        valid: Message,
+        alive: Callable[[], Awaitable[None]],
+        *,
+        offset: int = 0,
+    ) -> dict[str, int]:
+        """``check_rpc`` with this campaign's count, seed (+ ``offset``) and trace."""
+        return await check_rpc(
+            name,
+            call,
+            valid,
+            seed=self.seed + offset,
+            count=self.count,
+            alive=alive,
+            trace=self.trace,
+        )
 
 
 async def check_rpc(

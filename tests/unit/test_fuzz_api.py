@@ -11,7 +11,6 @@ Redis are real.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -31,27 +30,17 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.unit.fakes import FakeEngine
-from tests.unit.fuzz import Call, check_rpc
+from tests.unit.fuzz import Call, Campaign
 from tests.unit.test_engine_service import HoldingBackend, ScriptedBackend, served
 from tests.unit.test_runtime import read_stream
 
 CALL_TIMEOUT_S = 20.0
-# Requests an RPC, and the seed of the first RPC's (the next RPC's is one more): a longer
-# campaign is ROLLSERVE_FUZZ_MUTANTS=5000 ROLLSERVE_FUZZ_SEED=$RANDOM; a failure names its seed.
-MUTANTS = int(os.environ.get("ROLLSERVE_FUZZ_MUTANTS", "150"))
-SEED = int(os.environ.get("ROLLSERVE_FUZZ_SEED", "1"))
+FUZZ = Campaign.from_env(count=150, seed=1)
 DRAIN_S = 600.0  # for the groups a scheduler took to end
 HELD_SAMPLES = 8  # of the running call an Abort names
-TRACE = bool(os.environ.get("ROLLSERVE_FUZZ_TRACE"))  # print each request before it is sent
 
 # The bundled reasoner: a tokenizer for prompt_text, a checkpoint for UpdateWeights.
 REASONER = resources.files("rollserve.assets") / "reasoner"
-
-
-async def check_answers(
-    name: str, call: Call, valid: Message, seed: int, alive: Callable[[], Awaitable[None]]
-) -> dict[str, int]:
-    return await check_rpc(name, call, valid, seed=seed, count=MUTANTS, alive=alive, trace=TRACE)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -127,41 +116,41 @@ async def test_no_request_crashes_the_scheduler(other_redis_url: str) -> None:
 
             valid_submit = pb.SubmitRequest(run_id=run, groups=[valid_group("g")])
             seen = {
-                "Submit": await check_answers("Submit", submit, valid_submit, SEED, alive),
-                "Cancel": await check_answers(
+                "Submit": await FUZZ.check("Submit", submit, valid_submit, alive),
+                "Cancel": await FUZZ.check(
                     "Cancel",
                     lambda r: stub.Cancel(r, timeout=CALL_TIMEOUT_S),
                     pb.CancelRequest(run_id=run, group_ids=["g0", "nope"]),
-                    SEED + 2,
                     alive,
+                    offset=2,
                 ),
-                "PublishVersion": await check_answers(
+                "PublishVersion": await FUZZ.check(
                     "PublishVersion",
                     lambda r: stub.PublishVersion(r, timeout=CALL_TIMEOUT_S),
                     pb.PublishVersionRequest(run_id=run, version=1, weights_path="/w/1"),
-                    SEED + 3,
                     alive,
+                    offset=3,
                 ),
-                "RegisterEngine": await check_answers(
+                "RegisterEngine": await FUZZ.check(
                     "RegisterEngine",
                     lambda r: stub.RegisterEngine(r, timeout=CALL_TIMEOUT_S),
                     pb.RegisterEngineRequest(engine_id="e9", address="127.0.0.1:1"),
-                    SEED + 4,
                     alive,
+                    offset=4,
                 ),
-                "Heartbeat": await check_answers(
+                "Heartbeat": await FUZZ.check(
                     "Heartbeat",
                     lambda r: stub.Heartbeat(r, timeout=CALL_TIMEOUT_S),
                     pb.HeartbeatRequest(engine_id="e0"),
-                    SEED + 5,
                     alive,
+                    offset=5,
                 ),
-                "Status": await check_answers(
+                "Status": await FUZZ.check(
                     "Status",
                     lambda r: stub.Status(r, timeout=CALL_TIMEOUT_S),
                     pb.StatusRequest(),
-                    SEED + 6,
                     alive,
+                    offset=6,
                 ),
             }
             print(seen)
@@ -184,9 +173,7 @@ async def test_what_the_scheduler_takes_an_engine_runs(other_redis_url: str) -> 
     scheduler on a simulated engine, which refuses a call as the vLLM engine service does
     (the same checks), and every group the scheduler took is delivered, none failed."""
     async with sim_fleet() as (engine_id, address, _):
-        failed = await taken_then_failed(
-            other_redis_url, engine_id, address, seed=SEED + 7, count=MUTANTS, trace=TRACE
-        )
+        failed = await taken_then_failed(other_redis_url, engine_id, address, FUZZ, offset=7)
     assert not failed, f"{len(failed)} groups taken then failed: {failed[:5]}"
 
 
@@ -194,13 +181,12 @@ async def taken_then_failed(
     redis_url: str,
     engine_id: str,
     address: str,
+    campaign: Campaign,
     *,
-    seed: int,
-    count: int,
+    offset: int = 0,
     max_tokens: int | None = None,
-    trace: bool = False,
 ) -> list[str]:
-    """Sends ``count`` Submit requests made from a valid one (their samples cut to
+    """Sends the campaign's Submit requests made from a valid one (their samples cut to
     ``max_tokens`` where given) to a scheduler on the engine at ``address``; once every
     group it took has ended, the ones that failed, each with its error."""
     engine = FakeEngine(engine_id)  # (only its id and address are read)
@@ -224,9 +210,7 @@ async def taken_then_failed(
             return reply
 
         valid = pb.SubmitRequest(run_id=f"takes-{uuid.uuid4().hex[:8]}", groups=[valid_group("g")])
-        seen = await check_rpc(
-            "Submit", submit, valid, seed=seed, count=count, alive=alive, trace=trace
-        )
+        seen = await campaign.check("Submit", submit, valid, alive, offset=offset)
         assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
 
         async def drained() -> None:
@@ -273,51 +257,53 @@ def valid_add_outputs() -> pb.AddOutputsRequest:
 
 
 async def check_engine(
-    stub: Any, alive: Callable[[], Awaitable[None]], refusing: tuple[str, ...]
+    stub: Any,
+    alive: Callable[[], Awaitable[None]],
+    refusing: tuple[str, ...],
+    *,
+    campaign: Campaign = FUZZ,
+    max_tokens: int | None = None,
+    update_weights: bool = True,
+    timeout_s: float = CALL_TIMEOUT_S,
 ) -> None:
     """Every RPC of the Engine API, each from a valid request (a request id of ``r`` is made
-    unique per call: a duplicate of a running one is refused for that alone); the RPCs
-    ``refusing`` took some requests and refused others; a valid call still generates."""
+    unique per call: a duplicate of a running one is refused for that alone; a Generate
+    call's samples are cut to ``max_tokens`` where given, and each call is read to its end:
+    one that never ends fails at ``timeout_s``); the RPCs ``refusing`` took some requests
+    and refused others; a valid call still generates. ``update_weights=False`` leaves
+    UpdateWeights out (a valid one changes the weights version of an engine other tests
+    share)."""
     counter = iter(range(10**9))
 
     async def generate(request: Message) -> None:
         assert isinstance(request, pb.GenerateRequest)
         if request.request_id == "r":
             request.request_id = f"r{next(counter)}"
-        async for reply in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+        if max_tokens is not None:
+            request.sampling.max_tokens = min(request.sampling.max_tokens, max_tokens)
+        async for reply in stub.Generate(request, timeout=timeout_s):
             if reply.WhichOneof("kind") == "error":
                 assert reply.error.message, f"an in-band error without a message: {request}"
 
-    seen = {
-        "Generate": await check_answers("Generate", generate, valid_generate(), SEED, alive),
-        "Abort": await check_answers(
+    checks: list[tuple[str, Call, Message]] = [
+        ("Generate", generate, valid_generate()),
+        (
             "Abort",
-            lambda r: stub.Abort(r, timeout=CALL_TIMEOUT_S),
+            lambda r: stub.Abort(r, timeout=timeout_s),
             pb.AbortRequest(request_id="r0", sample_indices=[0]),
-            SEED + 1,
-            alive,
         ),
-        "AddOutputs": await check_answers(
-            "AddOutputs",
-            lambda r: stub.AddOutputs(r, timeout=CALL_TIMEOUT_S),
-            valid_add_outputs(),
-            SEED + 2,
-            alive,
-        ),
-        "UpdateWeights": await check_answers(
+        ("AddOutputs", lambda r: stub.AddOutputs(r, timeout=timeout_s), valid_add_outputs()),
+        (
             "UpdateWeights",
-            lambda r: stub.UpdateWeights(r, timeout=CALL_TIMEOUT_S),
+            lambda r: stub.UpdateWeights(r, timeout=timeout_s),
             pb.UpdateWeightsRequest(weights_path=str(REASONER), version=1),
-            SEED + 3,
-            alive,
         ),
-        "Stats": await check_answers(
-            "Stats",
-            lambda r: stub.Stats(r, timeout=CALL_TIMEOUT_S),
-            pb.StatsRequest(with_progress=True),
-            SEED + 4,
-            alive,
-        ),
+        ("Stats", lambda r: stub.Stats(r, timeout=timeout_s), pb.StatsRequest(with_progress=True)),
+    ]
+    seen = {
+        name: await campaign.check(name, call, valid, alive, offset=offset)
+        for offset, (name, call, valid) in enumerate(checks)
+        if update_weights or name != "UpdateWeights"
     }
     print(seen)
     for rpc in refusing:
@@ -325,7 +311,7 @@ async def check_engine(
         assert seen[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, seen[rpc])
     request = valid_generate()
     request.request_id = "last"
-    replies = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+    replies = [r async for r in stub.Generate(request, timeout=timeout_s)]
     assert sum(r.WhichOneof("kind") == "complete" for r in replies) == 2
 
 
@@ -374,7 +360,7 @@ async def test_no_abort_crashes_the_engine_service_while_its_call_runs() -> None
             await stub.Stats(pb.StatsRequest(), timeout=5)
 
         valid = pb.AbortRequest(request_id="held", sample_indices=[0, 3])
-        seen = await check_answers("Abort", abort, valid, SEED + 8, alive)
+        seen = await FUZZ.check("Abort", abort, valid, alive, offset=8)
         assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
 
 
