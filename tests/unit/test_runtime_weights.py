@@ -6,6 +6,7 @@ the request and serves the version it names); Redis is real, a database of each 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -45,7 +46,10 @@ async def test_every_engine_loads_the_weights_before_the_version_is_published(
         assert [(v.version, v.length) for v in sample.versions] == [(3, 6)]
 
 
-async def test_an_engine_that_cannot_load_the_weights_gets_no_work(other_redis_url: str) -> None:
+async def test_an_engine_that_cannot_load_the_weights_gets_no_work(
+    other_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rollserve")
     good = await FakeEngine("good").start()
     bad = await FakeEngine("bad", refuse_weights=True).start()
     runtime = await make_runtime(other_redis_url, [good, bad], health_interval_s=0.05)
@@ -56,7 +60,7 @@ async def test_an_engine_that_cannot_load_the_weights_gets_no_work(other_redis_u
         results = await read_stream(other_redis_url, run, 6)
 
         async def asked_again() -> bool:
-            return len(bad.weight_updates) >= 2
+            return len(bad.weight_updates) >= 4
 
         await eventually(asked_again, "a probe to ask the engine to load the weights again")
         status = {e.engine_id: e for e in runtime.status().engines}
@@ -67,6 +71,9 @@ async def test_an_engine_that_cannot_load_the_weights_gets_no_work(other_redis_u
     assert published.engines_updated == 1
     assert published.engines_failed == ("bad: INVALID_ARGUMENT: fake engine cannot load it",)
     assert not status["bad"].healthy and "weights not loaded" in status["bad"].last_error
+    # Said once in the log as it stays out, with what the operator can do (not each probe).
+    [stays] = [r.getMessage() for r in caplog.records if "stays out of service" in r.getMessage()]
+    assert "/ckpt/step-1" in stays and "--forget-fleet-weights" in stays
     assert bad.requests == []  # out of service: no work
     assert {s.engine_id for r in results for s in r.samples} == {"good"}
 

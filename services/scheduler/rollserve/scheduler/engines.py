@@ -242,6 +242,15 @@ class EngineHandle:
             )
         return changed
 
+    def stays_down(self, why: str) -> None:
+        """Why the engine, out of service, stays so (a probe or a load of the fleet's weights
+        failed again): its ``last_error``, logged when it changes (a probe round repeats it)."""
+        if not self.healthy and why != self.last_error:
+            log.warning(
+                "engine %s at %s stays out of service: %s", self.engine_id, self.address, why
+            )
+        self.last_error = why
+
     def heartbeat(self) -> None:
         self.last_heartbeat = time.monotonic()
 

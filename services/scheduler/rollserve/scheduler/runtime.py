@@ -608,7 +608,11 @@ class SchedulerRuntime:
                     await self._engine_down(engine, "restarted without the fleet's weights")
                 why = await self._load_weights(engine, path, version)
                 if why:
-                    engine.last_error = f"weights not loaded: {why}"
+                    engine.stays_down(
+                        f"weights not loaded: {why} (the fleet's weights are {path}, version "
+                        f"{version} of run {self._weights.run_id!r}: publish weights every "
+                        "engine can read, or start the scheduler with --forget-fleet-weights)"
+                    )
                     return False
                 # Loaded; the fleet's may have moved on meanwhile: look again.
             return True
@@ -616,7 +620,7 @@ class SchedulerRuntime:
             reason = f"its weights are unknown: Stats failed: {exc.details()}"
             if engine.healthy:
                 await self._engine_down(engine, reason)
-            engine.last_error = reason
+            engine.stays_down(reason)
             return False
         finally:
             engine.loading_weights = False
@@ -1675,7 +1679,7 @@ class SchedulerRuntime:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             reason = f"health probe failed: {detail}"
             if not engine.healthy:
-                engine.last_error = reason
+                engine.stays_down(reason)
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
