@@ -294,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=2.0,
+        help="deadline of one probe (raise it for engines whose server answers late while "
+        "they work, as a loaded CPU engine may)",
+    )
+    p.add_argument(
+        "--health-failures",
+        type=int,
+        default=2,
+        help="probes failed in a row that take an engine out of service (its work requeued)",
+    )
+    p.add_argument(
         "--health-watched-every",
         type=int,
         default=5,
@@ -419,6 +432,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
         health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        health_failures=args.health_failures,
         health_watched_every=args.health_watched_every,
         weights_timeout_s=args.weights_timeout_s,
         forget_fleet_weights=args.forget_fleet_weights,
