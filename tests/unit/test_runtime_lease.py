@@ -25,6 +25,10 @@ from tests.unit.test_runtime import (
     specs,
 )
 
+# Long enough that no stall of a loaded machine loses a lease for want of a renewal; a
+# runtime sees its lease taken at its next renewal, a third of the ttl later at most.
+LEASE_TTL_S = 30.0
+
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
@@ -68,14 +72,16 @@ async def test_a_runtime_whose_lease_is_taken_stops_acting_and_fails(
     # A database of its own: the groups it leaves pending are no other test's to run.
     client = aioredis.Redis.from_url(other_redis_url)
     hanging = await FakeEngine("slow", behaviour=Behaviour.HANG).start()
-    runtime = await make_runtime(other_redis_url, [hanging], lease_ttl_s=2.0)
+    runtime = await make_runtime(
+        other_redis_url, [hanging], lease_ttl_s=LEASE_TTL_S, lease_wait_s=LEASE_TTL_S
+    )
     run = new_run()
     try:
         try:
             await runtime.submit(run, specs(run, 2))
             await eventually(running(runtime, 2), "2 running groups")
             await client.set(LEASE_KEY, "intruder")
-            await asyncio.wait_for(runtime.failed.wait(), WAIT_S)
+            await asyncio.wait_for(runtime.failed.wait(), LEASE_TTL_S / 3 + WAIT_S)
             assert runtime.lost is not None and "no longer held" in str(runtime.lost)
 
             async def aborted() -> bool:

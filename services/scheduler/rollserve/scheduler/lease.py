@@ -32,6 +32,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -71,14 +72,26 @@ def holder_id() -> str:
 
 
 class SchedulerLease:
+    """``clock`` and ``sleep`` are where the lease reads the time and waits between tries
+    and renewals: the real ones, or a test's virtual ones."""
+
     def __init__(
-        self, client: aioredis.Redis, *, ttl_s: float, wait_s: float, holder: str | None = None
+        self,
+        client: aioredis.Redis,
+        *,
+        ttl_s: float,
+        wait_s: float,
+        holder: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if ttl_s <= 0 or wait_s < 0:
             raise ValueError(f"ttl_s ({ttl_s}) must be > 0 and wait_s ({wait_s}) >= 0")
         self.holder = holder or holder_id()
         self.ttl_s = ttl_s
         self.wait_s = wait_s
+        self._clock = clock
+        self._sleep = sleep
         self._redis = client
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -101,9 +114,9 @@ class SchedulerLease:
 
     async def take(self) -> None:
         """Takes the lease, waiting up to ``wait_s`` for a holder's to end; LeaseHeld if not."""
-        deadline = time.monotonic() + self.wait_s
+        deadline = self._clock() + self.wait_s
         while True:
-            started = time.monotonic()
+            started = self._clock()
             if await self._redis.set(LEASE_KEY, self.holder, nx=True, px=self._ttl_ms):
                 self._renewed_at = started
                 log.info("took the scheduler lease %s as %s", LEASE_KEY, self.holder)
@@ -112,7 +125,7 @@ class SchedulerLease:
             if other is None:
                 continue  # it ended between the two calls: try again at once
             name = other.decode() if isinstance(other, bytes) else str(other)
-            left = deadline - time.monotonic()
+            left = deadline - self._clock()
             if left <= 0:
                 raise LeaseHeld(
                     f"another scheduler ({name}) holds {LEASE_KEY} on this Redis database: "
@@ -122,13 +135,13 @@ class SchedulerLease:
                     "lease to end"
                 )
             log.info("scheduler lease held by %s; waiting up to %.1f s for it to end", name, left)
-            await asyncio.sleep(min(self.interval_s, left))
+            await self._sleep(min(self.interval_s, left))
 
     async def renew(self) -> None:
         """Extends the lease; LeaseLost if it is another's or none, or if no renewal has
         succeeded for ``valid_s`` (a renewal that has not answered by then is cut off). A
         Redis error before that is logged and tolerated."""
-        started = time.monotonic()
+        started = self._clock()
         left = self._renewed_at + self.valid_s - started
         if left <= 0:  # too late to ask: the lease may have ended and been taken
             raise LeaseLost(
@@ -140,7 +153,7 @@ class SchedulerLease:
                 self._renew(keys=[LEASE_KEY], args=[self.holder, self._ttl_ms]), timeout=left
             )
         except (redis.exceptions.RedisError, TimeoutError) as e:
-            if time.monotonic() - self._renewed_at >= self.valid_s:
+            if self._clock() - self._renewed_at >= self.valid_s:
                 raise LeaseLost(
                     f"could not renew {LEASE_KEY} for {self.valid_s:g} s ({e!r}); its "
                     f"{self.ttl_s:g} s ttl may end and another scheduler take it"
@@ -155,7 +168,7 @@ class SchedulerLease:
         """Renews every ``interval_s`` until cancelled or the lease is lost (LeaseLost)."""
         while True:
             deadline = self._renewed_at + self.valid_s
-            await asyncio.sleep(max(0.0, min(self.interval_s, deadline - time.monotonic())))
+            await self._sleep(max(0.0, min(self.interval_s, deadline - self._clock())))
             await self.renew()
 
     async def release(self) -> None:
