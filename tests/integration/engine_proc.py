@@ -25,7 +25,7 @@ __all__ = ["EngineProcess", "free_port", "start_engine_process"]
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.1
-LEFTOVER_GRACE_S = 5.0
+LEFTOVER_GRACE_S = 30.0  # for vLLM's helpers (its resource tracker) to exit by themselves
 
 
 @dataclass

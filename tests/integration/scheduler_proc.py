@@ -31,6 +31,10 @@ def start_scheduler(
             redis_url,
             "--health-interval-s",
             "0.25",
+            # A real engine, busy on a loaded machine, may answer a probe late: only a test
+            # of engine failures (which refuse connections) wants them found.
+            "--health-timeout-s",
+            "30",
             *(f"--engine={e}" for e in engines),
             *extra,
         ],

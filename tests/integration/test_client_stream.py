@@ -366,13 +366,20 @@ async def test_async_consumers_of_a_group_share_the_work(r: redis.Redis, redis_u
     run = new_run_id()
     ids = [f"g{i}" for i in range(40)]
     publish(r, run, *ids)
+    first: list[str] = []
+    second: list[str] = []
+    deadline = asyncio.get_running_loop().time() + WAIT_S
 
-    async def drain(c: AsyncRolloutClient) -> list[str]:
-        got = []
-        async for g in c.groups(timeout_s=1.0):
-            got.append(g.group_id)
-            await g.done()
-        return got
+    async def drain(c: AsyncRolloutClient, got: list[str]) -> None:
+        # groups() ends at its deadline however many groups are left: short calls, again and
+        # again, until the two have read every group between them.
+        while len(first) + len(second) < len(ids):
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"{len(first) + len(second)} of {len(ids)} groups read in {WAIT_S} s"
+            )
+            async for g in c.groups(timeout_s=0.2):
+                got.append(g.group_id)
+                await g.done()
 
     # An entry held unacknowledged longer than claim_idle_ms is taken over by the
     # other consumer: here nobody holds one long, and nobody is presumed dead.
@@ -380,7 +387,7 @@ async def test_async_consumers_of_a_group_share_the_work(r: redis.Redis, redis_u
         aclient(redis_url, run, read_count=4, claim_idle_ms=600_000) as one,
         aclient(redis_url, run, read_count=4, claim_idle_ms=600_000) as two,
     ):
-        first, second = await asyncio.gather(drain(one), drain(two))
+        await asyncio.gather(drain(one, first), drain(two, second))
     assert sorted(first + second) == sorted(ids)
     assert not set(first) & set(second)
 

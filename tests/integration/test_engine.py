@@ -31,6 +31,7 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.integration.engine_proc import (
+    START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     EngineProcess,
     start_engine_process,
@@ -439,7 +440,8 @@ def test_engine_stopped_while_its_model_loads_exits_at_once_and_cleanly(
         "engine-loading", launch_engine(tiny_model_dir, "engine-loading", tmp_path)
     )
     try:
-        deadline = time.monotonic() + WAIT_S
+        # (Python's and vLLM's imports come first: tens of seconds on a loaded machine.)
+        deadline = time.monotonic() + START_TIMEOUT_S
         # vLLM logs the architecture from inside the load, seconds before the load ends.
         while "Resolved architecture" not in engine.log_tail(10**6):
             assert engine.proc.poll() is None, engine.log_tail()

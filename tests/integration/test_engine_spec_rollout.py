@@ -5,7 +5,9 @@ siblings, and earlier samples of the same prompt.
 The session's shared engine does not speculate and is the reference for greedy output, as in
 ``test_engine_spec.py``. The drafter is loaded by vLLM itself (``custom_class``), in the
 engine core process, with its hooks into vLLM's model runner; a prompt's earlier outputs are
-indexed on the drafter's thread here (``--spec-background-tokens=1``).
+indexed in the engine's step when they are shorter than ``BACKGROUND_TOKENS`` (so what the
+drafts take from them does not depend on how soon a thread runs), and on the drafter's
+thread when longer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from tests.unit.test_fuzz_api import check_engine
 
 pytestmark = pytest.mark.integration
 
+# Earlier outputs of a prompt of at least this many tokens are indexed on the drafter's
+# thread: more than two of MAX_TOKENS (test_engine_spec's 200).
+BACKGROUND_TOKENS = 500
+
 
 @pytest.fixture(scope="module")
 def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -32,12 +38,10 @@ def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     with serving_engine(
         tiny_model_dir,
         "engine-rollout",
-        # Every earlier output indexed on the drafter's thread (as long histories are), so
-        # these tests check that path inside vLLM's engine core; unit tests check the other.
         [
             "--spec-method=rollout",
             f"--num-speculative-tokens={SPEC_TOKENS}",
-            "--spec-background-tokens=1",
+            f"--spec-background-tokens={BACKGROUND_TOKENS}",
         ],
         log_dir=tmp_path_factory.mktemp("engine-rollout-logs"),
     ) as address:
@@ -94,6 +98,30 @@ async def test_outputs_a_call_carries_are_drafted_from_as_if_the_engine_had_made
     told = (await greedy(rollout_stub, "carried-0", prompt, earlier_outputs=[made.token_ids]))[0]
     fresh = (await greedy(rollout_stub, "carried-control", control))[0]
     assert_drafted_from(made, told, fresh)
+
+
+async def test_a_long_history_indexed_on_the_drafter_s_thread_is_drafted_from(
+    rollout_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
+) -> None:
+    """Earlier outputs of ``BACKGROUND_TOKENS`` or more are indexed on the drafter's thread
+    in vLLM's engine core, and the sample drafts from them once that is done: it makes the
+    same tokens and takes more from drafts than a prompt with nothing. (How many more
+    depends on how soon the thread ran, so no share of the tokens is asserted; indexing a
+    few hundred tokens takes well under a millisecond, the call hundreds of steps.)"""
+    prompt = [29 + 5 * j for j in range(40)]  # prompts no other test sends
+    control = [31 + 5 * j for j in range(40)]
+    made = (await greedy(plain_stub, "thread-plain", prompt))[0]
+    copies = BACKGROUND_TOKENS // len(made.token_ids) + 1
+    assert copies * len(made.token_ids) >= BACKGROUND_TOKENS
+    told = (
+        await greedy(rollout_stub, "thread-0", prompt, earlier_outputs=[made.token_ids] * copies)
+    )[0]
+    fresh = (await greedy(rollout_stub, "thread-control", control))[0]
+    assert list(told.token_ids) == list(made.token_ids)
+    assert told.spec_accepted_tokens > fresh.spec_accepted_tokens, (
+        told.spec_accepted_tokens,
+        fresh.spec_accepted_tokens,
+    )
 
 
 async def test_outputs_added_outside_a_call_are_drafted_from_by_the_prompt_s_next_samples(

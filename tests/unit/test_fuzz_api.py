@@ -58,7 +58,7 @@ async def scheduler(
         engines=(EngineEndpoint(engine_id=engine.engine_id, address=engine.address),),
         tokenizer=str(REASONER),
         health_interval_s=0.1,
-        health_timeout_s=1.0,
+        health_timeout_s=30.0,  # a real engine, busy on a loaded machine, answers late
         max_queued_groups=2_000,
         predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
         shutdown_grace_s=0.0,

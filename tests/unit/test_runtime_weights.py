@@ -10,12 +10,12 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
-from rollserve.client.types import SchedulerStatus
+from rollserve.client.types import PublishResult, SchedulerStatus
 from rollserve.scheduler.runtime import SchedulerRuntime, WeightsNotLoaded
 
 from tests.unit.builders import spec
 from tests.unit.fakes import FakeEngine
-from tests.unit.test_runtime import eventually, make_runtime, new_run, read_stream, specs
+from tests.unit.test_runtime import WAIT_S, eventually, make_runtime, new_run, read_stream, specs
 
 
 async def test_every_engine_loads_the_weights_before_the_version_is_published(
@@ -136,25 +136,39 @@ async def test_an_engine_that_joins_or_restarts_loads_the_fleet_s_weights_first(
 async def test_tokens_count_as_the_weights_that_made_them_while_the_fleet_loads(
     other_redis_url: str,
 ) -> None:
-    # Each engine sends half of a sample's tokens at once and the rest a second later; a
+    # Each engine sends half of a sample's tokens, and the rest once the test lets it; a
     # publish comes between. "fast" has loaded the new weights by its second half, "slow"
-    # (two seconds a load) has not: the run's version changes once both have.
-    fast = await FakeEngine("fast", step_s=1.0).start()
-    slow = await FakeEngine("slow", step_s=1.0, load_s=2.0).start()
+    # loads them only after its second half is in: the run's version changes once both have.
+    second_halves = asyncio.Event()
+    slow_loads = asyncio.Event()
+    fast = await FakeEngine("fast", second_half_gate=second_halves).start()
+    slow = await FakeEngine("slow", second_half_gate=second_halves, load_gate=slow_loads).start()
     runtime = await make_runtime(other_redis_url, [fast, slow], policy="round_robin")
     run = new_run()
+    publishing: asyncio.Task[PublishResult] | None = None
     try:
         await runtime.publish_version(run, 1)  # no weights: the engines serve their own
 
-        async def both_started() -> bool:
-            return bool(fast.requests and slow.requests)
+        async def first_halves() -> bool:
+            record = next(iter(runtime._groups.values()), None)
+            return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
+
+        async def fast_loaded() -> bool:
+            return fast.weights == (2, "/ckpt/step-2")
 
         await runtime.submit(run, specs(run, 1, n=2))
-        await eventually(both_started, "a sample on each engine")
-        await asyncio.sleep(0.1)  # their first halves are out
-        published = await runtime.publish_version(run, 2, "/ckpt/step-2")
-        results = await read_stream(other_redis_url, run, 1)
+        await eventually(first_halves, "each engine's first half of a sample")
+        publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
+        await eventually(fast_loaded, "fast to load the new weights")
+        second_halves.set()
+        results = await read_stream(other_redis_url, run, 1)  # both second halves are in
+        assert not publishing.done()  # slow is still loading
+        slow_loads.set()
+        published = await asyncio.wait_for(publishing, WAIT_S)
     finally:
+        if publishing is not None:
+            publishing.cancel()
+            await asyncio.wait({publishing})
         await runtime.stop()
         await fast.stop()
         await slow.stop()

@@ -464,26 +464,68 @@ async def test_weights_are_taken_as_named_and_reported_in_stats() -> None:
     assert "weights_path is empty" in (info.value.details() or "")
 
 
+HAND_FLUSHED_MS = 60_000.0  # the longest flush interval the settings take
+
+
 def long_samples() -> AbstractAsyncContextManager[
     tuple[SimEngineServicer, pb_grpc.EngineAsyncStub]
 ]:
-    """A sim engine in real time whose samples run thousands of steps; a flush every 200 ms."""
+    """A sim engine in real time whose samples run thousands of steps. Its own flush tick
+    is a minute away: the test flushes by hand (``flush_now``), when it has seen what it
+    waits for, however slowly the machine runs."""
     return sim_engine(
         time_scale=1.0,
         response_median=100_000,
         prompt_sigma=0,
         within_sigma=0,
-        flush_interval_ms=200,
+        flush_interval_ms=HAND_FLUSHED_MS,
+    )
+
+
+def flush_now(servicer: SimEngineServicer) -> None:
+    """Runs the engine's flush tick now (every call sends its new tokens), in place of the
+    one scheduled."""
+    scheduled = servicer._tick
+    servicer._flush_tick()  # schedules the next one
+    if scheduled is not None:
+        scheduled.cancel()
+
+
+def received(messages: list[pb.GenerateResponse], n: int) -> list[int]:
+    """Tokens of each of ``n`` samples that the chunks of ``messages`` carried."""
+    counts = [0] * n
+    for message in messages:
+        for delta in message.chunk.deltas:
+            counts[delta.index] += len(delta.token_ids)
+    return counts
+
+
+def made_past(servicer: SimEngineServicer, request_id: str, counts: list[int]) -> bool:
+    """Whether each sample ``i`` of call ``request_id`` has made more than ``counts[i]``
+    tokens (0 for a sample the engine has not been given yet)."""
+    return all(
+        servicer.engine.progress(f"{request_id}/{i}") > count for i, count in enumerate(counts)
     )
 
 
 async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None:
     async with long_samples() as (servicer, stub):
         call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
+        await eventually(lambda: made_past(servicer, "long", [0, 0]), "a token of each sample")
+        flush_now(servicer)
         messages = [cast(pb.GenerateResponse, await call.read())]
-        await asyncio.sleep(0.1)  # tokens made after the flush, before the update
+        sent = received(messages, 2)
+        await eventually(
+            lambda: made_past(servicer, "long", sent), "tokens made after the first chunk"
+        )
         await stub.UpdateWeights(pb.UpdateWeightsRequest(weights_path="/ckpt/step-2", version=2))
+        # What was made before the update goes out at once, labelled with the old version.
         messages.append(cast(pb.GenerateResponse, await call.read()))
+        sent = received(messages, 2)
+        await eventually(
+            lambda: made_past(servicer, "long", sent), "tokens made with the new weights"
+        )
+        flush_now(servicer)
         messages.append(cast(pb.GenerateResponse, await call.read()))
         await stub.Abort(pb.AbortRequest(request_id="long"))
         while (message := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
@@ -496,25 +538,34 @@ async def test_tokens_made_before_a_weight_update_keep_the_old_version() -> None
         if message.WhichOneof("kind") == "complete":
             done = message.complete
             labels.setdefault(done.index, []).extend([done.weights_version] * len(done.token_ids))
-    stats = servicer.engine.engine.stats
-    # The running samples were recomputed under the new weights (vLLM drops their KV).
-    assert stats.weight_updates == 1 and stats.recomputed_tokens >= 2 * len(PROMPT)
     first = {d.index: len(d.token_ids) for d in messages[0].chunk.deltas}
     for index, versions in labels.items():
-        # The old version until the update (past the first chunk: it came between flushes),
-        # the new one after.
+        # The old version until the update (past the first chunk: tokens were made after
+        # it, before the update), the new one after.
         old = versions.count(0)
         assert old > first[index]
         assert versions == [0] * old + [2] * (len(versions) - old)
         assert len(versions) > old
+    stats = servicer.engine.engine.stats
+    # The running samples were recomputed under the new weights (vLLM drops their KV and
+    # empties the prefix cache): the prompt, and every token made before, prefilled again.
+    made_before = sum(versions.count(0) for versions in labels.values())
+    assert stats.weight_updates == 1
+    assert stats.recomputed_tokens >= len(PROMPT) + made_before
 
 
 async def test_progress_counts_each_running_samples_tokens_sent_or_not() -> None:
-    async with long_samples() as (_, stub):
+    async with long_samples() as (servicer, stub):
         call = stub.Generate(generate_request("long", n=2, max_tokens=20_000))
+        await eventually(lambda: made_past(servicer, "long", [0, 0]), "a token of each sample")
+        flush_now(servicer)
         first = cast(pb.GenerateResponse, await call.read())
-        await asyncio.sleep(0.1)  # more tokens made, not sent until the next flush
+        await eventually(
+            lambda: made_past(servicer, "long", received([first], 2)),
+            "more tokens made, not sent until the next flush",
+        )
         stats = await stub.Stats(pb.StatsRequest(with_progress=True))
+        flush_now(servicer)
         second = cast(pb.GenerateResponse, await call.read())
         await stub.Abort(pb.AbortRequest(request_id="long"))
         while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
