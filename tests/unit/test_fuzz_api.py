@@ -14,6 +14,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -46,12 +47,18 @@ REASONER = resources.files("rollserve.assets") / "reasoner"
 # ---------------------------------------------------------------- the scheduler
 
 
+@dataclass(frozen=True)
+class Served:
+    stub: Any  # the Scheduler service's
+    task: asyncio.Task[None]  # serving it
+    health: Any  # its gRPC health service's stub
+    address: str
+
+
 @asynccontextmanager
-async def scheduler(
-    redis_url: str, engine: FakeEngine
-) -> AsyncIterator[tuple[Any, asyncio.Task[None], Any]]:
+async def scheduler(redis_url: str, engine: FakeEngine) -> AsyncIterator[Served]:
     """A scheduler served as ``rollserve scheduler`` serves it (``serve``), with the bundled
-    reasoner's tokenizer, on one fake engine; yields its stub, its task and a health stub."""
+    reasoner's tokenizer, on one fake engine."""
     settings = SchedulerSettings(
         port=0,
         redis_url=redis_url,
@@ -68,8 +75,11 @@ async def scheduler(
     task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
     try:
         bound = await asyncio.wait_for(asyncio.shield(port), timeout=CALL_TIMEOUT_S)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
-            yield pb_grpc.SchedulerStub(channel), task, health_pb2_grpc.HealthStub(channel)
+        address = f"127.0.0.1:{bound}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield Served(
+                pb_grpc.SchedulerStub(channel), task, health_pb2_grpc.HealthStub(channel), address
+            )
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=CALL_TIMEOUT_S)
@@ -94,7 +104,8 @@ async def test_no_request_crashes_the_scheduler(other_redis_url: str) -> None:
     redis_url = other_redis_url
     engine = await FakeEngine("e0", step_s=0.001).start()
     try:
-        async with scheduler(redis_url, engine) as (stub, task, health):
+        async with scheduler(redis_url, engine) as running:
+            stub, task, health = running.stub, running.task, running.health
 
             async def alive() -> None:
                 assert not task.done(), "the scheduler stopped"
@@ -191,7 +202,8 @@ async def taken_then_failed(
     group it took has ended, the ones that failed, each with its error."""
     engine = FakeEngine(engine_id)  # (only its id and address are read)
     engine.address = address
-    async with scheduler(redis_url, engine) as (stub, task, _):
+    async with scheduler(redis_url, engine) as running:
+        stub, task = running.stub, running.task
         counter = iter(range(10**9))
         taken: dict[str, int] = {}  # run id -> groups taken
 

@@ -19,3 +19,11 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
     return value
+
+
+def host_port(text: str) -> str:
+    """HOST:PORT, a port of 1 to 65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (a port of 1 to 65535)")
+    return text

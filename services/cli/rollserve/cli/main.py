@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from rich.console import Console
-from rollserve.cli.argtypes import positive_int
+from rollserve.cli.argtypes import host_port, positive_float, positive_int
 from rollserve.cli.paths import output_dir, output_file
 
 
@@ -62,6 +62,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rollserve.cli.status import run_status
+
+    return run_status(args.scheduler, args.timeout_s, args.json, Console())
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -261,6 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=2e-5, help="--train's learning rate")
     demo.add_argument("--checkpoints", type=output_dir, help="where --train writes them")
     demo.set_defaults(func=_cmd_demo)
+
+    status = sub.add_parser(
+        "status", help="a running scheduler's queue, deliveries, engines and predictor"
+    )
+    status.add_argument(
+        "--scheduler",
+        type=host_port,
+        default="127.0.0.1:50051",
+        help="HOST:PORT of the scheduler (default: the dev stack's)",
+    )
+    status.add_argument("--timeout-s", type=positive_float, default=10.0)
+    status.add_argument("--json", action="store_true", help="print it as JSON, for scripts")
+    status.set_defaults(func=_cmd_status)
 
     model = sub.add_parser("model", help="make models for development")
     model_sub = model.add_subparsers(dest="model_command", required=True)
