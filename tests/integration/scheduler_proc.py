@@ -41,5 +41,9 @@ def start_scheduler(
         log_dir,
     )
     proc.address = f"127.0.0.1:{port}"
-    wait_serving(proc.address, 60, proc)
+    try:
+        wait_serving(proc.address, 60, proc)
+    except BaseException:
+        proc.stop()  # one that never served is not left running
+        raise
     return proc

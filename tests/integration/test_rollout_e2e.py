@@ -3,6 +3,7 @@ real scheduler process and the SDK. Nothing is faked."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import uuid
@@ -456,10 +457,12 @@ def test_unreachable_engine_is_unhealthy_and_others_do_the_work(
 def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
     redis_url: str, engine_address: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    doomed = start_engine_process(tiny_model_dir, "doomed", [])
-    proc = start_scheduler(redis_url, [f"doomed={doomed.address}"], tmp_path)
     r = redis.Redis.from_url(redis_url)
-    try:
+    with contextlib.ExitStack() as cleanup:  # both stopped, whichever fails to start
+        doomed = start_engine_process(tiny_model_dir, "doomed", [])
+        cleanup.callback(doomed.stop)
+        proc = start_scheduler(redis_url, [f"doomed={doomed.address}"], tmp_path)
+        cleanup.callback(proc.stop)
         rid = run_id()
         with RolloutClient(proc.address, redis_url, rid) as client:
             client.submit(groups(6, n=4, max_tokens=1500))
@@ -471,9 +474,6 @@ def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
             for item in received:
                 item.done()
             status = client.status()
-    finally:
-        proc.stop()
-        doomed.stop()
     assert sorted(i.group_id for i in received) == sorted(f"g{i}" for i in range(6))
     assert all(i.result.status == GroupStatus.DELIVERED for i in received)
     requeued = [i for i in received if i.result.attempts >= 2]
@@ -492,9 +492,11 @@ def test_engine_that_drains_finishes_the_groups_it_runs(
     # SIGTERM: the engine says NOT_SERVING and gives its running calls the grace period. The
     # scheduler's health watch stops new work there at once and lets those calls finish;
     # probes alone took it for failed after two and requeued them (attempts 2).
-    draining = start_engine_process(tiny_model_dir, "draining", ["--shutdown-grace-s", "300"])
-    proc = start_scheduler(redis_url, [f"draining={draining.address}"], tmp_path)
-    try:
+    with contextlib.ExitStack() as cleanup:  # both stopped, whichever fails to start
+        draining = start_engine_process(tiny_model_dir, "draining", ["--shutdown-grace-s", "300"])
+        cleanup.callback(draining.stop)
+        proc = start_scheduler(redis_url, [f"draining={draining.address}"], tmp_path)
+        cleanup.callback(proc.stop)
         rid = run_id()
         with RolloutClient(proc.address, redis_url, rid) as client:
             client.submit(groups(8, n=4, max_tokens=1500))
@@ -511,9 +513,6 @@ def test_engine_that_drains_finishes_the_groups_it_runs(
         # It exits once its calls are done, well within its grace: the scheduler's health
         # watch, an open call too, does not hold it.
         drained = draining.proc.wait(timeout=150)
-    finally:
-        proc.stop()
-        draining.stop()
     assert sorted(i.group_id for i in received) == sorted(f"g{i}" for i in range(8))
     assert all(i.result.status == GroupStatus.DELIVERED for i in received)
     ran_there = [i for i in received if any(s.engine_id == "draining" for s in i.result.samples)]
