@@ -34,6 +34,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     with DevStack(config) as stack:
         for name, where in stack.describe():
             console.print(f"  [bold]{name:<10}[/bold] {where}")
+        if stack.scheduler is not None:
+            console.print(
+                f"  its state: rollserve status --scheduler {stack.scheduler.address}",
+                markup=False,
+                highlight=False,
+            )
         console.print("ready; Ctrl-C stops everything")
         stop.wait()
         console.print("stopping …")
