@@ -231,6 +231,8 @@ class EngineStatus:
     weights_version: int = 0
     loading_weights: bool = False  # loading the fleet's weights now
     restarts: int = 0  # times the scheduler found it started anew (a new boot id)
+    # Tokens its running samples are predicted still to make (the length predictor's view).
+    predicted_outstanding_tokens: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: pb.EngineStatus) -> EngineStatus:
@@ -247,6 +249,7 @@ class EngineStatus:
             weights_version=msg.weights_version,
             loading_weights=msg.loading_weights,
             restarts=msg.restarts,
+            predicted_outstanding_tokens=msg.predicted_outstanding_tokens,
         )
 
 

@@ -69,7 +69,7 @@ def render(status: SchedulerStatus, console: Console) -> None:
             Text(_state(engine)),
             f"{engine.inflight_groups:,}/{engine.inflight_samples:,}",
             f"{engine.capacity_samples:,}",
-            f"{engine.outstanding_tokens:,}",
+            f"{engine.predicted_outstanding_tokens:,.0f}/{engine.outstanding_tokens:,}",
             Text(_weights(engine.weights_path, engine.weights_version, "launch")),
         )
     console.print(engines)
@@ -90,8 +90,8 @@ def render(status: SchedulerStatus, console: Console) -> None:
 _COLUMNS = ("engine", "address", "state", "running", "cap.", "left", "weights")
 _NUMERIC = {"running", "cap.", "left"}
 _CAPTION = (
-    "running: groups/samples; cap.: most samples run at once; left: tokens still to make "
-    "(at most); weights: those it serves"
+    "running: groups/samples; cap.: most samples run at once; left: tokens still to make, "
+    "predicted/at most; weights: those it serves"
 )
 
 
