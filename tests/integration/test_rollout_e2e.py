@@ -26,6 +26,7 @@ from rollserve.client import (
     SchedulerStatus,
 )
 from rollserve.client.wire import stream_key
+from rollserve.scheduler.lease import LEASE_KEY
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -206,10 +207,7 @@ def test_scheduler_restart_does_not_duplicate_delivered_groups(
 ) -> None:
     rid = run_id()
     r = redis.Redis.from_url(redis_url)
-    # A short lease: the killed scheduler's ends soon, and the second one waits it out.
-    first = start_scheduler(
-        redis_url, [f"e0={engine_address}"], tmp_path, "--lease-ttl-s", "3", name="first"
-    )
+    first = start_scheduler(redis_url, [f"e0={engine_address}"], tmp_path, name="first")
     try:
         with RolloutClient(first.address, redis_url, rid) as client:
             client.submit(groups(12, n=4, max_tokens=96))
@@ -219,6 +217,8 @@ def test_scheduler_restart_does_not_duplicate_delivered_groups(
             time.sleep(0.05)
     finally:
         first.kill()  # SIGKILL: no clean shutdown, in-flight groups are lost in memory
+    # Its lease would end with its ttl (test_scheduler_lease waits one out): ended here.
+    r.delete(LEASE_KEY)
     delivered_before = r.xlen(stream_key(rid))
     second = start_scheduler(redis_url, [f"e0={engine_address}"], tmp_path, name="second")
     try:
