@@ -123,8 +123,38 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
     assert runtime._outputs is not None and len(runtime._outputs) == 0  # no engine drafts
 
 
+async def test_a_probe_answered_before_a_failure_does_not_put_the_engine_back(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """A health probe in flight when a call to the engine breaks answers SERVING from before
+    the failure: the engine stays out until a later probe. Faked: the probe's answer (held
+    until the failure is in)."""
+    runtime = await make_runtime(redis_url, [engine], health_interval_s=60)
+    try:
+        handle = runtime._engines["e0"]
+        assert handle.healthy
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def late_probe(timeout_s: float, look: bool = False) -> bool:
+            asked.set()
+            await answer.wait()
+            return False
+
+        handle.probe = late_probe  # type: ignore[method-assign]
+        probe = asyncio.create_task(runtime._probe(handle))
+        await asyncio.wait_for(asked.wait(), WAIT_S)
+        await runtime._engine_down(handle, "UNAVAILABLE: a call broke")
+        answer.set()
+        await asyncio.wait_for(probe, WAIT_S)
+        assert not handle.healthy
+    finally:
+        await runtime.stop()
+
+
 async def test_engine_dying_midstream_requeues_to_another_engine(redis_url: str) -> None:
-    dying = await FakeEngine("dying", behaviour=Behaviour.DIE_MID_STREAM).start()
+    # Down for good once it dies (else a probe could find it serving again and hand it the
+    # group a second time before "healthy" joins: attempts 3).
+    dying = await FakeEngine("dying", behaviour=Behaviour.DIE_MID_STREAM, stays_down=True).start()
     healthy = await FakeEngine("healthy", step_s=0.01).start()
     # Only the dying engine at first, so the group surely lands there.
     runtime = await make_runtime(redis_url, [dying])

@@ -37,3 +37,28 @@ def test_health_flags_out_of_range_are_refused_naming_the_setting(
 ) -> None:
     assert main([*REDIS, flag, value]) == 2
     assert setting in capsys.readouterr().err
+
+
+def test_stream_flags_reach_the_settings() -> None:
+    default = settings_from_args(build_parser().parse_args(REDIS))
+    assert (default.trim_acked, default.acked_retention_s, default.stream_maxlen) == (
+        True,
+        300.0,
+        0,
+    )
+    args = build_parser().parse_args(
+        [*REDIS, "--keep-acked-entries", "--acked-retention-s", "60", "--stream-maxlen", "1000"]
+    )
+    settings = settings_from_args(args)
+    assert (settings.trim_acked, settings.acked_retention_s, settings.stream_maxlen) == (
+        False,
+        60.0,
+        1000,
+    )
+
+
+def test_a_negative_retention_is_refused_naming_the_setting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*REDIS, "--acked-retention-s", "-1"]) == 2
+    assert "acked_retention_s" in capsys.readouterr().err

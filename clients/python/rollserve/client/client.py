@@ -280,7 +280,9 @@ class RolloutClient:
 
     def discard(self, entry_id: str) -> bool:
         """Acknowledges an entry without reading it (an :class:`UndecodableEntry`).
-        It stays in the stream, readable with XRANGE; this group will not deliver it."""
+        It stays readable in the stream with XRANGE for the scheduler's acked retention
+        (``--acked-retention-s``, 300 s; always with ``--keep-acked-entries``); this group
+        will not deliver it."""
         try:
             return int(self._redis.xack(self.stream, self.config.consumer_group, entry_id)) == 1
         except REDIS_DOWN as exc:

@@ -45,7 +45,8 @@ class UndecodableEntry(RolloutError):
 
     The entry is not acknowledged: it stays pending in the consumer group, so it is
     neither lost nor skipped silently. Upgrade the SDK, or give up on the entry with
-    ``client.discard(error.entry_id)`` (it stays readable in the stream with XRANGE).
+    ``client.discard(error.entry_id)`` (it stays readable in the stream with XRANGE for the
+    scheduler's acked retention, 300 s by default, to be kept by hand).
     """
 
     def __init__(self, message: str, *, entry_id: str, fields: dict[bytes, bytes]) -> None:

@@ -283,6 +283,8 @@ class SchedulerStatus:
     earlier_outputs_sent: int = 0
     # Outputs sent at once to engines running other samples of their groups (AddOutputs).
     earlier_outputs_pushed: int = 0
+    # Stream entries every reader had acknowledged, removed since the scheduler started.
+    stream_entries_trimmed: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -312,6 +314,7 @@ class SchedulerStatus:
             publishes_awaiting_counts=msg.publishes_awaiting_counts,
             earlier_outputs_sent=msg.earlier_outputs_sent,
             earlier_outputs_pushed=msg.earlier_outputs_pushed,
+            stream_entries_trimmed=msg.stream_entries_trimmed,
         )
 
     @property

@@ -398,6 +398,7 @@ class StatusResponse(_message.Message):
     PUBLISHES_AWAITING_COUNTS_FIELD_NUMBER: _builtins.int
     EARLIER_OUTPUTS_SENT_FIELD_NUMBER: _builtins.int
     EARLIER_OUTPUTS_PUSHED_FIELD_NUMBER: _builtins.int
+    STREAM_ENTRIES_TRIMMED_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -446,6 +447,10 @@ class StatusResponse(_message.Message):
     """Outputs of finished samples sent (AddOutputs) to engines running their groups' other
     samples, since start.
     """
+    stream_entries_trimmed: _builtins.int
+    """Stream entries removed since start because every consumer group had acknowledged them
+    (and they were older than the scheduler's retention); 0 when it keeps every entry.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -472,10 +477,11 @@ class StatusResponse(_message.Message):
         publishes_awaiting_counts: _builtins.int = ...,
         earlier_outputs_sent: _builtins.int = ...,
         earlier_outputs_pushed: _builtins.int = ...,
+        stream_entries_trimmed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "stream_entries_trimmed", b"stream_entries_trimmed", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015

@@ -132,6 +132,10 @@ def _summary(status: SchedulerStatus) -> list[tuple[str, str]]:
             f"{status.earlier_outputs_pushed:,} pushed to engines",
         ),
         ("publishes", f"{status.publishes_awaiting_counts:,} awaiting the engines' counts"),
+        (
+            "streams",
+            f"{status.stream_entries_trimmed:,} entries every reader acknowledged, removed",
+        ),
     ]
 
 

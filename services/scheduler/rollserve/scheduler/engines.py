@@ -68,6 +68,9 @@ class EngineHandle:
         self.info: EngineInfo | None = None
         self.healthy = False
         self.failed_probes = 0
+        # Times it was taken for down: a probe that answered from before the last of them
+        # says nothing of now.
+        self.downs = 0
         self.last_error = ""
         self.last_heartbeat = 0.0
         self.registered = False  # came through RegisterEngine rather than settings
@@ -228,6 +231,8 @@ class EngineHandle:
         """Sets health; returns True when it changed."""
         changed = healthy != self.healthy
         self.healthy = healthy
+        if not healthy:
+            self.downs += 1
         if error:
             self.last_error = error
         if healthy:

@@ -188,6 +188,7 @@ class Counters:
     samples_preempted: int = 0
     earlier_outputs_sent: int = 0
     earlier_outputs_pushed: int = 0
+    stream_entries_trimmed: int = 0  # acknowledged by every reader, removed (trim_acked)
 
 
 @dataclass(eq=False, slots=True)
@@ -237,6 +238,7 @@ class SchedulerRuntime:
         self._store = store
         self._policy = policy
         self._groups: dict[str, GroupRecord] = {}  # every group that has not ended
+        self._delivered_to: set[str] = set()  # runs whose streams got entries lately (trim)
         self._held_prompt_tokens = 0  # of the groups in _groups
         self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
         self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
@@ -354,6 +356,8 @@ class SchedulerRuntime:
             raise
         self._own(self._dispatch_loop(), "dispatch")
         self._own(self._health_loop(), "health")
+        if self.settings.trim_acked:
+            self._own(self._trim_loop(), "trim")
         self._wake.set()
 
     def _own(self, coro: Coroutine[None, None, None], name: str) -> None:
@@ -707,6 +711,7 @@ class SchedulerRuntime:
             publishes_awaiting_counts=len(self._questions()),
             earlier_outputs_sent=c.earlier_outputs_sent,
             earlier_outputs_pushed=c.earlier_outputs_pushed,
+            stream_entries_trimmed=c.stream_entries_trimmed,
         )
 
     # ------------------------------------------------------------ queue and dispatch
@@ -1414,6 +1419,7 @@ class SchedulerRuntime:
         entry = await self._write(result)
         if entry is None:
             return  # ended before (cancelled, or delivered by an earlier process)
+        self._delivered_to.add(spec.run_id)
         if error:
             self.counters.groups_failed += 1
             log.warning("group %s failed: %s", spec.key, error)
@@ -1584,6 +1590,42 @@ class SchedulerRuntime:
             return _Ending(record, "")
         return None
 
+    async def _trim_loop(self) -> None:
+        """Every ``trim_interval_s``, removes from the runs' streams the entries every reader
+        has acknowledged, once ``acked_retention_s`` old (``Store.trim_acked``): a long run's
+        stream holds what its readers have still to read, not every group it delivered. The
+        runs in Redis are looked at first (what earlier processes delivered); then the runs
+        this one delivered to, each until its stream is empty and it has nothing pending
+        here. A Redis outage is waited out; a Redis that cannot trim (before 6.2) is said
+        once, and its streams keep every entry."""
+        runs: set[str] | None = None
+        while True:
+            await asyncio.sleep(self.settings.trim_interval_s)
+            try:
+                if runs is None:
+                    runs = set(await self._store.runs())
+                runs |= self._delivered_to
+                self._delivered_to.clear()
+                active = {record.spec.run_id for record in self._groups.values()}
+                for run in sorted(runs):
+                    removed, left = await self._store.trim_acked(
+                        run, self.settings.acked_retention_s
+                    )
+                    self.counters.stream_entries_trimmed += removed
+                    if left == 0 and run not in active:
+                        runs.discard(run)
+            except redis.exceptions.ResponseError as exc:
+                log.error(
+                    "Redis cannot trim the streams (%s; XTRIM MINID needs Redis 6.2): they "
+                    "keep every entry, acknowledged or not (--keep-acked-entries: no trim)",
+                    exc,
+                )
+                return
+            except _REDIS_ERRORS as exc:
+                log.warning(
+                    "trimming the streams: %s; again in %g s", exc, self.settings.trim_interval_s
+                )
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
@@ -1670,6 +1712,7 @@ class SchedulerRuntime:
         restarted, its Stats are read: a new process holds none of the outputs handed to the
         old one, and it must serve the fleet's weights: it loads them or stays out."""
         look = engine.may_have_restarted or not engine.healthy
+        downs = engine.downs
         try:
             anew = await engine.probe(self.settings.health_timeout_s, look)
             if engine.info is not None and engine.info.takes_earlier_outputs:
@@ -1682,6 +1725,11 @@ class SchedulerRuntime:
                 engine.stays_down(reason)
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
+            return
+        if engine.downs != downs:
+            # It was taken out while the probe was out (a call to it broke): the probe's
+            # SERVING is older than that, and the next probe decides. (Taken at its word, it
+            # put a dead engine back in service, which was handed the group it had just lost.)
             return
         if look:
             engine.may_have_restarted = False

@@ -396,6 +396,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="connections to Redis at most; more concurrent writes wait for one",
     )
+    p.add_argument(
+        "--keep-acked-entries",
+        action="store_true",
+        help="keep every stream entry (by default those every reader acknowledged are "
+        "removed once --acked-retention-s old)",
+    )
+    p.add_argument(
+        "--acked-retention-s",
+        type=float,
+        default=300.0,
+        help="how long an entry every reader acknowledged stays in the stream",
+    )
+    p.add_argument(
+        "--stream-maxlen",
+        type=int,
+        default=0,
+        help="approximate cap of a run's stream, read or not (0: none; entries not yet read "
+        "can be lost to it)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -431,6 +450,9 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         forget_engine_after_s=args.forget_engine_after_s,
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
+        trim_acked=not args.keep_acked_entries,
+        acked_retention_s=args.acked_retention_s,
+        stream_maxlen=args.stream_maxlen,
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
         health_failures=args.health_failures,

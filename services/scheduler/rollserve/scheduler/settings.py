@@ -163,7 +163,25 @@ class SchedulerSettings(BaseModel):
         description="connections to Redis at most; more concurrent writes wait for one",
     )
     stream_maxlen: int = Field(
-        0, ge=0, description="approximate cap of a run's stream length; 0 keeps every entry"
+        0,
+        ge=0,
+        description="approximate cap of a run's stream length, which drops entries whether "
+        "or not they were read; 0: no cap",
+    )
+    trim_acked: bool = Field(
+        True,
+        description="remove from a run's stream the entries every consumer group has "
+        "acknowledged, once acked_retention_s old (a long run's stream holds what is still "
+        "to be read, not every group it delivered)",
+    )
+    acked_retention_s: float = Field(
+        300.0,
+        ge=0,
+        le=10**7,
+        description="age of an acknowledged entry before it is removed (trim_acked)",
+    )
+    trim_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="how often the streams are trimmed (trim_acked)"
     )
     shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="grace period on SIGTERM")
     lease_ttl_s: float = Field(

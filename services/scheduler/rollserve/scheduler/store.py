@@ -132,6 +132,58 @@ redis.call('SET', KEYS[1], ARGV[1])
 return {1, wanted}
 """
 
+# KEYS: stream. ARGV: retention, ms. Removes the entries every consumer group of the stream
+# has acknowledged that were written more than the retention ago; returns {removed, left}.
+# A group has acknowledged every entry before its oldest pending one, or, with none pending,
+# every entry up to the last one it was delivered (XTRIM MINID removes the ids below the one
+# given: the next id after that one). Without a consumer group nothing is removed: no reader
+# has read anything yet.
+_TRIM_ACKED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0, 0}
+end
+local function parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function before(a, b)
+  local ams, aseq = parts(a)
+  local bms, bseq = parts(b)
+  if ams ~= bms then
+    return ams < bms
+  end
+  return aseq < bseq
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then
+  return {0, redis.call('XLEN', KEYS[1])}
+end
+local now = redis.call('TIME')
+local cutoff = math.floor(tonumber(now[1]) * 1000 + tonumber(now[2]) / 1000) - tonumber(ARGV[1])
+if cutoff <= 0 then
+  return {0, redis.call('XLEN', KEYS[1])}
+end
+local bound = string.format('%d-0', cutoff)
+for _, group in ipairs(groups) do
+  local info = {}
+  for i = 1, #group, 2 do
+    info[group[i]] = group[i + 1]
+  end
+  local kept
+  if tonumber(info['pending']) > 0 then
+    kept = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  else
+    local ms, seq = parts(info['last-delivered-id'])
+    kept = string.format('%d-%d', ms, seq + 1)
+  end
+  if before(kept, bound) then
+    bound = kept
+  end
+end
+local removed = redis.call('XTRIM', KEYS[1], 'MINID', bound)
+return {removed, redis.call('XLEN', KEYS[1])}
+"""
+
 _HISTORY_BATCH = 1000  # prompt keys read per round trip when loading history
 
 _spec_encoder = msgspec.msgpack.Encoder()
@@ -194,6 +246,7 @@ class Store:
         self._cancel = client.register_script(_CANCEL)
         self._save_history = client.register_script(_SAVE_HISTORY)
         self._publish_version = client.register_script(_PUBLISH_VERSION)
+        self._trim_acked = client.register_script(_TRIM_ACKED)
 
     @classmethod
     def from_url(
@@ -244,6 +297,19 @@ class Store:
         keys = [ended_key(result.run_id), pending_key(result.run_id), stream_key(result.run_id)]
         entry_id = await self._deliver(keys=keys, args=argv)
         return None if entry_id is None else _text(entry_id)
+
+    async def trim_acked(self, run_id: str, retention_s: float) -> tuple[int, int]:
+        """Removes the entries of the run's stream that every consumer group has acknowledged
+        and that were written more than ``retention_s`` ago (none while no reader has made a
+        consumer group); returns how many it removed and how many are left."""
+        removed, left = await self._trim_acked(
+            keys=[stream_key(run_id)], args=[round(retention_s * 1000)]
+        )
+        return int(removed), int(left)
+
+    async def runs(self) -> list[str]:
+        """Every run with state in Redis."""
+        return sorted(_text(run) for run in await self._redis.smembers(RUNS_KEY))
 
     async def cancel(self, run_id: str, group_ids: Sequence[str]) -> list[str]:
         if not group_ids:
