@@ -51,6 +51,16 @@ def register_engine(scheduler_address: str, engine_id: str, engine_address: str)
         )
 
 
+LONG_TOKENS = 1500  # max_tokens of groups that run while an engine dies or drains
+
+
+def running_there(client: RolloutClient, engine_id: str) -> bool:
+    """Whether samples run on the engine and some of their tokens have reached the
+    scheduler (what they may still make is below their max_tokens)."""
+    [engine] = [e for e in client.status().engines if e.engine_id == engine_id]
+    return 0 < engine.outstanding_tokens < engine.inflight_samples * LONG_TOKENS
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -465,8 +475,9 @@ def test_engine_that_dies_has_its_groups_requeued_and_delivered_once(
         cleanup.callback(proc.stop)
         rid = run_id()
         with RolloutClient(proc.address, redis_url, rid) as client:
-            client.submit(groups(6, n=4, max_tokens=1500))
-            wait_until(lambda: client.status().inflight_groups > 0)
+            client.submit(groups(6, n=4, max_tokens=LONG_TOKENS))
+            # Samples are running there, and some of their tokens have come in.
+            wait_until(lambda: running_there(client, "doomed"), timeout_s=300)
             doomed.kill()
             # The healthy engine joins the way engines announce themselves.
             register_engine(proc.address, "e0", engine_address)
@@ -499,7 +510,7 @@ def test_engine_that_drains_finishes_the_groups_it_runs(
         cleanup.callback(proc.stop)
         rid = run_id()
         with RolloutClient(proc.address, redis_url, rid) as client:
-            client.submit(groups(8, n=4, max_tokens=1500))
+            client.submit(groups(8, n=4, max_tokens=LONG_TOKENS))
             # A sample has finished there: the engine runs the others (a call sent after the
             # SIGTERM would be refused, and requeued).
             wait_until(lambda: client.status().tokens_generated > 0, timeout_s=400)
