@@ -619,6 +619,48 @@ async def test_a_weight_update_first_sends_the_tokens_made_under_the_old_weights
     assert (stats.weights_version, stats.weights_path) == (3, path)
 
 
+class SlowLoadBackend(ScriptedBackend):
+    """A load that waits for ``loads`` to be set once generation is paused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = asyncio.Event()
+        self.loads = asyncio.Event()
+
+    async def while_paused(self) -> None:
+        self.paused.set()
+        await self.loads.wait()
+
+
+async def test_a_weight_load_whose_caller_goes_away_runs_to_its_end(tmp_path: Path) -> None:
+    """The caller's deadline passes while the load runs: the load goes on (cut short, it left
+    generation paused and the model half written) and the engine serves the new weights."""
+    backend = SlowLoadBackend()
+    async with served(backend) as stub:
+        path = str(checkpoint(tmp_path / "step-3"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.UpdateWeights(
+                pb.UpdateWeightsRequest(weights_path=path, version=3), timeout=0.5
+            )
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert backend.paused.is_set()
+        backend.loads.set()
+
+        async def loaded() -> bool:
+            stats = await stub.Stats(pb.StatsRequest())
+            return (stats.weights_version, stats.weights_path) == (3, path)
+
+        for _ in range(int(WAIT_S / 0.05)):
+            if await loaded():
+                break
+            await asyncio.sleep(0.05)
+        assert await loaded()
+        assert backend.weights == [path]
+        # and it generates, with the new weights' version
+        replies = [r async for r in stub.Generate(request(n=1))]
+        assert [r.complete.weights_version for r in replies if r.HasField("complete")] == [3]
+
+
 @pytest.mark.parametrize("token_8", ["late", "held"])
 async def test_tokens_carry_the_version_of_the_weights_that_made_them(
     tmp_path: Path, token_8: Literal["late", "held"]

@@ -1322,3 +1322,85 @@ async def test_a_restarted_scheduler_keeps_each_run_s_policy_version(
         await second.stop()
     assert all([(v.version, v.length) for v in s.versions] == [(4, 6)] for s in result.samples)
     assert all([(v.version, v.length) for v in s.versions] == [(9, 6)] for s in other.samples)
+
+
+async def test_an_engine_removed_while_its_probe_is_out_leaves_the_health_loop_running(
+    redis_url: str,
+) -> None:
+    """An engine that registers again at another address while a probe of it is out: closing
+    the old channel cancels the probe's calls, which must not end the health loop (it ended
+    without a word, and no engine was probed again). Faked: the engines, and the old
+    handle's probe (held until the new address is in, then cancelled as its channel is)."""
+    first, second = await FakeEngine("e0").start(), await FakeEngine("e0").start()
+    runtime = await make_runtime(redis_url, [], health_interval_s=0.05, health_watched_every=1)
+    try:
+        await runtime.register_engine("e0", first.address)
+        old = runtime._engines["e0"]
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def cut_probe(timeout_s: float, look: bool = False) -> bool:
+            asked.set()
+            await answer.wait()
+            raise asyncio.CancelledError  # what a call on a channel closed under it raises
+
+        old.probe = cut_probe  # type: ignore[method-assign]
+        await asyncio.wait_for(asked.wait(), WAIT_S)
+        await runtime.register_engine("e0", second.address)
+        answer.set()
+        new = runtime._engines["e0"]
+        assert new is not old and new.address == second.address
+        rounds = runtime._probe_round
+
+        async def probed_again() -> bool:
+            return runtime._probe_round > rounds + 2
+
+        await eventually(probed_again, "more health rounds")
+        assert not runtime.failed.is_set()
+        assert new.healthy
+    finally:
+        await runtime.stop()
+        await first.stop()
+        await second.stop()
+
+
+async def test_a_background_loop_cancelled_by_anything_but_stop_is_a_failure(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    runtime = await make_runtime(redis_url, [engine])
+    try:
+        [health] = [t for t in runtime._background if t.get_name() == "health"]
+        health.cancel()
+        await asyncio.wait_for(runtime.failed.wait(), WAIT_S)
+    finally:
+        await runtime.stop()
+
+
+async def test_a_version_published_while_a_submit_reads_it_is_kept(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """A Submit and a PublishVersion of a run this process has not seen, at once: the
+    version the Submit read (before the publish) does not replace the published one. Faked:
+    the engine, and the store's read of the version (held until the publish is done)."""
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    store = runtime._store
+    read = store.load_versions
+    reading, publish_done = asyncio.Event(), asyncio.Event()
+
+    async def slow_first_read(run_ids: Sequence[str]) -> dict[str, int]:
+        loaded = await read(run_ids)  # 0: nothing published yet
+        if not reading.is_set():
+            reading.set()
+            await publish_done.wait()
+        return loaded
+
+    store.load_versions = slow_first_read  # type: ignore[method-assign]
+    try:
+        submit = asyncio.create_task(runtime.submit(run, specs(run, 1)))
+        await asyncio.wait_for(reading.wait(), WAIT_S)
+        await runtime.publish_version(run, 4)
+        publish_done.set()
+        await asyncio.wait_for(submit, WAIT_S)
+        assert runtime.policy_version(run) == 4
+    finally:
+        await runtime.stop()

@@ -102,12 +102,22 @@ async def test_an_engine_that_joins_or_restarts_loads_the_fleet_s_weights_first(
     late = await FakeEngine("late").start()
     try:
         await runtime.publish_version(new_run(), 5, "/ckpt/step-5")
+
+        async def late_serves() -> bool:
+            return {e.engine_id: e.healthy for e in runtime.status().engines}["late"]
+
+        # (the reply to a registration does not wait for the load)
         await runtime.register_engine("late", late.address)
+        await eventually(late_serves, "the late engine to load the weights and serve")
         late_loaded = [(u.weights_path, u.version) for u in late.weight_updates]
-        late_healthy = {e.engine_id: e.healthy for e in runtime.status().engines}["late"]
         # It restarts (with its launch weights) and registers again, as engines do.
         late.weights = (0, "")
         await runtime.register_engine("late", late.address)
+
+        async def reloaded_and_serves() -> bool:
+            return late.weights == (5, "/ckpt/step-5") and await late_serves()
+
+        await eventually(reloaded_and_serves, "the restarted engine to load them again")
         reloaded = late.weights
         failures = runtime.status().engine_failures
     finally:
@@ -126,7 +136,7 @@ async def test_an_engine_that_joins_or_restarts_loads_the_fleet_s_weights_first(
         await second.stop()
         await first.stop()
         await late.stop()
-    assert late_loaded == [("/ckpt/step-5", 5)] and late_healthy
+    assert late_loaded == [("/ckpt/step-5", 5)]
     assert reloaded == (5, "/ckpt/step-5")
     assert failures == 1  # taken out of service while it loaded
     assert [(u.weights_path, u.version) for u in first.weight_updates][-1] == ("/ckpt/step-5", 5)
@@ -238,3 +248,30 @@ def serving_of(runtime: SchedulerRuntime) -> Callable[[], Awaitable[bool]]:
         return runtime.status().engines[0].healthy
 
     return serving
+
+
+async def test_an_engine_that_registers_is_answered_before_it_has_loaded_the_weights(
+    other_redis_url: str,
+) -> None:
+    """RegisterEngine waits a probe deadline at most: the load of the fleet's weights goes on
+    after the reply (an engine's RegisterEngine deadline cut the load short, part way)."""
+    first = await FakeEngine("first").start()
+    runtime = await make_runtime(other_redis_url, [first], health_timeout_s=0.5)
+    gate = asyncio.Event()
+    late = await FakeEngine("late", load_gate=gate).start()
+    try:
+        await runtime.publish_version(new_run(), 5, "/ckpt/step-5")
+        await asyncio.wait_for(runtime.register_engine("late", late.address), 10)
+        loading = {e.engine_id: e for e in runtime.status().engines}["late"]
+        gate.set()
+
+        async def serving() -> bool:
+            return {e.engine_id: e.healthy for e in runtime.status().engines}["late"]
+
+        await eventually(serving, "the late engine to serve once loaded")
+    finally:
+        await runtime.stop()
+        await first.stop()
+        await late.stop()
+    assert not loading.healthy and loading.loading_weights
+    assert late.weights == (5, "/ckpt/step-5")

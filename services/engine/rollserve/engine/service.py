@@ -887,17 +887,28 @@ class EngineServicer(pb_grpc.EngineServicer):
         problem = weights_problem(request, backend.info.shape)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
+        # A load runs to its end even when the caller goes (its deadline, a cancel): cut short,
+        # it would leave generation paused and the model half written.
+        load = asyncio.ensure_future(self._load_weights(backend, request))
+        load.add_done_callback(_log_unawaited_failure)
+        try:
+            load_s = await asyncio.shield(load)
+        except BackendError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, status_details(exc.message))
+        return pb.UpdateWeightsResponse(load_s=load_s)
+
+    async def _load_weights(
+        self, backend: GenerationBackend, request: pb.UpdateWeightsRequest
+    ) -> float:
+        """Loads the weights (one load at a time); the seconds it took."""
         async with self._weights_lock:
             start = time.perf_counter()
-            try:
-                await backend.update_weights(
-                    request.weights_path,
-                    self._flush_all,
-                    lambda made: self._serve_weights(request, made),
-                )
-            except BackendError as exc:
-                await context.abort(grpc.StatusCode.INTERNAL, status_details(exc.message))
-            return pb.UpdateWeightsResponse(load_s=time.perf_counter() - start)
+            await backend.update_weights(
+                request.weights_path,
+                self._flush_all,
+                lambda made: self._serve_weights(request, made),
+            )
+            return time.perf_counter() - start
 
     def _serve_weights(self, request: pb.UpdateWeightsRequest, made: Mapping[str, int]) -> None:
         """The new weights are in: tokens handed over until now, and those ``made`` says the
@@ -961,6 +972,18 @@ class EngineServicer(pb_grpc.EngineServicer):
             for s in run.samples
             if s.finish_reason is None
         ]
+
+
+def _log_unawaited_failure(load: asyncio.Future[float]) -> None:
+    """A weights load whose caller went away: its failure is logged here (an awaited one
+    reaches the caller)."""
+    if load.cancelled() or load.exception() is None:
+        return
+    exc = load.exception()
+    if isinstance(exc, BackendError):
+        logger.error("a weights load failed: %s", exc.message)
+    else:
+        logger.error("a weights load failed: %r", exc, exc_info=exc)
 
 
 def weights_request_problem(request: pb.UpdateWeightsRequest) -> str | None:

@@ -242,7 +242,9 @@ class SchedulerRuntime:
         self._held_prompt_tokens = 0  # of the groups in _groups
         self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
         self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
-        self._tasks: set[asyncio.Task[None]] = set()  # every call's task, until it ends
+        # every call's task (and Abort's, and a registered engine's first probe), until it ends
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False  # stop() or _halt() cancels the loops: no failure then
         self._engines: dict[str, EngineHandle] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}  # engine id -> its health watch
         self._engines_added = 0
@@ -387,6 +389,7 @@ class SchedulerRuntime:
         """Stops acting, in this step: every other task of the runtime is cancelled, so it
         runs again only to unwind."""
         self._lost = lost
+        self._stopping = True
         current = asyncio.current_task()
         for task in (*self._background, *self._tasks, *self._questions(), *self._pushers.values()):
             if task is not current:
@@ -403,6 +406,9 @@ class SchedulerRuntime:
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
+            if not self._stopping:  # nothing here cancels a loop but stop() and _halt()
+                log.critical("the %s loop was cancelled", task.get_name())
+                self._failed.set()
             return
         exc = task.exception()
         if isinstance(exc, LeaseLost):
@@ -419,6 +425,7 @@ class SchedulerRuntime:
         """Stops all work. Running groups stay pending in Redis for the next start; length
         history not saved yet is saved now (if Redis answers and the lease was not lost);
         then the lease is released."""
+        self._stopping = True
         tasks = [
             *self._background,
             *self._tasks,
@@ -480,7 +487,7 @@ class SchedulerRuntime:
             )
         specs = [self._with_epoch(spec) for spec in specs]
         if run_id not in self._versions:
-            self._versions.update(await self._store.load_versions([run_id]))
+            await self._load_version(run_id)
         await self._store.add_pending(run_id, specs)
         for spec in specs:
             self._enqueue(spec)
@@ -515,7 +522,7 @@ class SchedulerRuntime:
         stopping."""
         self._check_lease()
         if run_id not in self._versions:
-            self._versions.update(await self._store.load_versions([run_id]))
+            await self._load_version(run_id)
         if version < self._versions[run_id]:
             raise VersionBehind(run_id, version, self._versions[run_id])
         updated = 0
@@ -602,10 +609,15 @@ class SchedulerRuntime:
             return False  # a load is under way (a probe round is shorter than a load)
         engine.loading_weights = True
         try:
-            while self._weights is not None:
-                path, version = self._weights.path, self._weights.version
+            while (target := self._weights) is not None:
+                path, version = target.path, target.version
+                downs = engine.downs
                 stats = await engine.stats(self.settings.health_timeout_s)
                 engine.weights = (stats.weights_path, stats.weights_version)
+                if engine.downs != downs:
+                    return False  # taken out while Stats was out (as in _probe)
+                if self._weights is not target:
+                    continue  # the fleet's weights changed meanwhile: compare with those
                 if engine.weights == (path, version):
                     return True
                 if engine.healthy:  # it restarted: no work for it until it has them
@@ -629,6 +641,12 @@ class SchedulerRuntime:
         finally:
             engine.loading_weights = False
 
+    async def _load_version(self, run_id: str) -> None:
+        """The run's policy version from Redis, unless a publish set a newer one while it was
+        read (a Submit and a PublishVersion of a run this process has not seen, at once)."""
+        loaded = (await self._store.load_versions([run_id]))[run_id]
+        self._versions[run_id] = max(loaded, self._versions.get(run_id, loaded))
+
     def policy_version(self, run_id: str) -> int:
         return self._versions.get(run_id, 0)
 
@@ -651,7 +669,21 @@ class SchedulerRuntime:
             self._registered += 1
         engine.heartbeat()
         engine.may_have_restarted = True  # since it was seen
-        await self._probe(engine)
+        # Probed in a task of its own, which the reply waits for a probe deadline at most: a
+        # load of the fleet's weights outlasts the engine's RegisterEngine deadline, and a
+        # cancelled load leaves the engine's model half written.
+        probe = asyncio.create_task(self._probe(engine), name=f"probe {engine_id}")
+        self._tasks.add(probe)
+        probe.add_done_callback(self._probe_ended(engine))
+        await asyncio.wait({probe}, timeout=self.settings.health_timeout_s)
+
+    def _probe_ended(self, engine: EngineHandle) -> Callable[[asyncio.Task[None]], None]:
+        def ended(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if self._engines.get(engine.engine_id) is engine:  # else: removed meanwhile
+                _log_crash(task)
+
+        return ended
 
     def heartbeat_interval_ms(self) -> int:
         """The period engines are told to heartbeat at: the setting, or longer on a fleet
@@ -1535,17 +1567,18 @@ class SchedulerRuntime:
 
     async def _remove_engine(self, engine: EngineHandle, reason: str) -> None:
         await self._engine_down(engine, reason)
-        del self._engines[engine.engine_id]
-        if self._outputs is not None:
-            self._outputs.forget_engine(engine.engine_id)
-        self._push_due.pop(engine.engine_id, None)
-        self._pushed_at.pop(engine.engine_id, None)
-        if engine.registered:
-            self._registered -= 1
-        watch = self._watches.pop(engine.engine_id, None)
-        if watch is not None:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        if self._engines.get(engine.engine_id) is engine:  # else removed by another task
+            del self._engines[engine.engine_id]
+            if self._outputs is not None:
+                self._outputs.forget_engine(engine.engine_id)
+            self._push_due.pop(engine.engine_id, None)
+            self._pushed_at.pop(engine.engine_id, None)
+            if engine.registered:
+                self._registered -= 1
+            watch = self._watches.pop(engine.engine_id, None)
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
         await engine.close()
 
     async def _engine_down(self, engine: EngineHandle, reason: str) -> None:
@@ -1641,6 +1674,8 @@ class SchedulerRuntime:
         configured = {e.engine_id for e in self.settings.engines}
         now = time.monotonic()
         for engine in list(self._engines.values()):
+            if self._engines.get(engine.engine_id) is not engine:
+                continue  # replaced or removed while an earlier one was removed
             if (
                 engine.registered
                 and not engine.healthy
@@ -1665,13 +1700,18 @@ class SchedulerRuntime:
         every = self.settings.health_watched_every
         due = self._probe_round
         self._probe_round += 1
-        await asyncio.gather(
-            *(
-                self._probe(e)
-                for e in list(self._engines.values())
-                if not (e.healthy and e.watching) or (due + e.probe_slot) % every == 0
-            )
-        )
+        engines = [
+            e
+            for e in list(self._engines.values())
+            if not (e.healthy and e.watching) or (due + e.probe_slot) % every == 0
+        ]
+        results = await asyncio.gather(*(self._probe(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results, strict=True):
+            # An engine removed while its probe was out (it registered at another address):
+            # closing its channel cancelled or refused the probe's calls. Anything else is
+            # a bug, and the loop dies with it.
+            if isinstance(result, BaseException) and self._engines.get(engine.engine_id) is engine:
+                raise result
 
     async def _watch(self, engine: EngineHandle) -> None:
         """Follows the engine's health as it changes (gRPC health Watch), for as long as the
