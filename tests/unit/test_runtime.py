@@ -1404,3 +1404,36 @@ async def test_a_version_published_while_a_submit_reads_it_is_kept(
         assert runtime.policy_version(run) == 4
     finally:
         await runtime.stop()
+
+
+async def test_a_submit_whose_caller_goes_while_redis_writes_still_queues_the_groups(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """The caller's deadline passes while the groups are being written: once written they
+    are queued and delivered (written and not queued, they waited for a restart, and a retry
+    was refused as a duplicate). Faked: the engine, and the store's write (held until the
+    caller has gone)."""
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    store = runtime._store
+    write = store.add_pending
+    writing, caller_gone = asyncio.Event(), asyncio.Event()
+
+    async def slow_write(run_id: str, specs: Sequence[GroupSpec]) -> None:
+        writing.set()
+        await caller_gone.wait()
+        await write(run_id, specs)
+
+    store.add_pending = slow_write  # type: ignore[method-assign]
+    try:
+        submit = asyncio.create_task(runtime.submit(run, specs(run, 2)))
+        await asyncio.wait_for(writing.wait(), WAIT_S)
+        submit.cancel()  # as gRPC cancels a handler whose caller went
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        caller_gone.set()
+        results = await read_stream(redis_url, run, 2)
+    finally:
+        await runtime.stop()
+    assert sorted(r.group_id for r in results) == ["g0", "g1"]
+    assert all(r.status == GroupStatus.DELIVERED for r in results)

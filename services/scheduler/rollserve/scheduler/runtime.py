@@ -488,6 +488,12 @@ class SchedulerRuntime:
         specs = [self._with_epoch(spec) for spec in specs]
         if run_id not in self._versions:
             await self._load_version(run_id)
+        # Written and queued together even if the caller goes (its deadline, a cancel) while
+        # Redis answers: written and not queued, the groups would wait for a restart, and a
+        # retry would be refused as a duplicate.
+        await asyncio.shield(self._add(run_id, specs))
+
+    async def _add(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
         await self._store.add_pending(run_id, specs)
         for spec in specs:
             self._enqueue(spec)
