@@ -890,7 +890,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         # A load runs to its end even when the caller goes (its deadline, a cancel): cut short,
         # it would leave generation paused and the model half written.
         load = asyncio.ensure_future(self._load_weights(backend, request))
-        load.add_done_callback(_log_unawaited_failure)
+        load.add_done_callback(_log_load_failure)
         try:
             load_s = await asyncio.shield(load)
         except BackendError as exc:
@@ -974,9 +974,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         ]
 
 
-def _log_unawaited_failure(load: asyncio.Future[float]) -> None:
-    """A weights load whose caller went away: its failure is logged here (an awaited one
-    reaches the caller)."""
+def _log_load_failure(load: asyncio.Future[float]) -> None:
+    """Logs a weights load that failed: the only word of it when its caller has gone (one
+    still waiting gets the failure too)."""
     if load.cancelled() or load.exception() is None:
         return
     exc = load.exception()

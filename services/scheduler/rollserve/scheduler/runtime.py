@@ -632,7 +632,7 @@ class SchedulerRuntime:
                 if why:
                     engine.stays_down(
                         f"weights not loaded: {why} (the fleet's weights are {path}, version "
-                        f"{version} of run {self._weights.run_id!r}: publish weights every "
+                        f"{version} of run {target.run_id!r}: publish weights every "
                         "engine can read, or start the scheduler with --forget-fleet-weights)"
                     )
                     return False
