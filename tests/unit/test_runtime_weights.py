@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from rollserve.client.types import PublishResult, SchedulerStatus
-from rollserve.scheduler.runtime import SchedulerRuntime, WeightsNotLoaded
+from rollserve.scheduler.runtime import SchedulerRuntime, VersionBehind, WeightsNotLoaded
 
 from tests.unit.builders import spec
 from tests.unit.fakes import FakeEngine
@@ -275,3 +275,109 @@ async def test_an_engine_that_registers_is_answered_before_it_has_loaded_the_wei
         await late.stop()
     assert not loading.healthy and loading.loading_weights
     assert late.weights == (5, "/ckpt/step-5")
+
+
+async def test_a_publish_that_waited_for_a_newer_one_loads_nothing(other_redis_url: str) -> None:
+    """Two publishes of a run with weights at once, the newer first: the older one, which
+    waited for it, is refused before it loads anything (loaded after, it left the fleet on
+    the older weights while the run's version was the newer)."""
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", load_gate=gate).start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        newer = asyncio.create_task(runtime.publish_version(run, 6, "/ckpt/step-6"))
+
+        async def loading() -> bool:
+            return len(engine.weight_updates) == 1
+
+        await eventually(loading, "the engine to load step 6")
+        older = asyncio.create_task(runtime.publish_version(run, 5, "/ckpt/step-5"))
+        await asyncio.sleep(0)  # it waits for the newer one now
+        gate.set()
+        published = await asyncio.wait_for(newer, WAIT_S)
+        with pytest.raises(VersionBehind, match=r"policy version \(6\)"):
+            await asyncio.wait_for(older, WAIT_S)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert published.version == 6
+    assert [(u.weights_path, u.version) for u in engine.weight_updates] == [("/ckpt/step-6", 6)]
+    assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-6", 6)
+    assert runtime.policy_version(run) == 6
+
+
+async def test_a_publish_whose_caller_goes_is_carried_through(other_redis_url: str) -> None:
+    """The trainer's deadline passes while the engines load: the publish still makes the
+    weights the fleet's and the version the run's (cut off, the engines served weights the
+    fleet did not name, and a retry found them loaded but the version not stored)."""
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", load_gate=gate).start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
+
+        async def loading() -> bool:
+            return len(engine.weight_updates) == 1
+
+        await eventually(loading, "the engine to load step 2")
+        publishing.cancel()
+        await asyncio.wait({publishing})
+        gate.set()
+
+        async def published() -> bool:
+            return runtime.policy_version(run) == 2
+
+        await eventually(published, "the publish to finish")
+        status = runtime.status()
+        stored = await runtime._store.load_versions([run])
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert publishing.cancelled()
+    assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-2", 2)
+    assert stored == {run: 2}
+    assert status.engines[0].healthy and not status.engines[0].loading_weights
+
+
+async def test_an_engine_probed_while_the_fleet_loads_keeps_the_new_weights(
+    other_redis_url: str,
+) -> None:
+    """An engine that registers again while a publish loads the fleet (it had loaded the new
+    weights, another engine still loads them): its probe leaves it to the publish. (It
+    compared the engine with the fleet's old weights, took it out and loaded those back: the
+    fleet then served two versions.)"""
+    gate = asyncio.Event()
+    fast = await FakeEngine("fast").start()
+    slow = await FakeEngine("slow", load_gate=gate).start()
+    gate.set()
+    runtime = await make_runtime(other_redis_url, [fast, slow], health_interval_s=0.05)
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 1, "/ckpt/step-1")
+        gate.clear()
+        publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
+
+        async def fast_loaded() -> bool:
+            return fast.weights == (2, "/ckpt/step-2")
+
+        await eventually(fast_loaded, "fast to load step 2")
+        await runtime.register_engine("fast", fast.address)  # as after a reconnect
+        gate.set()
+        published = await asyncio.wait_for(publishing, WAIT_S)
+
+        async def looked_again() -> bool:
+            return not runtime._engines["fast"].may_have_restarted
+
+        await eventually(looked_again, "a probe to look at fast once the fleet has loaded")
+        status = {e.engine_id: e for e in runtime.status().engines}
+    finally:
+        await runtime.stop()
+        await fast.stop()
+        await slow.stop()
+    assert published.engines_updated == 2
+    assert fast.weights == slow.weights == (2, "/ckpt/step-2")
+    assert [u.version for u in fast.weight_updates] == [1, 2]
+    assert status["fast"].healthy and runtime.status().engine_failures == 0

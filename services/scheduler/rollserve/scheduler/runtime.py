@@ -67,6 +67,7 @@ from array import array
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import redis.exceptions
@@ -130,12 +131,18 @@ _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 _MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
 PREDICTOR_SCORE_WINDOW = 4096
+_T = TypeVar("_T")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
+
+
+def _log_unheard(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("%s, whose caller had gone, ended with: %s", task.get_name(), exc)
 
 
 class QueueFull(Exception):
@@ -243,7 +250,7 @@ class SchedulerRuntime:
         self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
         self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
         # every call's task (and Abort's, and a registered engine's first probe), until it ends
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False  # stop() or _halt() cancels the loops: no failure then
         self._engines: dict[str, EngineHandle] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}  # engine id -> its health watch
@@ -491,7 +498,7 @@ class SchedulerRuntime:
         # Written and queued together even if the caller goes (its deadline, a cancel) while
         # Redis answers: written and not queued, the groups would wait for a restart, and a
         # retry would be refused as a duplicate.
-        await asyncio.shield(self._add(run_id, specs))
+        await self._carried_through(self._add(run_id, specs), f"submit {run_id}")
 
     async def _add(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
         await self._store.add_pending(run_id, specs)
@@ -520,70 +527,109 @@ class SchedulerRuntime:
     ) -> PublishResult:
         """Makes ``version`` the run's policy version (stored first), which labels tokens as
         ``_token_version`` says. With ``weights_path``, every healthy engine loads those
-        weights first; those that fail are taken out of service until they load them, and
-        if none could, nothing changes (WeightsNotLoaded). Without, the tokens its running
-        samples made before count as the version before (``_ask_made``, which does not wait
-        for the engines unless the run has ``_MAX_COUNTS_AWAITED`` such counts due). Raises
-        VersionBehind if the run's version is higher, and LeaseLost if this scheduler is
-        stopping."""
+        weights first (``_publish_weights``), and the publish is carried through even if its
+        caller goes. Without, the tokens its running samples made before count as the
+        version before (``_ask_made``, which does not wait for the engines unless the run
+        has ``_MAX_COUNTS_AWAITED`` such counts due). Raises VersionBehind if the run's
+        version is higher, and LeaseLost if this scheduler is stopping."""
         self._check_lease()
         if run_id not in self._versions:
             await self._load_version(run_id)
-        if version < self._versions[run_id]:
-            raise VersionBehind(run_id, version, self._versions[run_id])
-        updated = 0
-        failed: tuple[str, ...] = ()
+        self._check_behind(run_id, version)
         if weights_path:
-            # The labels of the tokens made before these weights are settled first.
-            while asking := self._asking.get(run_id):
-                await asyncio.wait({asking[-1]})
-            updated, failed = await self._update_fleet(run_id, weights_path, version)
-        elif version > self._versions[run_id]:
+            # Cut off part way (the trainer's deadline), it would leave the engines that had
+            # loaded serving weights the fleet's do not name, and the run's tokens labelled
+            # by weights that were never made the fleet's.
+            return await self._carried_through(
+                self._publish_weights(run_id, version, weights_path), f"publish {run_id}"
+            )
+        if version > self._versions[run_id]:
             # Engines that answer slower than the trainer publishes hold it back here.
             while len(asking := self._asking.get(run_id, [])) >= _MAX_COUNTS_AWAITED:
                 await asyncio.wait({asking[0]})
+        before = self._versions[run_id]
+        current = await self._store_version(run_id, version)
+        if current > before and not self._stamps(run_id) and not self.settings.label_on_arrival:
+            self._ask_made(run_id, before)
+        return PublishResult(current, 0, ())
+
+    def _check_behind(self, run_id: str, version: int) -> None:
+        if version < self._versions[run_id]:
+            raise VersionBehind(run_id, version, self._versions[run_id])
+
+    async def _store_version(self, run_id: str, version: int) -> int:
+        """Stores the version (VersionBehind if Redis has a higher one); returns the run's."""
         ok, current = await self._store.publish_version(run_id, version)
-        before, self._versions[run_id] = self._versions[run_id], current
+        self._versions[run_id] = max(current, self._versions[run_id])
         if not ok:
             raise VersionBehind(run_id, version, current)
-        if (
-            current > before
-            and not weights_path
-            and not self._stamps(run_id)
-            and not self.settings.label_on_arrival
-        ):
-            self._ask_made(run_id, before)
-        return PublishResult(current, updated, failed)
+        return current
+
+    async def _publish_weights(self, run_id: str, version: int, path: str) -> PublishResult:
+        """Has every healthy engine load the weights, then stores the version: engines that
+        fail are taken out of service until they load them, and if none could, nothing
+        changes (WeightsNotLoaded). One at a time: a publish that waited for another checks
+        its version again (a v5 loaded after a v6 made the fleet serve v5)."""
+        async with self._weights_lock:
+            self._check_behind(run_id, version)
+            # The labels of the tokens made before these weights are settled first.
+            while asking := self._asking.get(run_id):
+                await asyncio.wait({asking[-1]})
+            updated, failed = await self._update_fleet(run_id, path, version)
+            current = await self._store_version(run_id, version)
+            return PublishResult(current, updated, failed)
+
+    async def _carried_through(self, work: Coroutine[None, None, _T], name: str) -> _T:
+        """Runs ``work`` in a task of the runtime's: the caller's going (its deadline, a
+        cancel) does not cut it off, stop() and a lost lease do. What it raises after the
+        caller went is logged."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                task.add_done_callback(_log_unheard)
+            raise
 
     async def _update_fleet(
         self, run_id: str, path: str, version: int
     ) -> tuple[int, tuple[str, ...]]:
         """Loads the weights into every healthy engine and makes them the fleet's; returns
-        how many engines loaded them and why the others did not."""
-        async with self._weights_lock:
-            before = self._stamping
-            since = before[1] if before is not None and before[0] == run_id else version
-            # An engine that has loaded them makes tokens of this version while the others
-            # still load: they count as it from now on.
-            self._stamping = (run_id, since)
-            engines = [e for e in self._engines.values() if e.healthy]
+        how many engines loaded them and why the others did not. The caller holds
+        ``_weights_lock``."""
+        before = self._stamping
+        since = before[1] if before is not None and before[0] == run_id else version
+        # An engine that has loaded them makes tokens of this version while the others
+        # still load: they count as it from now on.
+        self._stamping = (run_id, since)
+        # An engine a probe has load the fleet's weights (it joined or restarted) is left
+        # to that probe, which loads these too once they are the fleet's.
+        engines = [e for e in self._engines.values() if e.healthy and not e.loading_weights]
+        for engine in engines:
+            engine.loading_weights = True  # a probe meanwhile leaves it to this load
+        try:
             results = await asyncio.gather(
                 *(self._load_missing_weights(e, path, version) for e in engines)
             )
-            failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
-            reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
-            if len(failed) == len(engines):
-                self._stamping = before
-                raise WeightsNotLoaded(path, reasons)
-            weights = FleetWeights(path, version, run_id, since)
-            await self._store.save_weights(weights)
-            self._weights = weights
-            for engine, why in failed:
-                await self._engine_down(engine, f"weights not loaded: {why}")
-            # Engines that came into service while the others loaded had the old weights.
-            for engine in [e for e in self._engines.values() if e.healthy and e not in engines]:
-                await self._has_fleet_weights(engine)
-            return len(engines) - len(failed), reasons
+        finally:
+            for engine in engines:
+                engine.loading_weights = False
+        failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
+        reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
+        if len(failed) == len(engines):
+            self._stamping = before
+            raise WeightsNotLoaded(path, reasons)
+        weights = FleetWeights(path, version, run_id, since)
+        await self._store.save_weights(weights)
+        self._weights = weights
+        for engine, why in failed:
+            await self._engine_down(engine, f"weights not loaded: {why}")
+        # Engines that came into service while the others loaded had the old weights.
+        joined = [e for e in self._engines.values() if e.healthy and e not in engines]
+        await asyncio.gather(*(self._has_fleet_weights(e) for e in joined))
+        return len(engines) - len(failed), reasons
 
     async def _load_missing_weights(self, engine: EngineHandle, path: str, version: int) -> str:
         """Has the engine load the weights unless it serves them already (a retried publish
@@ -1778,6 +1824,8 @@ class SchedulerRuntime:
             # put a dead engine back in service, which was handed the group it had just lost.)
             return
         if look:
+            if engine.loading_weights:
+                return  # a load is under way: the probe after it looks (may_have_restarted)
             engine.may_have_restarted = False
             if anew and self._outputs is not None:  # its drafter holds none of them
                 self._outputs.forget_engine(engine.engine_id)
