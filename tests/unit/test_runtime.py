@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -373,6 +373,92 @@ async def test_queue_full_refuses_whole_batch(redis_url: str) -> None:
         await runtime.cancel(run, ["g0", "g1"])  # leave nothing pending in Redis
     finally:
         await runtime.stop()
+
+
+def gate_store_call(runtime: SchedulerRuntime, name: str) -> asyncio.Event:
+    """Holds the answer of the runtime store's ``name`` (done in Redis) until the event is
+    set: a caller that goes meanwhile goes after Redis made the change."""
+    gate = asyncio.Event()
+    real = getattr(runtime._store, name)
+
+    async def gated(*args: Any) -> Any:
+        answer = await real(*args)
+        await gate.wait()
+        return answer
+
+    setattr(runtime._store, name, gated)
+    return gate
+
+
+async def test_a_cancel_whose_caller_goes_still_stops_the_groups(redis_url: str) -> None:
+    """The caller goes once Redis has ended the group: the scheduler still takes it out and
+    the engine aborts it (it ran on, to a delivery Redis refused)."""
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", second_half_gate=gate).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        await eventually(running(runtime, 1), "the group to run")
+        answer = gate_store_call(runtime, "cancel")
+        cancelling = asyncio.create_task(runtime.cancel(run, ["g0"]))
+        await asyncio.sleep(0.05)
+        cancelling.cancel()
+        answer.set()
+
+        async def aborted() -> bool:
+            return engine.cancelled >= 1 and runtime.status().inflight_groups == 0
+
+        await eventually(aborted, "the engine to abort the cancelled group")
+        status = runtime.status()
+    finally:
+        gate.set()
+        await runtime.stop()
+        await engine.stop()
+    assert cancelling.cancelled()
+    assert status.groups_cancelled == 1 and status.groups_delivered == 0
+
+
+async def test_a_publish_whose_caller_goes_still_counts_the_version(redis_url: str) -> None:
+    """The caller goes once Redis has stored the version: the scheduler still takes it as
+    the run's (it kept labelling tokens with the old one while Redis had the new)."""
+    runtime = await make_runtime(redis_url, [])
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 1)
+        answer = gate_store_call(runtime, "publish_version")
+        publishing = asyncio.create_task(runtime.publish_version(run, 2))
+        await asyncio.sleep(0.05)
+        publishing.cancel()
+        answer.set()
+
+        async def counted() -> bool:
+            return runtime.policy_version(run) == 2
+
+        await eventually(counted, "the scheduler to count version 2")
+    finally:
+        await runtime.stop()
+    assert publishing.cancelled()
+
+
+async def test_submits_at_once_do_not_overfill_the_queue(redis_url: str) -> None:
+    """Two Submits that each fit alone, at once: the second counts the first's groups while
+    Redis writes them (both were accepted: the queue held 4 of at most 3)."""
+    runtime = await make_runtime(redis_url, [], max_queued_groups=3, max_held_prompt_tokens=17)
+    run = new_run()
+    try:
+        outcomes = await asyncio.gather(
+            runtime.submit(run, specs(run, 2)),
+            runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)]),
+            return_exceptions=True,
+        )
+        depth = runtime.status().queue_depth
+        accepted = ["g0", "g1"] if outcomes[0] is None else ["x0", "x1"]
+        await runtime.cancel(run, accepted)  # leave nothing pending in Redis
+    finally:
+        await runtime.stop()
+    assert depth == 2
+    assert sorted(type(o).__name__ for o in outcomes) == ["NoneType", "QueueFull"]
 
 
 async def test_prompt_tokens_held_past_the_limit_refuse_the_whole_batch(redis_url: str) -> None:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
-from rollserve.client.wire import pending_key, stream_key
+from rollserve.client.wire import WEIGHTS_KEY, ended_key, pending_key, stream_key, version_key
 from rollserve.scheduler.lease import LEASE_KEY, LeaseHeld, LeaseLost
+from rollserve.scheduler.runtime import SchedulerRuntime
 
+from tests.unit.builders import spec
 from tests.unit.fakes import Behaviour, FakeEngine
 from tests.unit.test_runtime import (
     WAIT_S,
@@ -99,4 +101,89 @@ async def test_a_runtime_whose_lease_is_taken_stops_acting_and_fails(
         assert await client.xlen(stream_key(run)) == 0
         assert await client.hlen(pending_key(run)) == 2  # for the new holder to run
     finally:
+        await client.aclose()
+
+
+# Long enough that the runtime's own renewal does not come while a test runs: what refuses
+# its writes is Redis, fencing them by the lease.
+STALLED_TTL_S = 600.0
+
+
+async def successor_takes_over(client: aioredis.Redis) -> None:
+    """What a scheduler started while this one stalled past its ttl does: the lease ended in
+    Redis and the successor took it."""
+    await client.set(LEASE_KEY, "successor")
+
+
+async def test_a_runtime_that_stalled_past_its_lease_delivers_nothing_after(
+    other_redis_url: str,
+) -> None:
+    """A group that finishes after a successor took the lease, before this runtime's renewal
+    would find out: Redis refuses its delivery, the runtime stops all work and fails, and
+    the group stays pending for the successor (which delivers it once)."""
+    client = aioredis.Redis.from_url(other_redis_url)
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", second_half_gate=gate).start()
+    runtime = await make_runtime(
+        other_redis_url, [engine], lease_ttl_s=STALLED_TTL_S, lease_wait_s=STALLED_TTL_S
+    )
+    run = new_run()
+    try:
+        try:
+            await runtime.submit(run, specs(run, 1))
+            await eventually(running(runtime, 1), "the group to run")
+            await successor_takes_over(client)
+            gate.set()
+            await asyncio.wait_for(runtime.failed.wait(), WAIT_S)
+            lost = runtime.lost
+            with pytest.raises(LeaseLost, match="lost its lease"):
+                await runtime.submit(run, [spec("later", run_id=run)])
+        finally:
+            await runtime.stop()
+            await engine.stop()
+        assert lost is not None and "refused this scheduler's write" in str(lost)
+        assert await client.xlen(stream_key(run)) == 0
+        assert await client.hkeys(pending_key(run)) == [b"g0"]
+        assert await client.get(LEASE_KEY) == b"successor"  # not its own: left alone
+    finally:
+        await client.aclose()
+
+
+async def test_a_runtime_that_stalled_past_its_lease_accepts_and_publishes_nothing(
+    other_redis_url: str,
+) -> None:
+    """A Submit, a Cancel or a PublishVersion that reaches a runtime after a successor took
+    the lease: Redis refuses the write (UNAVAILABLE to the caller, who retries on the
+    successor); accepted, the groups sat in Redis unseen by the scheduler that runs, and a
+    version was stored that it did not know."""
+    client = aioredis.Redis.from_url(other_redis_url)
+    engine = await FakeEngine("e0").start()
+    writes: dict[str, Callable[[SchedulerRuntime, str], Awaitable[object]]] = {
+        "submit": lambda r, run: r.submit(run, specs(run, 1)),
+        "cancel": lambda r, run: r.cancel(run, ["g0"]),
+        "publish": lambda r, run: r.publish_version(run, 4),
+        "publish weights": lambda r, run: r.publish_version(run, 4, "/ckpt/step-4"),
+    }
+    try:
+        for name, write in writes.items():
+            await client.flushdb()
+            run = new_run()
+            runtime = await make_runtime(
+                other_redis_url, [engine], lease_ttl_s=STALLED_TTL_S, lease_wait_s=STALLED_TTL_S
+            )
+            # A pending group (that the successor recovered) for cancel to end.
+            await client.hset(pending_key(run), "g0", b"kept")
+            try:
+                await successor_takes_over(client)
+                with pytest.raises(LeaseLost, match="refused this scheduler's write"):
+                    await write(runtime, run)
+                assert runtime.failed.is_set(), name
+            finally:
+                await runtime.stop()
+            assert await client.hgetall(pending_key(run)) == {b"g0": b"kept"}, name
+            assert await client.smembers(ended_key(run)) == set(), name
+            assert await client.get(version_key(run)) is None, name
+            assert await client.exists(WEIGHTS_KEY) == 0, name
+    finally:
+        await engine.stop()
         await client.aclose()

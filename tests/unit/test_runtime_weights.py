@@ -381,3 +381,46 @@ async def test_an_engine_probed_while_the_fleet_loads_keeps_the_new_weights(
     assert fast.weights == slow.weights == (2, "/ckpt/step-2")
     assert [u.version for u in fast.weight_updates] == [1, 2]
     assert status["fast"].healthy and runtime.status().engine_failures == 0
+
+
+async def test_a_scheduler_starts_and_probes_on_while_an_engine_loads_the_weights(
+    other_redis_url: str,
+) -> None:
+    """A scheduler that starts with the fleet's weights in Redis and an engine that must load
+    them: it starts serving without waiting for the load, and its health rounds go on (the
+    first round, then every round, waited for the load: up to weights_timeout_s)."""
+    engine = await FakeEngine("e0").start()
+    first = await make_runtime(other_redis_url, [engine])
+    try:
+        await first.publish_version(new_run(), 3, "/ckpt/step-3")
+    finally:
+        await first.stop()
+    engine.weights = (0, "")  # restarted with its launch weights
+    gate = asyncio.Event()
+    engine.load_gate = gate
+    other = await FakeEngine("other").start()
+    runtime = await asyncio.wait_for(
+        make_runtime(other_redis_url, [engine, other], health_timeout_s=0.5), WAIT_S
+    )
+    try:
+        rounds = runtime._probe_round
+
+        async def rounds_go_on() -> bool:
+            return runtime._probe_round >= rounds + 3
+
+        await eventually(rounds_go_on, "three more health rounds while e0 loads")
+        status = {e.engine_id: e for e in runtime.status().engines}
+        gate.set()
+
+        async def e0_serves() -> bool:
+            return {e.engine_id: e.healthy for e in runtime.status().engines}["e0"]
+
+        await eventually(e0_serves, "e0 to serve once loaded")
+    finally:
+        gate.set()
+        await runtime.stop()
+        await engine.stop()
+        await other.stop()
+    assert status["e0"].loading_weights and not status["e0"].healthy
+    assert status["other"].healthy
+    assert engine.weights == (3, "/ckpt/step-3")

@@ -136,7 +136,8 @@ _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
+    exc = None if task.cancelled() else task.exception()
+    if exc is not None and not isinstance(exc, LeaseLost):  # (said once, as the runtime halts)
         log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
 
 
@@ -247,10 +248,13 @@ class SchedulerRuntime:
         self._groups: dict[str, GroupRecord] = {}  # every group that has not ended
         self._delivered_to: set[str] = set()  # runs whose streams got entries lately (trim)
         self._held_prompt_tokens = 0  # of the groups in _groups
+        # Groups and prompt tokens of the Submits that Redis is writing, not queued yet.
+        self._admitting = (0, 0)
         self._queue: dict[str, None] = {}  # keys of groups with queued samples, in order
         self._calls: dict[str, dict[str, _Call]] = {}  # group key -> request id -> call
         # every call's task (and Abort's, and a registered engine's first probe), until it ends
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._probing: dict[EngineHandle, asyncio.Task[None]] = {}  # the health loop's
         self._stopping = False  # stop() or _halt() cancels the loops: no failure then
         self._engines: dict[str, EngineHandle] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}  # engine id -> its health watch
@@ -341,7 +345,9 @@ class SchedulerRuntime:
         ``lease_wait_s``), then recovers the state and starts work. If it raises, it has
         stopped the runtime (and touched no state when the lease was not taken)."""
         try:
-            lease = self._store.lease(self.settings.lease_ttl_s, self.settings.lease_wait_s)
+            lease = self._store.lease(
+                self.settings.lease_ttl_s, self.settings.lease_wait_s, self._fenced_out
+            )
             await lease.take()
             self._lease = lease
             self._own(self._keep_lease(lease), "lease")  # renewed while loading, too
@@ -402,6 +408,16 @@ class SchedulerRuntime:
             if task is not current:
                 task.cancel()
 
+    def _fenced_out(self, lost: LeaseLost) -> None:
+        """Redis refused a write: another scheduler holds the lease (this one stalled past
+        its ttl, before its renewal could find it gone). Stops all work, as a lost lease
+        does."""
+        if self._lost is not None:
+            return
+        log.critical("stopped all work: another scheduler runs the pending groups now (%s)", lost)
+        self._halt(lost)
+        self._failed.set()
+
     def _check_lease(self) -> None:
         if self._lost is not None:
             raise LeaseLost(f"this scheduler lost its lease and is stopping: {self._lost}")
@@ -446,6 +462,7 @@ class SchedulerRuntime:
         self._background.clear()
         self._asking.clear()
         self._tasks.clear()
+        self._probing.clear()
         self._watches.clear()
         self._pushers.clear()
         self._push_due.clear()
@@ -477,38 +494,50 @@ class SchedulerRuntime:
         """Persists then queues the groups. Raises QueueFull, store.DuplicateGroup or
         LeaseLost (this scheduler is stopping)."""
         self._check_lease()
-        room = self.settings.max_queued_groups - len(self._queue)
+        queued = len(self._queue) + self._admitting[0]
+        room = self.settings.max_queued_groups - queued
         if len(specs) > room:
             raise QueueFull(
-                f"the queue holds {len(self._queue)} groups of at most "
+                f"the queue holds {queued} groups of at most "
                 f"{self.settings.max_queued_groups}; {len(specs)} more do not fit "
                 f"(room for {max(0, room)}): retry later"
             )
         tokens = sum(len(spec.prompt_token_ids) for spec in specs)
-        held, limit = self._held_prompt_tokens, self.settings.max_held_prompt_tokens
+        held = self._held_prompt_tokens + self._admitting[1]
+        limit = self.settings.max_held_prompt_tokens
         if held + tokens > limit:
             raise QueueFull(
                 f"the groups not yet delivered hold {held} prompt tokens of at most {limit} "
                 f"(max_held_prompt_tokens); these {len(specs)} groups' {tokens} do not fit: "
                 "retry once some are delivered"
             )
-        specs = [self._with_epoch(spec) for spec in specs]
-        if run_id not in self._versions:
-            await self._load_version(run_id)
+        # Counted against the limits until queued: Submits at once that each fit alone
+        # would overfill the queue together.
+        self._admitting = (self._admitting[0] + len(specs), self._admitting[1] + tokens)
         # Written and queued together even if the caller goes (its deadline, a cancel) while
         # Redis answers: written and not queued, the groups would wait for a restart, and a
         # retry would be refused as a duplicate.
-        await self._carried_through(self._add(run_id, specs), f"submit {run_id}")
+        await self._carried_through(self._add(run_id, specs, tokens), f"submit {run_id}")
 
-    async def _add(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
-        await self._store.add_pending(run_id, specs)
-        for spec in specs:
-            self._enqueue(spec)
-        self._wake.set()
+    async def _add(self, run_id: str, specs: Sequence[GroupSpec], tokens: int) -> None:
+        try:
+            specs = [self._with_epoch(spec) for spec in specs]
+            if run_id not in self._versions:
+                await self._load_version(run_id)
+            await self._store.add_pending(run_id, specs)
+            for spec in specs:
+                self._enqueue(spec)
+            self._wake.set()
+        finally:
+            self._admitting = (self._admitting[0] - len(specs), self._admitting[1] - tokens)
 
     async def cancel(self, run_id: str, group_ids: Sequence[str]) -> tuple[list[str], list[str]]:
         """Ends the groups that have not ended; LeaseLost if this scheduler is stopping."""
         self._check_lease()
+        # Cut off once Redis ended them, the groups would run on to a delivery refused.
+        return await self._carried_through(self._cancel(run_id, group_ids), f"cancel {run_id}")
+
+    async def _cancel(self, run_id: str, group_ids: Sequence[str]) -> tuple[list[str], list[str]]:
         ended_now = set(await self._store.cancel(run_id, group_ids))
         for gid in ended_now:
             self.counters.groups_cancelled += 1
@@ -547,6 +576,10 @@ class SchedulerRuntime:
             # Engines that answer slower than the trainer publishes hold it back here.
             while len(asking := self._asking.get(run_id, [])) >= _MAX_COUNTS_AWAITED:
                 await asyncio.wait({asking[0]})
+        # Cut off once stored, the tokens made before would count as the new version.
+        return await self._carried_through(self._publish(run_id, version), f"publish {run_id}")
+
+    async def _publish(self, run_id: str, version: int) -> PublishResult:
         before = self._versions[run_id]
         current = await self._store_version(run_id, version)
         if current > before and not self._stamps(run_id) and not self.settings.label_on_arrival:
@@ -732,8 +765,16 @@ class SchedulerRuntime:
     def _probe_ended(self, engine: EngineHandle) -> Callable[[asyncio.Task[None]], None]:
         def ended(task: asyncio.Task[None]) -> None:
             self._tasks.discard(task)
-            if self._engines.get(engine.engine_id) is engine:  # else: removed meanwhile
-                _log_crash(task)
+            if self._probing.get(engine) is task:
+                del self._probing[engine]
+            # An engine removed while its probe was out (it registered at another address):
+            # closing its channel cancelled or refused the probe's calls. Anything else is a
+            # bug, and the scheduler stops with it (as when a loop dies).
+            exc = None if task.cancelled() else task.exception()
+            current = self._engines.get(engine.engine_id) is engine
+            if current and exc is not None and not isinstance(exc, LeaseLost):
+                log.critical("%s crashed: %r", task.get_name(), exc, exc_info=exc)
+                self._failed.set()
 
         return ended
 
@@ -1757,13 +1798,22 @@ class SchedulerRuntime:
             for e in list(self._engines.values())
             if not (e.healthy and e.watching) or (due + e.probe_slot) % every == 0
         ]
-        results = await asyncio.gather(*(self._probe(e) for e in engines), return_exceptions=True)
-        for engine, result in zip(engines, results, strict=True):
-            # An engine removed while its probe was out (it registered at another address):
-            # closing its channel cancelled or refused the probe's calls. Anything else is
-            # a bug, and the loop dies with it.
-            if isinstance(result, BaseException) and self._engines.get(engine.engine_id) is engine:
-                raise result
+        probes = [self._probe_soon(e) for e in engines]
+        if probes:
+            # A probe that has the engine load the fleet's weights takes up to
+            # weights_timeout_s: it goes on after the round (and the scheduler's start).
+            await asyncio.wait(probes, timeout=self.settings.health_timeout_s)
+
+    def _probe_soon(self, engine: EngineHandle) -> asyncio.Task[None]:
+        """A task that probes the engine: the one still under way from an earlier round,
+        else a new one."""
+        task = self._probing.get(engine)
+        if task is None:
+            task = asyncio.create_task(self._probe(engine), name=f"probe {engine.engine_id}")
+            self._probing[engine] = task
+            self._tasks.add(task)
+            task.add_done_callback(self._probe_ended(engine))
+        return task
 
     async def _watch(self, engine: EngineHandle) -> None:
         """Follows the engine's health as it changes (gRPC health Watch), for as long as the

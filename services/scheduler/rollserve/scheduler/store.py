@@ -24,16 +24,26 @@ newer one. The fleet's weights (the last ``PublishVersion`` that gave a ``weight
 are the hash ``rollserve:weights`` (``path``, ``version``, and ``run``, ``since``: the run
 whose versions the engines' weights carry, from which of its versions): engines that join
 later load them.
+
+Every write of the scheduler's state is fenced by its lease (``rollserve.scheduler.lease``):
+once the store made the lease, each script first checks, in the same atomic step, that the
+lease key still names this holder, and refuses the write otherwise (``LeaseLost``). A
+scheduler whose process stalled past its lease's ttl (a pause of the machine, a long
+collection) while another took over cannot write after it wakes, before its own renewal
+finds the lease gone: a group it accepted then would sit in Redis unseen by the scheduler
+that runs, and a version it stored would be one that scheduler does not know.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import msgspec
 import redis.asyncio as aioredis
+import redis.exceptions
+from redis.commands.core import AsyncScript
 from rollserve.client.wire import (
     KEY_PREFIX,
     RUNS_KEY,
@@ -45,11 +55,22 @@ from rollserve.client.wire import (
     stream_key,
     version_key,
 )
-from rollserve.scheduler.lease import SchedulerLease
+from rollserve.scheduler.lease import LEASE_KEY, LeaseLost, SchedulerLease
 from rollserve.scheduler.state import GroupSpec
 
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_CONNECTION_WAIT_S = 30.0
+
+_FENCED = "ROLLSERVE_FENCED"
+# Put before a script's own text: its last key is the lease and its last argument the holder
+# ("" when the store holds no lease), both taken off before the script's text runs.
+_FENCE = f"""
+local holder = table.remove(ARGV)
+local lease = table.remove(KEYS)
+if holder ~= '' and redis.call('GET', lease) ~= holder then
+  return redis.error_reply('{_FENCED}')
+end
+"""
 
 # KEYS: pending, ended, runs. ARGV: run_id, then group_id, body pairs.
 # Returns the first group id that is already pending or ended, or nothing.
@@ -118,6 +139,17 @@ local old = redis.call('ZRANGE', KEYS[2], 0, excess - 1)
 redis.call('HDEL', KEYS[1], unpack(old))
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
 return excess
+"""
+
+# KEYS: weights. ARGV: field, value pairs (the hash is replaced).
+_SAVE_WEIGHTS = """
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV))
+"""
+
+# KEYS: weights.
+_FORGET_WEIGHTS = """
+redis.call('DEL', KEYS[1])
 """
 
 # KEYS: version. ARGV: the new version. Returns {1, version} when set (or already so),
@@ -241,11 +273,15 @@ class Store:
         self._redis = client
         self._stream_maxlen = stream_maxlen
         self._history_keys = list(history_keys(predictor_namespace))
-        self._submit = client.register_script(_SUBMIT)
-        self._deliver = client.register_script(_DELIVER)
-        self._cancel = client.register_script(_CANCEL)
-        self._save_history = client.register_script(_SAVE_HISTORY)
-        self._publish_version = client.register_script(_PUBLISH_VERSION)
+        self._holder = ""  # the lease's holder once the store made it: writes are fenced
+        self._fenced_out: Callable[[LeaseLost], None] | None = None
+        self._submit = self._fenced(_SUBMIT)
+        self._deliver = self._fenced(_DELIVER)
+        self._cancel = self._fenced(_CANCEL)
+        self._save_history = self._fenced(_SAVE_HISTORY)
+        self._publish_version = self._fenced(_PUBLISH_VERSION)
+        self._save_weights = self._fenced(_SAVE_WEIGHTS)
+        self._forget_weights = self._fenced(_FORGET_WEIGHTS)
         self._trim_acked = client.register_script(_TRIM_ACKED)
 
     @classmethod
@@ -270,10 +306,37 @@ class Store:
     async def ping(self) -> None:
         await self._redis.ping()
 
-    def lease(self, ttl_s: float, wait_s: float) -> SchedulerLease:
+    def lease(
+        self, ttl_s: float, wait_s: float, fenced_out: Callable[[LeaseLost], None] | None = None
+    ) -> SchedulerLease:
         """The scheduler lease on this store's database (see rollserve.scheduler.lease). It
-        shares the store's connections: a renewal that waits too long for one loses it."""
-        return SchedulerLease(self._redis, ttl_s=ttl_s, wait_s=wait_s)
+        shares the store's connections: a renewal that waits too long for one loses it.
+        From now on the store writes only while the lease names its holder: a write Redis
+        refuses calls ``fenced_out`` and raises LeaseLost."""
+        lease = SchedulerLease(self._redis, ttl_s=ttl_s, wait_s=wait_s)
+        self._holder = lease.holder
+        self._fenced_out = fenced_out
+        return lease
+
+    def _fenced(self, source: str) -> AsyncScript:
+        return self._redis.register_script(_FENCE + source)
+
+    async def _write(
+        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | bytes | int]
+    ) -> object:
+        """Runs a fenced script; LeaseLost, and nothing written, if another holds the lease."""
+        try:
+            return await script(keys=[*keys, LEASE_KEY], args=[*args, self._holder])
+        except redis.exceptions.ResponseError as exc:
+            if str(exc) != _FENCED:
+                raise
+            lost = LeaseLost(
+                f"{LEASE_KEY} no longer names this scheduler ({self._holder}): another one "
+                "took it over, and Redis refused this scheduler's write"
+            )
+            if self._fenced_out is not None:
+                self._fenced_out(lost)
+            raise lost from exc
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -284,9 +347,9 @@ class Store:
         for spec in specs:
             argv += [spec.group_id, _spec_encoder.encode(spec)]
         keys = [pending_key(run_id), ended_key(run_id), RUNS_KEY]
-        duplicate = await self._submit(keys=keys, args=argv)
+        duplicate = await self._write(self._submit, keys, argv)
         if duplicate is not None:
-            raise DuplicateGroup(run_id, _text(duplicate))
+            raise DuplicateGroup(run_id, _text(cast(bytes, duplicate)))
 
     async def deliver(self, result: GroupResult) -> str | None:
         """Appends the group's entry once; returns its id, or None if it had ended before."""
@@ -295,8 +358,8 @@ class Store:
         for name, value in fields.items():
             argv += [name, value]
         keys = [ended_key(result.run_id), pending_key(result.run_id), stream_key(result.run_id)]
-        entry_id = await self._deliver(keys=keys, args=argv)
-        return None if entry_id is None else _text(entry_id)
+        entry_id = await self._write(self._deliver, keys, argv)
+        return None if entry_id is None else _text(cast(bytes, entry_id))
 
     async def trim_acked(self, run_id: str, retention_s: float) -> tuple[int, int]:
         """Removes the entries of the run's stream that every consumer group has acknowledged
@@ -315,7 +378,7 @@ class Store:
         if not group_ids:
             return []
         keys = [ended_key(run_id), pending_key(run_id)]
-        cancelled = await self._cancel(keys=keys, args=list(group_ids))
+        cancelled = cast(list[bytes], await self._write(self._cancel, keys, list(group_ids)))
         return [_text(g) for g in cancelled]
 
     async def load_pending(self) -> list[GroupSpec]:
@@ -331,7 +394,9 @@ class Store:
     async def publish_version(self, run_id: str, version: int) -> tuple[bool, int]:
         """Sets the run's policy version unless it is higher already; returns whether it is
         now ``version``, and the run's version."""
-        ok, current = await self._publish_version(keys=[version_key(run_id)], args=[version])
+        ok, current = cast(
+            list[int], await self._write(self._publish_version, [version_key(run_id)], [version])
+        )
         return bool(ok), int(current)
 
     async def load_versions(self, run_ids: Sequence[str]) -> dict[str, int]:
@@ -348,16 +413,12 @@ class Store:
         }
 
     async def save_weights(self, weights: FleetWeights) -> None:
-        mapping = {
-            "path": weights.path,
-            "version": weights.version,
-            "run": weights.run_id,
-            "since": weights.since,
-        }
-        await self._redis.hset(WEIGHTS_KEY, mapping=mapping)  # type: ignore[arg-type]
+        fields: list[str | bytes | int] = ["path", weights.path, "version", weights.version]
+        fields += ["run", weights.run_id, "since", weights.since]
+        await self._write(self._save_weights, [WEIGHTS_KEY], fields)
 
     async def forget_weights(self) -> None:
-        await self._redis.delete(WEIGHTS_KEY)
+        await self._write(self._forget_weights, [WEIGHTS_KEY], [])
 
     async def load_weights(self) -> FleetWeights | None:
         """The fleet's weights, or None while none were published."""
@@ -379,7 +440,7 @@ class Store:
         argv: list[str | bytes | int] = [max_keys, globals_]
         for prompt_key, record in records.items():
             argv += [prompt_key, record]
-        return int(await self._save_history(keys=self._history_keys, args=argv))
+        return int(cast(int, await self._write(self._save_history, self._history_keys, argv)))
 
     async def load_history(self) -> History:
         """The saved predictor state, key records oldest-used first."""
