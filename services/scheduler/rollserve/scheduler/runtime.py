@@ -216,6 +216,9 @@ class _Call:
     stopping: dict[int, str] = field(default_factory=dict)
     # Samples that left the call preempted: the engine sends nothing more of them.
     preempted: set[int] = field(default_factory=set)
+    # Samples whose Abort got no answer (a timeout, a broken connection): the engine may
+    # still have carried it out, and an aborted Complete of one is a preemption to the queue.
+    abort_unanswered: set[int] = field(default_factory=set)
 
     def running(self) -> list[int]:
         """Its samples that have not finished yet (nor left it)."""
@@ -1122,7 +1125,8 @@ class SchedulerRuntime:
 
     async def _abort(self, call: _Call, index: int) -> None:
         """Asks the engine to stop sample ``index`` of ``call``; its Complete comes on the
-        call's stream. Best effort: if the Abort fails, the sample runs on and ends there."""
+        call's stream. Best effort: if the Abort fails, the sample runs on and ends there
+        (or, if the engine carried it out after all, waits in the queue)."""
         try:
             found = await call.engine.abort(call.request_id, (index,), _ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -1134,6 +1138,9 @@ class SchedulerRuntime:
                 exc.code().name,
                 exc.details(),
             )
+            # (Taken as not done, its aborted Complete ended the sample short, as if the
+            # engine had stopped it for good: a truncated sample delivered.)
+            call.abort_unanswered.add(index)
             found = False
         if not found:  # it runs on (or the call ended): it may be preempted again later
             call.stopping.pop(index, None)
@@ -1340,6 +1347,8 @@ class SchedulerRuntime:
                 # siblings run: plan again now, or the batch thins out behind long samples.
                 self._wake.set()
                 to_engine = call.stopping.pop(done.index, None)
+                if to_engine is None and done.index in call.abort_unanswered:
+                    to_engine = ""  # the engine did carry out an Abort it did not answer
                 if to_engine is not None and reason is FinishReason.ABORT:
                     sample = record.samples[done.index]
                     if len(sample.token_ids) < record.spec.sampling.max_tokens:
