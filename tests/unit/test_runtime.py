@@ -151,6 +151,39 @@ async def test_a_probe_answered_before_a_failure_does_not_put_the_engine_back(
         await runtime.stop()
 
 
+async def test_a_probe_that_fails_after_a_later_one_answered_leaves_the_engine_in(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """Two probes out at once (a health round, a registration): the earlier one fails after
+    the later one found the engine serving, as when it went to a process that has exited
+    since. The engine stays in service (with one failure to count, it was taken out and its
+    work requeued). Faked: the earlier probe's answer (held, then a failure)."""
+    runtime = await make_runtime(redis_url, [engine], health_interval_s=60, health_failures=1)
+    try:
+        handle = runtime._engines["e0"]
+        real_probe = handle.probe
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def probe(timeout_s: float, look: bool = False) -> bool:
+            task = asyncio.current_task()
+            if task is not None and task.get_name() == "earlier":
+                asked.set()
+                await answer.wait()
+                raise RuntimeError("UNAVAILABLE: that process is gone")
+            return await real_probe(timeout_s, look)
+
+        handle.probe = probe  # type: ignore[method-assign]
+        earlier = asyncio.create_task(runtime._probe(handle), name="earlier")
+        await asyncio.wait_for(asked.wait(), WAIT_S)
+        await runtime._probe(handle)
+        answer.set()
+        await asyncio.wait_for(earlier, WAIT_S)
+        healthy, failures = handle.healthy, runtime.counters.engine_failures
+    finally:
+        await runtime.stop()
+    assert healthy and failures == 0
+
+
 async def test_engine_dying_midstream_requeues_to_another_engine(redis_url: str) -> None:
     # Down for good once it dies (else a probe could find it serving again and hand it the
     # group a second time before "healthy" joins: attempts 3).

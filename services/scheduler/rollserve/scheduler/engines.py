@@ -71,6 +71,10 @@ class EngineHandle:
         # Times it was taken for down: a probe that answered from before the last of them
         # says nothing of now.
         self.downs = 0
+        # Probes sent to it, numbered; the number of the latest sent of those that reached
+        # it: a probe that fails after a later one reached the engine says nothing of now.
+        self.probes_sent = 0
+        self.reached_by = 0
         self.last_error = ""
         self.last_heartbeat = 0.0
         self.registered = False  # came through RegisterEngine rather than settings

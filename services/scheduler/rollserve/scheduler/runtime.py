@@ -1864,11 +1864,18 @@ class SchedulerRuntime:
         old one, and it must serve the fleet's weights: it loads them or stays out."""
         look = engine.may_have_restarted or not engine.healthy
         downs = engine.downs
+        engine.probes_sent += 1
+        sent = engine.probes_sent
         try:
             anew = await engine.probe(self.settings.health_timeout_s, look)
             if engine.info is not None and engine.info.takes_earlier_outputs:
                 self._outputs_taken = True
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            if engine.reached_by > sent:
+                # A probe sent after this one reached the engine (this one went to a process
+                # that has since exited, and the engine is back): it took a serving engine
+                # out, and its calls were requeued.
+                return
             engine.failed_probes += 1
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             reason = f"health probe failed: {detail}"
@@ -1877,6 +1884,7 @@ class SchedulerRuntime:
             elif engine.failed_probes >= self.settings.health_failures:
                 await self._engine_down(engine, reason)
             return
+        engine.reached_by = max(engine.reached_by, sent)
         if engine.downs != downs:
             # It was taken out while the probe was out (a call to it broke): the probe's
             # SERVING is older than that, and the next probe decides. (Taken at its word, it
