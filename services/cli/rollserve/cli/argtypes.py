@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rollserve.client.address import is_host_port
+
 
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
@@ -23,7 +25,6 @@ def positive_float(text: str) -> float:
 
 def host_port(text: str) -> str:
     """HOST:PORT, a port of 1 to 65535."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+    if not is_host_port(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (a port of 1 to 65535)")
     return text

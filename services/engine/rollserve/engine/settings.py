@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rollserve.client.address import join_host_port
 
 __all__ = [
     "MAX_PROMPT_LOOKUP",
@@ -287,17 +288,11 @@ class EngineSettings(BaseModel):
     @property
     def address(self) -> str:
         """host:port to bind (the port as given; 0 means one is picked at bind time)."""
-        return _join_host_port(self.host, self.port)
+        return join_host_port(self.host, self.port)
 
     def advertised_address(self, bound_port: int) -> str:
         """host:port others should dial, once the port is bound."""
-        return _join_host_port(self.advertise_host or self.host, bound_port)
-
-
-def _join_host_port(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
+        return join_host_port(self.advertise_host or self.host, bound_port)
 
 
 def resolve_device(settings: EngineSettings) -> Device:

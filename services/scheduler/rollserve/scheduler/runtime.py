@@ -100,6 +100,7 @@ from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
 from rollserve.scheduler.store import FleetWeights, Store
+from rollserve.scheduler.trim import TrimSchedule
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
 
@@ -1729,26 +1730,29 @@ class SchedulerRuntime:
         """Every ``trim_interval_s``, removes from the runs' streams the entries every reader
         has acknowledged, once ``acked_retention_s`` old (``Store.trim_acked``): a long run's
         stream holds what its readers have still to read, not every group it delivered. The
-        runs in Redis are looked at first (what earlier processes delivered); then the runs
-        this one delivered to, each until its stream is empty and it has nothing pending
-        here. A Redis outage is waited out; a Redis that cannot trim (before 6.2) is said
+        runs in Redis are looked at first (what earlier processes delivered), then the runs
+        this one delivers to, as ``TrimSchedule`` says: a run where nothing happens is looked
+        at less and less often, and one whose stream is empty with nothing pending here not
+        at all. A Redis outage is waited out; a Redis that cannot trim (before 6.2) is said
         once, and its streams keep every entry."""
-        runs: set[str] | None = None
+        schedule: TrimSchedule | None = None
         while True:
             await asyncio.sleep(self.settings.trim_interval_s)
             try:
-                if runs is None:
-                    runs = set(await self._store.runs())
-                runs |= self._delivered_to
+                if schedule is None:
+                    known = await self._store.runs()
+                    schedule = TrimSchedule()
+                    schedule.touch(known)
+                schedule.touch(self._delivered_to)
                 self._delivered_to.clear()
                 active = {record.spec.run_id for record in self._groups.values()}
-                for run in sorted(runs):
+                for run in schedule.due(active):
                     removed, left = await self._store.trim_acked(
                         run, self.settings.acked_retention_s
                     )
                     self.counters.stream_entries_trimmed += removed
-                    if left == 0 and run not in active:
-                        runs.discard(run)
+                    schedule.looked(run, removed, left, run in active)
+                schedule.next_round()
             except redis.exceptions.ResponseError as exc:
                 log.error(
                     "Redis cannot trim the streams (%s; XTRIM MINID needs Redis 6.2): they "

@@ -17,6 +17,7 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from rollserve.client.address import is_host_port
 from rollserve.client.wire import (
     MAX_POLICY_VERSION,
     MAX_WEIGHTS_PATH_LEN,
@@ -119,8 +120,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 status_details(f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters"),
             )
-        host, sep, port = request.address.rpartition(":")
-        if not sep or not host or not _is_port(port):
+        if not is_host_port(request.address):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 status_details(
@@ -160,11 +160,6 @@ _REFUSALS = (
     LeaseLost,
     redis.exceptions.ConnectionError,
 )
-
-
-def _is_port(text: str) -> bool:
-    """``text`` is a TCP port number in ASCII digits (``str.isdigit`` takes '²' too)."""
-    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
 
 
 def _refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:

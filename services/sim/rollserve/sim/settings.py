@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from rollserve.engine.settings import _HOST_PORT, _join_host_port
+from rollserve.client.address import join_host_port
+from rollserve.engine.settings import _HOST_PORT
 from rollserve.sim.profile import CostProfile, load_profile
 from rollserve.sim.responses import LengthModel, load_lengths
 
@@ -147,8 +148,8 @@ class SimSettings(BaseModel):
 
     def bind_address(self, index: int) -> str:
         """host:port engine ``index`` binds (port 0: a free one, picked at bind time)."""
-        return _join_host_port(self.host, self.port + index if self.port else 0)
+        return join_host_port(self.host, self.port + index if self.port else 0)
 
     def advertised_address(self, bound_port: int) -> str:
         """host:port others should dial, once the port is bound."""
-        return _join_host_port(self.advertise_host or self.host, bound_port)
+        return join_host_port(self.advertise_host or self.host, bound_port)
