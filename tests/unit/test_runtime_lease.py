@@ -187,3 +187,35 @@ async def test_a_runtime_that_stalled_past_its_lease_accepts_and_publishes_nothi
     finally:
         await engine.stop()
         await client.aclose()
+
+
+async def test_a_publish_under_way_when_the_lease_is_found_taken_answers_lease_lost(
+    other_redis_url: str,
+) -> None:
+    """A PublishVersion whose engines still load when another write finds the lease taken:
+    the runtime stops it, and its caller is told the lease was lost (UNAVAILABLE, to retry
+    on the successor) rather than that the call was cancelled."""
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", load_gate=gate).start()
+    runtime = await make_runtime(
+        other_redis_url, [engine], lease_ttl_s=STALLED_TTL_S, lease_wait_s=STALLED_TTL_S
+    )
+    client = aioredis.Redis.from_url(other_redis_url)
+    run = new_run()
+    try:
+        publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
+
+        async def loading() -> bool:
+            return len(engine.weight_updates) == 1
+
+        await eventually(loading, "the engine to load step 2")
+        await successor_takes_over(client)
+        with pytest.raises(LeaseLost, match="refused this scheduler's write"):
+            await runtime.submit(run, specs(run, 1))
+        with pytest.raises(LeaseLost, match="lost its lease"):
+            await asyncio.wait_for(publishing, WAIT_S)
+    finally:
+        gate.set()
+        await runtime.stop()
+        await engine.stop()
+        await client.aclose()

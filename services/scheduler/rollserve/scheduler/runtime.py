@@ -618,15 +618,17 @@ class SchedulerRuntime:
 
     async def _carried_through(self, work: Coroutine[None, None, _T], name: str) -> _T:
         """Runs ``work`` in a task of the runtime's: the caller's going (its deadline, a
-        cancel) does not cut it off, stop() and a lost lease do. What it raises after the
-        caller went is logged."""
+        cancel) does not cut it off, stop() and a lost lease do (the caller then gets
+        LeaseLost if the lease was lost). What it raises after the caller went is logged."""
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.done():
+            if task.cancelled():  # the runtime stops, not the caller
+                self._check_lease()
+            elif not task.done():
                 task.add_done_callback(_log_unheard)
             raise
 
