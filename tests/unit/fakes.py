@@ -153,6 +153,7 @@ class _Servicer(pb_grpc.EngineServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self._e = engine
         self._held: dict[str, _Held] = {}  # request id -> its held samples
+        self._aborting: set[asyncio.Task[pb.AbortResponse]] = set()
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         e = self._e
@@ -252,7 +253,10 @@ class _Servicer(pb_grpc.EngineServicer):
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
         self._e.aborts.append(request)
         # Carried out even if the caller gives up meanwhile (its deadline cancels this call).
-        return await asyncio.shield(asyncio.ensure_future(self._abort(request)))
+        task = asyncio.create_task(self._abort(request))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+        return await asyncio.shield(task)
 
     async def _abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         if self._e.abort_gate is not None:
