@@ -94,6 +94,9 @@ async def test_a_runtime_whose_lease_is_taken_stops_acting_and_fails(
                 await runtime.submit(run, specs(run, 1, max_tokens=4))
             with pytest.raises(LeaseLost, match="lost its lease"):
                 await runtime.cancel(run, ["g0"])
+            with pytest.raises(LeaseLost, match="lost its lease"):
+                await runtime.register_engine("late", "127.0.0.1:1")
+            assert "late" not in {e.engine_id for e in runtime.status().engines}
         finally:
             await runtime.stop()
             await hanging.stop()

@@ -742,6 +742,10 @@ class SchedulerRuntime:
         return self._versions.get(run_id, 0)
 
     async def register_engine(self, engine_id: str, address: str) -> None:
+        """Adds the engine to the fleet (or notes it is back) and probes it; FleetFull if the
+        fleet is full, LeaseLost if this scheduler is stopping (the engine registers with
+        the one that runs next)."""
+        self._check_lease()
         engine = self._engines.get(engine_id)
         if engine is not None and engine.address != address:
             await self._remove_engine(engine, f"re-registered at {address}")
