@@ -424,3 +424,29 @@ async def test_a_scheduler_starts_and_probes_on_while_an_engine_loads_the_weight
     assert status["e0"].loading_weights and not status["e0"].healthy
     assert status["other"].healthy
     assert engine.weights == (3, "/ckpt/step-3")
+
+
+async def test_a_publish_while_a_probe_looks_at_every_engine_leaves_the_load_to_it(
+    other_redis_url: str,
+) -> None:
+    """A publish when the only healthy engine is being looked at by a probe (it registered
+    again): the weights become the fleet's, none counted as loaded, and the probe loads them.
+    (Counted as failed, the publish was refused with no engine at fault.) Faked: the probe's
+    look (the engine marked as loading, as while the probe's Stats is out)."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        handle = runtime._engines["e0"]
+        handle.loading_weights = True
+        published = await runtime.publish_version(run, 2, "/ckpt/step-2")
+        handle.loading_weights = False
+        handle.may_have_restarted = True
+        await runtime._probe(handle)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert (published.version, published.engines_updated, published.engines_failed) == (2, 0, ())
+    assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-2", 2)
+    assert engine.weights == (2, "/ckpt/step-2") and status.engines[0].healthy

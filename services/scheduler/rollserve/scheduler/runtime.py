@@ -645,7 +645,8 @@ class SchedulerRuntime:
         self._stamping = (run_id, since)
         # An engine a probe has load the fleet's weights (it joined or restarted) is left
         # to that probe, which loads these too once they are the fleet's.
-        engines = [e for e in self._engines.values() if e.healthy and not e.loading_weights]
+        healthy = [e for e in self._engines.values() if e.healthy]
+        engines = [e for e in healthy if not e.loading_weights]
         for engine in engines:
             engine.loading_weights = True  # a probe meanwhile leaves it to this load
         try:
@@ -657,7 +658,7 @@ class SchedulerRuntime:
                 engine.loading_weights = False
         failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
         reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
-        if len(failed) == len(engines):
+        if len(failed) == len(healthy):  # (one a probe looks at is not counted as failed)
             self._stamping = before
             raise WeightsNotLoaded(path, reasons)
         weights = FleetWeights(path, version, run_id, since)
