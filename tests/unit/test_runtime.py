@@ -12,8 +12,9 @@ from typing import Any, cast
 import grpc
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from rollserve.client.types import SchedulerStatus
-from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream_key
+from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream_key, version_key
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.engines import EngineHandle
@@ -472,6 +473,98 @@ async def test_a_publish_whose_caller_goes_still_counts_the_version(redis_url: s
     finally:
         await runtime.stop()
     assert publishing.cancelled()
+
+
+async def test_a_delivery_redis_refuses_for_a_while_is_retried(redis_url: str) -> None:
+    """Redis answers the first delivery with an error (a replica turned read-only, out of
+    memory under noeviction): the write is retried and the group delivered once (given up,
+    it stayed pending in Redis, out of memory, never delivered). Faked: the first answer."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(redis_url, [engine])
+    real_deliver = runtime._store.deliver
+    refusals: list[str] = []
+
+    async def deliver(result: GroupResult) -> str | None:
+        if not refusals:
+            refusals.append(result.group_id)
+            raise redis.exceptions.ReadOnlyError("You can't write against a read only replica.")
+        return await real_deliver(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        [result] = await read_stream(redis_url, run, 1)
+        failed = runtime.failed.is_set()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert refusals == ["g0"] and result.group_id == "g0" and not failed
+
+
+async def test_groups_ended_by_a_registration_cut_off_are_still_written(redis_url: str) -> None:
+    """An engine registers at a new address while a group that has no attempt left runs on
+    its old one: the group fails, and its ending is written even though the registration's
+    deadline passed while Redis was slow (cut off, the group was out of memory and pending in
+    Redis). Faked: Redis's slowness (the delivery waits for the test)."""
+    old = await FakeEngine("a", behaviour=Behaviour.HANG).start()
+    new = await FakeEngine("a").start()
+    runtime = await make_runtime(redis_url, [old], max_attempts=1)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+
+        async def hanging() -> bool:
+            return old.hanging > 0
+
+        await eventually(hanging, "the group to run on the old engine")
+        answer = gate_store_call(runtime, "deliver")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runtime.register_engine("a", new.address), 0.2)
+        answer.set()
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await old.stop()
+        await new.stop()
+    assert result.status == GroupStatus.FAILED and "re-registered" in result.error
+
+
+async def test_publishes_at_once_each_cap_the_tokens_made_before_them(redis_url: str) -> None:
+    """Two publishes without weights at once (v1, v2): the tokens made before v2 count as v1,
+    not v0 (each read the version before them, 0, before Redis answered)."""
+    engine = await FakeEngine("e0", holds=(0,), made_ahead=2).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        await eventually(running(runtime, 1), "the sample to run")
+        [record] = runtime._groups.values()
+
+        async def counted() -> bool:
+            return all(m.end is not None for m in record.samples[0].made_before)
+
+        # v1 is stored and its answer held while v2 is published
+        answers = gate_store_call(runtime, "publish_version")
+        client = aioredis.Redis.from_url(redis_url)
+        first = asyncio.create_task(runtime.publish_version(run, 1))
+
+        async def stored() -> bool:
+            return await client.get(version_key(run)) == b"1"
+
+        await eventually(stored, "version 1 in Redis")
+        await client.aclose()
+        second = asyncio.create_task(runtime.publish_version(run, 2))
+        await asyncio.sleep(0.05)
+        answers.set()
+        await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
+        await eventually(counted, "the engine to count what the sample made")
+        made = [m.version for m in record.samples[0].made_before]
+        await runtime.cancel(run, ["g0"])
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert made == [0, 1]
 
 
 async def test_submits_at_once_do_not_overfill_the_queue(redis_url: str) -> None:

@@ -90,6 +90,11 @@ async def test_a_runtime_whose_lease_is_taken_stops_acting_and_fails(
                 return hanging.cancelled >= 2
 
             await eventually(aborted, "the engine to see both calls cancelled")
+
+            async def unwatched() -> bool:  # (a watch's probe could load weights into one)
+                return all(w.done() for w in runtime._watches.values())
+
+            await eventually(unwatched, "the engines' health watches to stop")
             with pytest.raises(LeaseLost, match="lost its lease"):
                 await runtime.submit(run, specs(run, 1, max_tokens=4))
             with pytest.raises(LeaseLost, match="lost its lease"):

@@ -364,3 +364,49 @@ async def test_a_group_cancelled_while_its_sample_is_being_preempted_is_never_de
     assert status.inflight_samples == 0 and status.queue_depth == 0
     assert status.groups_cancelled == 1 and status.samples_preempted == 0
     assert await stream_length(redis_url, run) == 0
+
+
+async def test_a_sample_preempted_before_its_engine_counted_keeps_its_new_tokens_labels(
+    redis_url: str,
+) -> None:
+    """A publish without weights while a sample is being preempted: its old engine answers
+    how many tokens it made only after the sample resumed elsewhere and made more under the
+    new version. Those count as the new version; the old engine's as the old (all of them
+    were labelled old: the sample's length when the answer came). Faked: the engines' late
+    answers (gates)."""
+    aborts, counts = asyncio.Event(), asyncio.Event()
+    a = await FakeEngine("a", holds=(0,), abort_gate=aborts, progress_gate=counts).start()
+    b = await FakeEngine("b", first_token=200, holds=(0,)).start()
+    policy = MoveOnce(to_engine="b")
+    runtime = await make_runtime(redis_url, [a, b], policy, health_timeout_s=30.0)
+    run = new_run()
+    try:
+        await runtime.submit(run, [spec("g0", n=2, max_tokens=MAX_TOKENS, run_id=run)])
+
+        async def abort_sent() -> bool:
+            return bool(a.aborts)
+
+        await eventually(abort_sent, "the Abort of sample 0 on a")
+        record = runtime._groups[f"{run}/g0"]
+        sample = record.samples[0]
+        await runtime.publish_version(run, 1)  # a's count waits for the test
+        aborts.set()
+
+        async def resumed() -> bool:
+            return len(sample.token_ids) > len(KEPT)
+
+        await eventually(resumed, "sample 0 to make tokens on b")
+        counts.set()
+
+        async def settled() -> bool:
+            return all(m.end is not None for m in sample.made_before)
+
+        await eventually(settled, "a's count of what the sample made there")
+        labels = [(v.version, v.length) for v in sample.labels()]
+        made_on_b = len(sample.token_ids) - len(KEPT)
+        await runtime.cancel(run, ["g0"])
+    finally:
+        aborts.set()
+        counts.set()
+        await stop_all(runtime, a, b)
+    assert labels == [(0, len(KEPT)), (1, made_on_b)]

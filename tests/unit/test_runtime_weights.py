@@ -441,8 +441,12 @@ async def test_a_publish_while_a_probe_looks_at_every_engine_leaves_the_load_to_
         handle.loading_weights = True
         published = await runtime.publish_version(run, 2, "/ckpt/step-2")
         handle.loading_weights = False
-        handle.may_have_restarted = True
-        await runtime._probe(handle)
+        handle.may_have_restarted = True  # what the faked probe leaves for the next one
+
+        async def serves_them() -> bool:
+            return engine.weights == (2, "/ckpt/step-2") and runtime.status().engines[0].healthy
+
+        await eventually(serves_them, "a probe to load the weights into the engine")
         status = runtime.status()
     finally:
         await runtime.stop()
@@ -450,3 +454,43 @@ async def test_a_publish_while_a_probe_looks_at_every_engine_leaves_the_load_to_
     assert (published.version, published.engines_updated, published.engines_failed) == (2, 0, ())
     assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-2", 2)
     assert engine.weights == (2, "/ckpt/step-2") and status.engines[0].healthy
+
+
+async def test_an_engine_that_registers_elsewhere_during_a_publish_fails_alone(
+    other_redis_url: str,
+) -> None:
+    """Engine "a" registers at a new address while it loads a publish's weights (closing its
+    old channel breaks off that load): the publish goes through on the others, names "a" as
+    failed, and the new "a" loads the weights before it serves. (The publish was cut off as
+    cancelled, leaving the engines that had loaded serving weights never made the fleet's.)"""
+    gate = asyncio.Event()
+    a = await FakeEngine("a", load_gate=gate).start()
+    b = await FakeEngine("b").start()
+    a_again = await FakeEngine("a").start()  # the same engine, restarted at another port
+    runtime = await make_runtime(other_redis_url, [a, b])
+    run = new_run()
+    try:
+        publishing = asyncio.create_task(runtime.publish_version(run, 3, "/ckpt/step-3"))
+
+        async def loading() -> bool:
+            return bool(a.weight_updates) and b.weights == (3, "/ckpt/step-3")
+
+        await eventually(loading, "a to load step 3 and b to have loaded it")
+        await runtime.register_engine("a", a_again.address)
+        published = await asyncio.wait_for(publishing, WAIT_S)
+
+        async def a_serves() -> bool:
+            return a_again.weights == (3, "/ckpt/step-3") and runtime._engines["a"].healthy
+
+        await eventually(a_serves, "the new a to load step 3 and serve")
+        status = runtime.status()
+    finally:
+        gate.set()
+        await runtime.stop()
+        for engine in (a, b, a_again):
+            await engine.stop()
+    assert (published.version, published.engines_updated) == (3, 1)
+    [failed] = published.engines_failed
+    assert failed.startswith("a: its load broke off")
+    assert (status.fleet_weights_path, status.fleet_weights_version) == ("/ckpt/step-3", 3)
+    assert runtime.policy_version(run) == 3

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from rollserve.client import AsyncRolloutClient
 from rollserve.client.wire import stream_key
 from rollserve.scheduler.store import Store
@@ -157,3 +158,43 @@ async def test_a_scheduler_told_to_keep_acknowledged_entries_keeps_them(
         await runtime.stop()
         await engine.stop()
         await redis_client.aclose()
+
+
+async def test_a_trim_redis_refuses_is_tried_again_and_fails_nothing(
+    other_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses the first trims (a busy script, a failover, an ACL fixed later): the
+    scheduler says so once, goes on serving and trims once Redis lets it (its trim loop
+    returned, which stopped the scheduler). Faked: the refusals, and the engine."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(
+        other_redis_url, [engine], trim_interval_s=0.05, acked_retention_s=0
+    )
+    real_trim = runtime._store.trim_acked
+    refused: list[str] = []
+
+    async def trim_acked(run_id: str, retention_s: float) -> tuple[int, int]:
+        if len(refused) < 3:
+            refused.append(run_id)
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script")
+        return await real_trim(run_id, retention_s)
+
+    runtime._store.trim_acked = trim_acked  # type: ignore[method-assign]
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        async with AsyncRolloutClient("127.0.0.1:1", other_redis_url, run) as reader:
+            async for item in reader.groups(limit=1, timeout_s=WAIT_S):
+                await item.done()
+
+        async def trimmed() -> bool:
+            return runtime.status().stream_entries_trimmed == 1
+
+        await eventually(trimmed, "the entry to go once Redis lets the trim run")
+        failed = runtime.failed.is_set()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert len(refused) == 3 and not failed
+    said = [r for r in caplog.records if "refused to trim" in r.getMessage()]
+    assert len(said) == 1

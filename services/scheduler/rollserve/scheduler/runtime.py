@@ -215,8 +215,9 @@ class _Call:
     # Samples an Abort was sent for and whose Complete has not come yet -> the engine to
     # resume each on ("": the queue).
     stopping: dict[int, str] = field(default_factory=dict)
-    # Samples that left the call preempted: the engine sends nothing more of them.
-    preempted: set[int] = field(default_factory=set)
+    # Samples that left the call preempted -> the tokens each had then: the engine sends
+    # nothing more of them (a resumed call makes the rest).
+    preempted: dict[int, int] = field(default_factory=dict)
     # Samples whose Abort got no answer (a timeout, a broken connection): the engine may
     # still have carried it out, and an aborted Complete of one is a preemption to the queue.
     abort_unanswered: set[int] = field(default_factory=set)
@@ -408,7 +409,13 @@ class SchedulerRuntime:
         self._lost = lost
         self._stopping = True
         current = asyncio.current_task()
-        for task in (*self._background, *self._tasks, *self._questions(), *self._pushers.values()):
+        for task in (
+            *self._background,
+            *self._tasks,
+            *self._watches.values(),
+            *self._questions(),
+            *self._pushers.values(),
+        ):
             if task is not current:
                 task.cancel()
 
@@ -584,8 +591,9 @@ class SchedulerRuntime:
         return await self._carried_through(self._publish(run_id, version), f"publish {run_id}")
 
     async def _publish(self, run_id: str, version: int) -> PublishResult:
-        before = self._versions[run_id]
-        current = await self._store_version(run_id, version)
+        # The version it replaced is Redis's word: two publishes at once both read the one
+        # before them here (tokens between them were capped one version too low).
+        current, before = await self._store_version(run_id, version)
         if current > before and not self._stamps(run_id) and not self.settings.label_on_arrival:
             self._ask_made(run_id, before)
         return PublishResult(current, 0, ())
@@ -594,13 +602,14 @@ class SchedulerRuntime:
         if version < self._versions[run_id]:
             raise VersionBehind(run_id, version, self._versions[run_id])
 
-    async def _store_version(self, run_id: str, version: int) -> int:
-        """Stores the version (VersionBehind if Redis has a higher one); returns the run's."""
-        ok, current = await self._store.publish_version(run_id, version)
+    async def _store_version(self, run_id: str, version: int) -> tuple[int, int]:
+        """Stores the version (VersionBehind if Redis has a higher one); returns the run's
+        version and the one it replaced."""
+        ok, current, before = await self._store.publish_version(run_id, version)
         self._versions[run_id] = max(current, self._versions[run_id])
         if not ok:
             raise VersionBehind(run_id, version, current)
-        return current
+        return current, before
 
     async def _publish_weights(self, run_id: str, version: int, path: str) -> PublishResult:
         """Has every healthy engine load the weights, then stores the version: engines that
@@ -613,7 +622,7 @@ class SchedulerRuntime:
             while asking := self._asking.get(run_id):
                 await asyncio.wait({asking[-1]})
             updated, failed = await self._update_fleet(run_id, path, version)
-            current = await self._store_version(run_id, version)
+            current, _ = await self._store_version(run_id, version)
             return PublishResult(current, updated, failed)
 
     async def _carried_through(self, work: Coroutine[None, None, _T], name: str) -> _T:
@@ -650,25 +659,36 @@ class SchedulerRuntime:
         for engine in engines:
             engine.loading_weights = True  # a probe meanwhile leaves it to this load
         try:
+            # An engine removed meanwhile (it registered elsewhere) had its channel closed,
+            # which cancels its load: that is its failure, not the publish's.
             results = await asyncio.gather(
-                *(self._load_missing_weights(e, path, version) for e in engines)
+                *(self._load_missing_weights(e, path, version) for e in engines),
+                return_exceptions=True,
             )
         finally:
             for engine in engines:
                 engine.loading_weights = False
-        failed = [(e, why) for e, why in zip(engines, results, strict=True) if why]
+        failed = [
+            (e, why if isinstance(why, str) else f"its load broke off: {why!r}")
+            for e, why in zip(engines, results, strict=True)
+            if why
+        ]
         reasons = tuple(f"{e.engine_id}: {why}" for e, why in failed)
         if len(failed) == len(healthy):  # (one a probe looks at is not counted as failed)
             self._stamping = before
             raise WeightsNotLoaded(path, reasons)
         weights = FleetWeights(path, version, run_id, since)
-        await self._store.save_weights(weights)
+        try:
+            await self._store.save_weights(weights)
+        except BaseException:
+            self._stamping = before
+            raise
         self._weights = weights
         for engine, why in failed:
             await self._engine_down(engine, f"weights not loaded: {why}")
         # Engines that came into service while the others loaded had the old weights.
         joined = [e for e in self._engines.values() if e.healthy and e not in engines]
-        await asyncio.gather(*(self._has_fleet_weights(e) for e in joined))
+        await asyncio.gather(*(self._has_fleet_weights(e) for e in joined), return_exceptions=True)
         return len(engines) - len(failed), reasons
 
     async def _load_missing_weights(self, engine: EngineHandle, path: str, version: int) -> str:
@@ -748,9 +768,14 @@ class SchedulerRuntime:
         the one that runs next)."""
         self._check_lease()
         engine = self._engines.get(engine_id)
-        if engine is not None and engine.address != address:
-            await self._remove_engine(engine, f"re-registered at {address}")
-            engine = None
+        while engine is not None and engine.address != address:
+            # (Cut off by the engine's deadline, the endings of the groups that ran out of
+            # attempts there were not written: pending in Redis, out of memory.)
+            await self._carried_through(
+                self._remove_engine(engine, f"re-registered at {address}"), f"remove {engine_id}"
+            )
+            self._check_lease()
+            engine = self._engines.get(engine_id)  # (another registration may have added it)
         if engine is None:
             if len(self._engines) >= self.settings.max_engines:
                 raise FleetFull(
@@ -774,13 +799,22 @@ class SchedulerRuntime:
         await asyncio.wait({probe}, timeout=self.settings.health_timeout_s)
 
     def _probe_ended(self, engine: EngineHandle) -> Callable[[asyncio.Task[None]], None]:
+        task_ended = self._engine_task_ended(engine)
+
         def ended(task: asyncio.Task[None]) -> None:
             self._tasks.discard(task)
             if self._probing.get(engine) is task:
                 del self._probing[engine]
-            # An engine removed while its probe was out (it registered at another address):
-            # closing its channel cancelled or refused the probe's calls. Anything else is a
-            # bug, and the scheduler stops with it (as when a loop dies).
+            task_ended(task)
+
+        return ended
+
+    def _engine_task_ended(self, engine: EngineHandle) -> Callable[[asyncio.Task[None]], None]:
+        """For a task that probes or watches ``engine``: one that raised fails the scheduler
+        (as when a loop dies), unless the engine was removed meanwhile (it registered at
+        another address: closing its channel cancelled or refused the task's calls)."""
+
+        def ended(task: asyncio.Task[None]) -> None:
             exc = None if task.cancelled() else task.exception()
             current = self._engines.get(engine.engine_id) is engine
             if current and exc is not None and not isinstance(exc, LeaseLost):
@@ -1253,7 +1287,8 @@ class SchedulerRuntime:
             ):
                 continue
             self._push_due.setdefault(engine.engine_id, set()).add(key)
-            if engine.engine_id not in self._pushers:
+            running = self._pushers.get(engine.engine_id)
+            if running is None or running.done():  # (one that has just returned is done)
                 task = asyncio.create_task(self._pusher(engine), name=f"push {engine.engine_id}")
                 self._pushers[engine.engine_id] = task
                 task.add_done_callback(functools.partial(self._pusher_ended, engine.engine_id))
@@ -1465,14 +1500,15 @@ class SchedulerRuntime:
             made.end = max(made.start, len(call.resumed) + tokens)
         elif self._calls.get(key, {}).get(call.request_id) is call and index in call.running():
             made.end = made.start  # its engine keeps no count: labelled as they came
-        else:
-            made.end = len(sample.token_ids)  # it ended before its engine counted
+        else:  # it ended before its engine counted: every token it made in the call is old
+            # (one that left preempted may have more since, from the call that resumed it)
+            made.end = call.preempted.get(index, len(sample.token_ids))
 
     def _preempted(self, call: _Call, index: int, to_engine: str) -> None:
         """Sample ``index`` of ``call`` stopped with its tokens kept: it leaves the call and
         resumes on ``to_engine`` if that is still healthy with room, else waits queued."""
         record = call.record
-        call.preempted.add(index)
+        call.preempted[index] = len(record.samples[index].token_ids)
         record.preempt(index)
         self.counters.samples_preempted += 1
         self._queue[record.spec.key] = None
@@ -1573,15 +1609,24 @@ class SchedulerRuntime:
         await self._save_history()
 
     async def _write(self, result: GroupResult) -> str | None:
-        """Retries a Redis outage until it passes: a finished group is never dropped."""
+        """Retries until Redis takes it: a finished group is never dropped. An outage is
+        waited out, and so is an error Redis answers (out of memory under ``noeviction``, a
+        replica that became read-only, a busy script): the group is out of memory already,
+        and given up it stayed pending in Redis, never delivered, until a restart. Only
+        LeaseLost (another scheduler took over) ends it."""
         attempt = 0
         while True:
             try:
                 return await self._store.deliver(result)
-            except _REDIS_ERRORS as exc:
+            except redis.exceptions.RedisError as exc:
                 delay = _REDIS_RETRY_S[min(attempt, len(_REDIS_RETRY_S) - 1)]
-                log.warning(
-                    "writing group %s to Redis: %s; retry in %.2fs", result.group_id, exc, delay
+                level = logging.WARNING if isinstance(exc, _REDIS_ERRORS) else logging.ERROR
+                log.log(
+                    level,
+                    "writing group %s to Redis: %s; retry in %.2fs",
+                    result.group_id,
+                    exc,
+                    delay,
                 )
                 attempt += 1
                 await asyncio.sleep(delay)
@@ -1670,9 +1715,9 @@ class SchedulerRuntime:
         engine.probe_slot = self._engines_added  # spreads the watched engines' probes
         self._engines_added += 1
         self._engines[engine_id] = engine
-        self._watches[engine_id] = asyncio.create_task(
-            self._watch(engine), name=f"watch-{engine_id}"
-        )
+        watch = asyncio.create_task(self._watch(engine), name=f"watch-{engine_id}")
+        watch.add_done_callback(self._engine_task_ended(engine))
+        self._watches[engine_id] = watch
         return engine
 
     async def _remove_engine(self, engine: EngineHandle, reason: str) -> None:
@@ -1711,6 +1756,12 @@ class SchedulerRuntime:
             if ending is not None and self._retire(ending.record):
                 endings.append(ending)
         self._wake.set()
+        if endings:  # (retired already: cut off, they stayed pending in Redis)
+            await self._carried_through(
+                self._write_endings(endings), f"endings on {engine.engine_id}"
+            )
+
+    async def _write_endings(self, endings: Sequence[_Ending]) -> None:
         for ending in endings:
             await self._write_ending(ending)
 
@@ -1743,6 +1794,7 @@ class SchedulerRuntime:
         at all. A Redis outage is waited out; a Redis that cannot trim (before 6.2) is said
         once, and its streams keep every entry."""
         schedule: TrimSchedule | None = None
+        refused = ""  # what Redis last answered to a trim it refused (said once)
         while True:
             await asyncio.sleep(self.settings.trim_interval_s)
             try:
@@ -1760,13 +1812,17 @@ class SchedulerRuntime:
                     self.counters.stream_entries_trimmed += removed
                     schedule.looked(run, removed, left, run in active)
                 schedule.next_round()
+                refused = ""
             except redis.exceptions.ResponseError as exc:
-                log.error(
-                    "Redis cannot trim the streams (%s; XTRIM MINID needs Redis 6.2): they "
-                    "keep every entry, acknowledged or not (--keep-acked-entries: no trim)",
-                    exc,
-                )
-                return
+                # Permanent (before Redis 6.2, or an ACL without the commands) or not (a busy
+                # script, a failover): tried again each round, said when it changes.
+                if str(exc) != refused:
+                    log.error(
+                        "Redis refused to trim the streams (%s; XTRIM MINID needs Redis 6.2): "
+                        "they keep every entry until it can (--keep-acked-entries: no trim)",
+                        exc,
+                    )
+                refused = str(exc)
             except _REDIS_ERRORS as exc:
                 log.warning(
                     "trimming the streams: %s; again in %g s", exc, self.settings.trim_interval_s

@@ -152,16 +152,16 @@ _FORGET_WEIGHTS = """
 redis.call('DEL', KEYS[1])
 """
 
-# KEYS: version. ARGV: the new version. Returns {1, version} when set (or already so),
-# {0, current} when the current version is higher.
+# KEYS: version. ARGV: the new version. Returns {1, version, the version it replaced} when
+# set (or already so), {0, current, current} when the current version is higher.
 _PUBLISH_VERSION = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 local wanted = tonumber(ARGV[1])
 if current > wanted then
-  return {0, current}
+  return {0, current, current}
 end
 redis.call('SET', KEYS[1], ARGV[1])
-return {1, wanted}
+return {1, wanted, current}
 """
 
 # KEYS: stream. ARGV: retention, ms. Removes the entries every consumer group of the stream
@@ -391,13 +391,13 @@ class Store:
         specs.sort(key=lambda s: s.submitted_at)
         return specs
 
-    async def publish_version(self, run_id: str, version: int) -> tuple[bool, int]:
+    async def publish_version(self, run_id: str, version: int) -> tuple[bool, int, int]:
         """Sets the run's policy version unless it is higher already; returns whether it is
-        now ``version``, and the run's version."""
-        ok, current = cast(
+        now ``version``, the run's version, and the one it had before."""
+        ok, current, before = cast(
             list[int], await self._write(self._publish_version, [version_key(run_id)], [version])
         )
-        return bool(ok), int(current)
+        return bool(ok), int(current), int(before)
 
     async def load_versions(self, run_ids: Sequence[str]) -> dict[str, int]:
         """The policy version of each run (0 for one that never published)."""
