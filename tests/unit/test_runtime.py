@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
@@ -18,6 +19,7 @@ from rollserve.client.wire import GroupResult, GroupStatus, decode_entry, stream
 from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.engines import EngineHandle
+from rollserve.scheduler.lease import LEASE_KEY
 from rollserve.scheduler.runtime import FleetFull, QueueFull, SchedulerRuntime, VersionBehind
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
@@ -500,6 +502,40 @@ async def test_a_delivery_redis_refuses_for_a_while_is_retried(redis_url: str) -
         await runtime.stop()
         await engine.stop()
     assert refusals == ["g0"] and result.group_id == "g0" and not failed
+
+
+async def test_length_history_redis_refuses_is_kept_and_the_scheduler_stops_cleanly(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses every save of the length history (out of memory): groups are still
+    delivered, what was learnt is kept for a later save, and the scheduler still stops
+    cleanly, releasing its lease (the save at stop raised, which left the engines' channels
+    open and the lease to expire). Faked: the refusals, and the engine."""
+    caplog.set_level(logging.WARNING, logger="rollserve")
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(redis_url, [engine])
+    saved: list[list[str]] = []
+
+    async def save_history(records: Mapping[str, bytes], globals_: bytes, max_keys: int) -> int:
+        saved.append(sorted(records))
+        raise redis.exceptions.OutOfMemoryError("command not allowed when used memory > maxmemory")
+
+    runtime._store.save_history = save_history  # type: ignore[method-assign]
+    run = new_run()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await runtime.submit(run, [spec("first", run_id=run)])
+        await read_stream(redis_url, run, 1)
+        await runtime.submit(run, [spec("second", run_id=run)])
+        await read_stream(redis_url, run, 2)
+        await runtime.stop()  # saves what is left: refused too
+        lease = await client.get(LEASE_KEY)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+        await client.aclose()
+    assert saved[-1] == ["key-first", "key-second"] and lease is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_groups_ended_by_a_registration_cut_off_are_still_written(redis_url: str) -> None:

@@ -479,7 +479,8 @@ class SchedulerRuntime:
         self._push_due.clear()
         self._calls.clear()
         if self._lost is None:
-            await self._save_history()
+            with contextlib.suppress(LeaseLost):  # (said as the runtime halted)
+                await self._save_history()
         await asyncio.gather(*(e.close() for e in self._engines.values()))
         if self._lease is not None:
             await self._lease.release()  # only while still its own
@@ -1687,7 +1688,8 @@ class SchedulerRuntime:
 
     async def _save_history(self) -> None:
         """Saves what the predictor learnt since the last save. Best effort: history is a
-        hint, so a Redis outage keeps it for the next save instead of holding anything up."""
+        hint, so a Redis outage or refusal (out of memory) keeps it for the next save instead
+        of holding anything up."""
         async with self._save_lock:
             if not self._globals_unsaved:
                 return
@@ -1704,7 +1706,7 @@ class SchedulerRuntime:
                     keys[key] = None
                 self._unsaved = keys
                 self._globals_unsaved = True
-                if not isinstance(exc, _REDIS_ERRORS):
+                if not isinstance(exc, redis.exceptions.RedisError):
                     raise
                 log.warning("saving length history to Redis: %s; it is kept for later", exc)
 
