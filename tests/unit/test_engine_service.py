@@ -814,3 +814,88 @@ async def test_stats_give_a_boot_id_of_the_process_the_same_at_every_call() -> N
         assert first.boot_id and first.boot_id == second.boot_id
         boot_ids.append(first.boot_id)
     assert boot_ids[0] != boot_ids[1]
+
+
+class ForgetfulBackend(HoldingBackend):
+    """As vLLM: an abort of a request it does not have yet is ignored. Its drafter takes a
+    call's earlier outputs once ``drafter_free`` is set (vLLM waits for a step boundary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._info = dataclasses.replace(self._info, takes_earlier_outputs=True)
+        self.drafter_free = asyncio.Event()
+        self.taking_outputs = asyncio.Event()
+        self._known: set[str] = set()
+
+    async def add_earlier_outputs(self, prompts: Sequence[PromptOutputs]) -> None:
+        self.taking_outputs.set()
+        await self.drafter_free.wait()
+
+    async def generate(self, request: SampleRequest) -> AsyncIterator[SampleOutput]:
+        self._known.add(request.request_id)
+        async for out in super().generate(request):
+            yield out
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await super().abort([r for r in request_ids if r in self._known])
+
+
+async def test_an_abort_that_comes_while_the_call_starts_still_ends_its_samples() -> None:
+    """An Abort reaches the engine while the call hands its earlier outputs to the drafter,
+    before the backend has the samples' requests (it ignores an abort of those): the samples
+    end with finish reason abort (they ran to their end, the Abort said found)."""
+    backend = ForgetfulBackend()
+    async with served(backend) as stub:
+        call = stub.Generate(with_earlier(request(n=2), [9]))
+        await asyncio.wait_for(backend.taking_outputs.wait(), WAIT_S)
+        reply = await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=[1]))
+        backend.drafter_free.set()
+        tokens: dict[int, list[int]] = {}
+        first = await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S)
+        await stub.Abort(pb.AbortRequest(request_id="r", sample_indices=[0]))
+        second = await asyncio.wait_for(read_until_complete(call, tokens), WAIT_S)
+    assert reply.found
+    assert (first.index, first.finish_reason) == (1, pb.FINISH_REASON_ABORT)
+    assert (second.index, second.finish_reason) == (0, pb.FINISH_REASON_ABORT)
+    assert [r.request_id for r in backend.requests] == ["r/0"]  # sample 1 never started
+
+
+async def test_a_call_id_is_taken_until_its_samples_are_aborted() -> None:
+    """A call is cancelled; a new call with its id comes while the engine still aborts the
+    old samples: it is refused ALREADY_EXISTS (taken, it had its samples aborted with the
+    old ones: the backend aborts by id)."""
+    backend = HoldingBackend()
+    aborting, release = asyncio.Event(), asyncio.Event()
+    real_abort = backend.abort
+
+    async def slow_abort(request_ids: Sequence[str]) -> None:
+        aborting.set()
+        await release.wait()
+        await real_abort(request_ids)
+
+    backend.abort = slow_abort  # type: ignore[method-assign]
+    async with served(backend) as stub:
+        call = stub.Generate(request(n=1))
+        await asyncio.wait_for(backend.started(1), WAIT_S)
+        call.cancel()
+        await asyncio.wait_for(aborting.wait(), WAIT_S)
+        again = stub.Generate(request(n=1))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await again.read()
+        release.set()
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_an_empty_stop_string_is_invalid_argument(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+) -> None:
+    """(vLLM refuses one at its own check: the call ended with a stream error, not a status
+    naming the field.)"""
+    stub, backend = engine
+    req = request(n=1)
+    req.sampling.stop.extend(["</answer>", ""])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await tokens_by_index(stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.stop[1] is an empty string" in (info.value.details() or "")
+    assert backend.requests == []

@@ -712,3 +712,29 @@ async def test_add_outputs_are_checked_as_vllm_checks_them_and_taken_by_none() -
     assert reply.taken == 0
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompts[0].prompt_token_ids is empty" in (info.value.details() or "")
+
+
+async def test_a_weight_update_whose_caller_goes_still_loads_and_generation_goes_on() -> None:
+    """UpdateWeights' deadline passes while the engine pauses for the load: the load still
+    ends (the weights are the new ones) and the running calls go on (the engine stayed
+    paused, with work and no step due, and every call on it waited)."""
+    async with sim_engine(
+        time_scale=0.1,
+        profile="gpu-h100-llama8b",
+        response_median=200,
+        prompt_sigma=0,
+        within_sigma=0,
+        max_model_len=4096,
+    ) as (servicer, stub):
+        call = stub.Generate(generate_request(n=2, max_tokens=300))
+        calling = asyncio.create_task(collect(call))
+        await eventually(lambda: servicer.engine.stepping, "the engine to run the call")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.UpdateWeights(
+                pb.UpdateWeightsRequest(weights_path="/ckpt/step-1", version=1), timeout=0.05
+            )
+        _, completes, _ = await asyncio.wait_for(calling, 30)
+        stats = await stub.Stats(pb.StatsRequest())
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sorted(completes) == [0, 1]
+    assert (stats.weights_version, stats.weights_path) == (1, "/ckpt/step-1")

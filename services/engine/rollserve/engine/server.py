@@ -154,8 +154,8 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         await health_servicer.enter_graceful_shutdown()
         if link is not None:
             link.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await link
+            # (whatever it ended with, the engine still stops its server and its vLLM)
+            await asyncio.gather(link, return_exceptions=True)
         await server.stop(settings.shutdown_grace_s)
         engine_servicer.detach()
         if backend is not None:
@@ -279,8 +279,14 @@ async def stay_registered(scheduler_address: str, engine_id: str, address: str) 
                     exc.details(),
                     retry_s,
                 )
-                await asyncio.sleep(retry_s)
-                retry_s = min(retry_s * 2, SCHEDULER_RETRY_MAX_S)
+            except Exception:  # (a broken channel's own error): never the end of the link
+                logger.exception(
+                    "scheduler %s: the link broke; registering again in %.1f s",
+                    scheduler_address,
+                    retry_s,
+                )
+            await asyncio.sleep(retry_s)
+            retry_s = min(retry_s * 2, SCHEDULER_RETRY_MAX_S)
 
 
 # ---------------------------------------------------------------- command line

@@ -404,10 +404,20 @@ class VllmBackend:
                 f"loading weights_path {weights_path!r} failed, the engine stops: {exc}",
                 retryable=True,
             ) from exc
-        if not await llm.reset_prefix_cache(reset_running_requests=True):
-            logger.warning("vLLM kept its prefix cache after a weight update")
-        loaded(self.tokens_made())
-        await llm.resume_generation()
+        try:
+            if not await llm.reset_prefix_cache(reset_running_requests=True):
+                logger.warning("vLLM kept its prefix cache after a weight update")
+            loaded(self.tokens_made())
+            await llm.resume_generation()
+        except Exception as exc:
+            # Paused for good, or blocks made by the old weights kept: health must not go on
+            # saying SERVING over an engine every Generate waits on.
+            self._broken = True
+            raise BackendError(
+                f"after loading weights_path {weights_path!r}, the engine could not go on "
+                f"({exc!r}); it stops",
+                retryable=True,
+            ) from exc
 
     def tokens_made(self) -> dict[str, int]:
         """Tokens each running request has made, those held back from its stream included
@@ -604,6 +614,7 @@ class _Sample:
     spec_drafts: int = 0
     reported: bool = False
     received: int = 0  # tokens the backend has handed over
+    abort_asked: bool = False  # an Abort named it (it ends with finish reason abort)
     # Tokens of earlier weights not sent yet (a weight update came between their output and
     # the next flush); token_ids are those of the weights served now.
     earlier: list[pb.TokenDelta] = field(default_factory=list)
@@ -825,13 +836,18 @@ class EngineServicer(pb_grpc.EngineServicer):
                 if run.all_reported():
                     return
         finally:
-            del self._runs[run.request_id]
-            unfinished = run.unfinished_ids()
-            for task in run.tasks:
-                task.cancel()
-            await asyncio.gather(*run.tasks, return_exceptions=True)
-            if unfinished:
-                await backend.abort(unfinished)
+            # The call's id stays taken until its samples are aborted: a new call with the
+            # same id meanwhile (a client's retry) would have them aborted too, vLLM aborting
+            # by id; it is refused as ALREADY_EXISTS instead.
+            try:
+                unfinished = run.unfinished_ids()
+                for task in run.tasks:
+                    task.cancel()
+                await asyncio.gather(*run.tasks, return_exceptions=True)
+                if unfinished:
+                    await backend.abort(unfinished)
+            finally:
+                del self._runs[run.request_id]
 
     async def Abort(
         self,
@@ -844,13 +860,15 @@ class EngineServicer(pb_grpc.EngineServicer):
             return pb.AbortResponse(found=False)
         await refuse_bad_abort(request, [s.index for s in run.samples], context)
         chosen = set(request.sample_indices)
-        await backend.abort(
-            [
-                s.request_id
-                for s in run.samples
-                if s.finish_reason is None and (not chosen or s.index in chosen)
-            ]
-        )
+        stopping = [
+            s for s in run.samples if s.finish_reason is None and (not chosen or s.index in chosen)
+        ]
+        for sample in stopping:
+            # (The backend may not have the sample's request yet, the call still starting:
+            # vLLM ignores an abort of an id it does not know, and the sample ran to its end.
+            # Its pump aborts it once the backend has it.)
+            sample.abort_asked = True
+        await backend.abort([s.request_id for s in stopping])
         return pb.AbortResponse(found=True)
 
     async def AddOutputs(
@@ -1049,11 +1067,21 @@ def _shape_problem(path: str, shape: tuple[tuple[str, Any], ...]) -> str | None:
 async def _pump(
     backend: GenerationBackend, request: SampleRequest, sample: _Sample, run: _Run
 ) -> None:
-    """Moves one sample's outputs into its buffer and wakes the call's handler."""
+    """Moves one sample's outputs into its buffer and wakes the call's handler. A sample an
+    Abort named before the backend had its request ends aborted: at once if it had not
+    started, else by an abort sent again on its first output."""
+    if sample.abort_asked:
+        sample.finish_reason = pb.FINISH_REASON_ABORT
+        run.wakeup.set()
+        return
+    first = True
     try:
         async for out in backend.generate(request):
             check_logprobs(request.request_id, sample.received, out.logprobs)
             sample.add(out.token_ids, out.logprobs)
+            if first and sample.abort_asked and out.finish_reason is None:
+                await backend.abort([request.request_id])  # the backend has it now
+            first = False
             if out.finish_reason is not None:
                 sample.num_prompt_tokens = out.num_prompt_tokens
                 sample.num_cached_tokens = out.num_cached_tokens
@@ -1180,6 +1208,9 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
     if sampling.HasField("top_k") and sampling.top_k < -1:
         yield f"sampling.top_k ({sampling.top_k}) must be -1 or 0 (disabled) or at least 1"
+    empty = next((i for i, stop in enumerate(sampling.stop) if not stop), None)
+    if empty is not None:
+        yield f"sampling.stop[{empty}] is an empty string (vLLM refuses one)"
     yield from _earlier_output_problems("earlier_outputs", request.earlier_outputs)
     named: list[tuple[str, Sequence[int]]] = [
         ("prompt_token_ids", request.prompt_token_ids),

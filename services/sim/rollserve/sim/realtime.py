@@ -173,9 +173,11 @@ class RealTimeEngine:
             loaded()
             self.engine.new_weights()
         finally:
+            # (even when the load was cut off: paused with work and no step due, every call
+            # on the engine waited for a new one to start it)
             self._paused = False
-        if not self._closed and self._step is None and self.engine.has_work():
-            self._begin(self._loop.time())
+            if not self._closed and self._step is None and self.engine.has_work():
+                self._begin(self._loop.time())
         return self._loop.time() - start
 
     def close(self) -> None:

@@ -182,6 +182,7 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         self.totals = totals or FleetTotals()
         self._weights: tuple[int, str] = (0, "")  # version and path of the last UpdateWeights
         self._weights_lock = asyncio.Lock()
+        self._loads: set[asyncio.Future[float]] = set()  # UpdateWeights loads under way
         # The next flush of every call's new tokens (from the first call on, as the engine
         # service's ticks run from its start): the engine's messages go out together.
         self._tick: asyncio.TimerHandle | None = None
@@ -269,9 +270,17 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         problem = weights_request_problem(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
-        async with self._weights_lock:
-            paused_s = await self.engine.update_weights(lambda: self._serve_weights(request))
+        # A load runs to its end even when the caller goes (its deadline, a cancel), as the
+        # engine service's does: the weights are then the new ones, as a vLLM engine's are.
+        load = asyncio.ensure_future(self._load(request))
+        self._loads.add(load)
+        load.add_done_callback(self._loads.discard)
+        paused_s = await asyncio.shield(load)
         return pb.UpdateWeightsResponse(load_s=paused_s)
+
+    async def _load(self, request: pb.UpdateWeightsRequest) -> float:
+        async with self._weights_lock:
+            return await self.engine.update_weights(lambda: self._serve_weights(request))
 
     def _serve_weights(self, request: pb.UpdateWeightsRequest) -> None:
         """The new weights are in: the tokens made so far were the old ones'."""
