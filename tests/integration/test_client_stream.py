@@ -460,3 +460,56 @@ def test_group_held_past_claim_idle_goes_to_another_consumer(
         assert taken.redelivered
         assert held.done() is True  # XACK is for the whole consumer group ...
         assert taken.done() is False  # ... so the second one finds it acknowledged
+
+
+def test_groups_read_ahead_and_left_unseen_are_not_called_redelivered(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """An iterator closed after one group (as a batcher does each step): the groups its read
+    brought along come in the next iteration as first deliveries (they came with
+    delivery_count 2, "may have been used already", though no trainer had seen them)."""
+    run = new_run_id()
+    publish(r, run, "a", "b", "c")
+    with client(redis_url, run, read_count=3) as c:
+        stream = c.groups(timeout_s=WAIT_S)  # no limit: one read takes all three
+        first = next(stream)
+        stream.close()  # type: ignore[attr-defined]
+        rest = list(c.groups(limit=2, timeout_s=WAIT_S))
+        assert [(g.group_id, g.delivery_count) for g in [first, *rest]] == [
+            ("a", 1),
+            ("b", 1),
+            ("c", 1),
+        ]
+        assert c.ack(first, *rest) == 3
+
+
+async def test_async_groups_read_ahead_and_left_unseen_are_not_called_redelivered(
+    r: redis.Redis, redis_url: str
+) -> None:
+    run = new_run_id()
+    publish(r, run, "a", "b", "c")
+    async with aclient(redis_url, run, read_count=3) as c:
+        stream = c.groups(timeout_s=WAIT_S)  # no limit: one read takes all three
+        first = [await anext(stream)]
+        await stream.aclose()  # type: ignore[attr-defined]
+        rest = [g async for g in c.groups(limit=2, timeout_s=WAIT_S)]
+        assert [g.delivery_count for g in first + rest] == [1, 1, 1]
+        assert not any(g.redelivered for g in first + rest)
+
+
+def test_two_iterators_of_one_client_never_hand_out_a_group_twice(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """A long-lived iterator and a bounded read elsewhere on the same client: each group
+    reaches the trainer once (the long-lived one handed out again what the other had)."""
+    run = new_run_id()
+    publish(r, run, "a", "b", "c", "d")
+    with client(redis_url, run, read_count=3) as c:
+        stream = c.groups(timeout_s=WAIT_S)
+        first = next(stream)  # "b" and "c" read ahead
+        extra = list(c.groups(limit=2, timeout_s=WAIT_S))  # the other read hands them out
+        later = next(stream)
+        stream.close()  # type: ignore[attr-defined]
+        seen = [g.group_id for g in [first, *extra, later]]
+        assert sorted(seen) == ["a", "b", "c", "d"]
+        assert all(g.done() for g in [first, *extra, later])

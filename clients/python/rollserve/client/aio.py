@@ -210,7 +210,10 @@ class AsyncRolloutClient:
                         continue
                     budget.took_one()
                     yield AsyncReceivedGroup(
-                        item.result, item.entry_id, counts.get(item.entry_id, 1), self
+                        item.result,
+                        item.entry_id,
+                        item.delivery_count(counts.get(item.entry_id, 1)),
+                        self,
                     )
         finally:
             self._state.stop_reading(iteration)

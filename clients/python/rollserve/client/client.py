@@ -249,7 +249,10 @@ class RolloutClient:
                             continue
                     budget.took_one()
                     yield ReceivedGroup(
-                        item.result, item.entry_id, counts.get(item.entry_id, 1), self
+                        item.result,
+                        item.entry_id,
+                        item.delivery_count(counts.get(item.entry_id, 1)),
+                        self,
                     )
         finally:
             with self._lock:

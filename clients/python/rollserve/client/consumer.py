@@ -161,6 +161,13 @@ class Deliver:
     entry_id: str
     result: GroupResult
     redelivered: bool  # from our pending list or claimed: its count is in XPENDING
+    # Times this consumer read it before and did not hand it out (an iterator closed with
+    # it read ahead): not deliveries to the trainer, taken off XPENDING's count.
+    unhanded_reads: int = 0
+
+    def delivery_count(self, pending_count: int) -> int:
+        """Its delivery count, from XPENDING's (``pending_count``)."""
+        return max(1, pending_count - self.unhanded_reads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +324,9 @@ class ConsumerState:
         # Read for delivery, not handed out yet (the iterator is suspended): entry -> group.
         self._read_ahead: dict[str, str] = {}
         self._lost_ahead: set[str] = set()  # read ahead, then lost: never to be handed out
+        # Entry -> times read ahead and left unhanded when its iterator ended (the next
+        # iteration reads it again from our pending list, which counts a delivery).
+        self._unhanded: OrderedDict[str, int] = OrderedDict()
         self._iteration = 0  # restart() count: which iteration the read-ahead belongs to
         self._pending_cursor: str | None = PENDING_START_ID  # None: pending list done
         self._claim_cursor = CLAIM_START_CURSOR
@@ -333,8 +343,7 @@ class ConsumerState:
         """
         self._pending_cursor = PENDING_START_ID
         self._iteration += 1
-        self._read_ahead.clear()
-        self._lost_ahead.clear()
+        self._leave_read_ahead()
         return self._iteration
 
     def stop_reading(self, iteration: int) -> None:
@@ -342,8 +351,17 @@ class ConsumerState:
         for this consumer (the next iteration reads them again) and are no longer kept
         claimed. A no-op if a later iteration has begun (the old one was collected late)."""
         if iteration == self._iteration:
-            self._read_ahead.clear()
-            self._lost_ahead.clear()
+            self._leave_read_ahead()
+
+    def _leave_read_ahead(self) -> None:
+        for entry_id in self._read_ahead:
+            if entry_id not in self._lost_ahead:
+                self._unhanded[entry_id] = self._unhanded.get(entry_id, 0) + 1
+                self._unhanded.move_to_end(entry_id)
+        while len(self._unhanded) > self.config.dedupe_capacity:
+            self._unhanded.popitem(last=False)
+        self._read_ahead.clear()
+        self._lost_ahead.clear()
 
     def next_read(self, now: float, budget: Budget) -> NextRead:
         """The next read, within what the caller still wants (``budget``)."""
@@ -446,7 +464,8 @@ class ConsumerState:
                 drop.append(Drop(entry_id, f"duplicate of group {group_id!r}"))
                 continue
             in_batch.add(group_id)
-            items.append(Deliver(entry_id, result, redelivered=source is not Source.NEW))
+            unhanded = self._unhanded.get(entry_id, 0)
+            items.append(Deliver(entry_id, result, source is not Source.NEW, unhanded))
         return Batch(items, drop)
 
     def handed_out(self, entry_id: str, group_id: str) -> bool:
@@ -456,6 +475,11 @@ class ConsumerState:
         if entry_id in self._lost_ahead:
             self._lost_ahead.discard(entry_id)
             return False
+        if entry_id in self._in_hand or group_id in self._in_hand_groups or group_id in self._acked:
+            # Another iteration of this consumer handed it out meanwhile (two ``groups()``
+            # iterators at once), or its group was acknowledged: not handed out twice.
+            return False
+        self._unhanded.pop(entry_id, None)
         self._in_hand[entry_id] = group_id
         self._in_hand_groups[group_id] = entry_id
         return True
