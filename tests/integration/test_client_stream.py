@@ -9,7 +9,9 @@ machine, never timings that the tests measure.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
+import threading
 import uuid
 
 import pytest
@@ -26,6 +28,7 @@ from rollserve.client import (
     SchedulerUnavailable,
     UndecodableEntry,
 )
+from rollserve.client.types import cancel_request, submit_request
 from rollserve.client.wire import FinishReason, encode_entry, stream_key
 
 GROUP = "trainer"
@@ -257,6 +260,9 @@ def test_timeout_ends_iteration_quietly(redis_url: str) -> None:
         {"consumer_name": ""},
         {"claim_idle_ms": 0},
         {"block_ms": 0},
+        {"claim_idle_ms": 30e3},  # (passed, and failed at the first claim with Redis's error)
+        {"block_ms": 1000.0},
+        {"read_count": True},
     ],
 )
 def test_client_arguments_are_checked(redis_url: str, kwargs: dict[str, object]) -> None:
@@ -267,12 +273,62 @@ def test_client_arguments_are_checked(redis_url: str, kwargs: dict[str, object])
         AsyncRolloutClient(SCHEDULER, redis_url, **args)  # type: ignore[arg-type]
 
 
-def test_groups_arguments_are_checked(redis_url: str) -> None:
-    with client(redis_url, new_run_id()) as c:
+@pytest.mark.parametrize(
+    ("url", "kwargs", "match"),
+    [
+        ("http://localhost:6379/0", {}, r"redis_url \('http://localhost:6379/0'\)"),
+        ("{base}?decode_responses=True", {}, "decode_responses"),
+        ("{base}?socket_timeout=1", {}, r"block_ms \(1000\) must be below .*socket_timeout"),
+    ],
+)
+def test_redis_url_is_checked(
+    redis_url: str, url: str, kwargs: dict[str, object], match: str
+) -> None:
+    url = url.format(base=redis_url.split("?", maxsplit=1)[0])
+    with pytest.raises(InvalidArgument, match=match):
+        RolloutClient(SCHEDULER, url, new_run_id(), block_ms=1000, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=match):
+        AsyncRolloutClient(SCHEDULER, url, new_run_id(), block_ms=1000, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_read_may_wait_longer_than_redis_py_s_default_socket_timeout(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """block_ms of 6 s (redis-py 8 cuts a read off after 5 s by default: every idle wait
+    then ended in StreamUnavailable against a healthy Redis); the group published during
+    the wait arrives."""
+    run = new_run_id()
+    with client(redis_url, run, block_ms=6000, claim_idle_ms=60_000) as c:
+        stream = c.groups(timeout_s=WAIT_S)
+        publish(r, run, "warm")
+        assert next(stream).group_id == "warm"
+        timer = threading.Timer(5.5, publish, (r, run, "late"))
+        timer.start()
+        try:
+            assert next(stream).group_id == "late"
+        finally:
+            timer.cancel()
+            stream.close()  # type: ignore[attr-defined]
+
+
+def test_groups_given_as_a_generator_are_all_sent() -> None:
+    groups = (PromptGroup(group_id=f"g{i}", prompt_token_ids=[1], n=1) for i in range(3))
+    assert len(submit_request("run", groups).groups) == 3  # type: ignore[arg-type]
+    assert list(cancel_request("run", (g for g in ["a", "b"])).group_ids) == ["a", "b"]  # type: ignore[arg-type]
+
+
+def test_groups_arguments_are_checked(r: redis.Redis, redis_url: str) -> None:
+    run = new_run_id()
+    publish(r, run, "a")
+    with client(redis_url, run) as c:
         with pytest.raises(InvalidArgument, match="limit"):
             list(c.groups(limit=-1))
+        with pytest.raises(InvalidArgument, match="limit must be an int"):
+            list(c.groups(limit=2.0))  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument, match="timeout_s"):
             list(c.groups(timeout_s=-1.0))
+        [got] = c.groups(limit=1, timeout_s=math.inf)  # inf: no deadline (it overflowed)
+        assert got.group_id == "a"
 
 
 @pytest.mark.parametrize(

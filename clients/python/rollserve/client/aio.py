@@ -54,6 +54,7 @@ from rollserve.client.consumer import (
     parse_heartbeat,
     parse_xautoclaim,
     parse_xreadgroup,
+    redis_client,
 )
 from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
@@ -131,9 +132,9 @@ class AsyncRolloutClient:
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
+        self._redis = redis_client(redis.asyncio.Redis.from_url, redis_url, block_ms)
         self._channel = grpc.aio.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
-        self._redis = redis.asyncio.Redis.from_url(redis_url)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._beater: asyncio.Task[None] | None = None  # runs while entries are held
         self._closed = False

@@ -48,6 +48,7 @@ from rollserve.client.consumer import (
     parse_heartbeat,
     parse_xautoclaim,
     parse_xreadgroup,
+    redis_client,
 )
 from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
@@ -145,9 +146,9 @@ class RolloutClient:
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
         self._lock = threading.Lock()  # guards _state and _beater
+        self._redis = redis_client(redis.Redis.from_url, redis_url, block_ms)
         self._channel = grpc.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
-        self._redis = redis.Redis.from_url(redis_url)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._beater: threading.Thread | None = None  # runs while entries are held
         self._closing = threading.Event()

@@ -55,13 +55,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import secrets
 import socket
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from rollserve.client.errors import InvalidArgument, UndecodableEntry
 from rollserve.client.wire import (
@@ -74,6 +75,7 @@ from rollserve.client.wire import (
 )
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 PENDING_START_ID = "0"
 NEW_ENTRIES_ID = ">"
@@ -110,6 +112,36 @@ if #claim > 5 then
 end
 return {claimed, others}
 """
+
+
+# A read waits up to block_ms in Redis: the client's socket timeout must outlast it.
+READ_TIMEOUT_MARGIN_S = 5.0
+_TRUE = {"true", "1", "yes", "on"}
+
+
+def redis_client(from_url: Callable[..., _R], redis_url: str, block_ms: int) -> _R:
+    """The Redis client of a reader (``from_url`` of redis-py's sync or asyncio client):
+    its socket timeout is ``block_ms`` plus a margin unless ``redis_url`` sets one (which
+    must then outlast ``block_ms``: redis-py 8's default of 5 s cut every longer read off
+    as an outage), and it must not decode replies (the entries are binary)."""
+    if not isinstance(redis_url, str):
+        raise InvalidArgument(f"redis_url must be a str, got {type(redis_url).__name__}")
+    try:
+        client = from_url(redis_url, socket_timeout=block_ms / 1000 + READ_TIMEOUT_MARGIN_S)
+    except ValueError as exc:
+        raise InvalidArgument(f"redis_url ({redis_url!r}): {exc}") from exc
+    options = cast(Any, client).connection_pool.connection_kwargs
+    if str(options.get("decode_responses", "")).lower() in _TRUE:
+        raise InvalidArgument(
+            "redis_url sets decode_responses: the stream's entries are binary, leave it out"
+        )
+    timeout = options.get("socket_timeout")
+    if timeout is not None and float(timeout) * 1000 <= block_ms:
+        raise InvalidArgument(
+            f"block_ms ({block_ms}) must be below redis_url's socket_timeout ({timeout} s): "
+            "a read waits up to block_ms for new entries"
+        )
+    return client
 
 
 def default_consumer_name() -> str:
@@ -230,6 +262,10 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        for name in ("claim_idle_ms", "block_ms", "read_count", "dedupe_capacity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(f"{name} must be an int, got {value!r}")
         if not self.consumer_group:
             raise InvalidArgument("consumer_group must not be empty")
         if not self.consumer_name:
@@ -268,10 +304,14 @@ class Budget:
     """How much one ``groups()`` iteration may still take: groups and time."""
 
     def __init__(self, limit: int | None, timeout_s: float | None, now: float) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise InvalidArgument(f"limit must be an int or None, got {limit!r}")
         if limit is not None and limit < 0:
             raise InvalidArgument(f"limit ({limit}) must be >= 0, or None for no limit")
         if timeout_s is not None and not timeout_s >= 0:
             raise InvalidArgument(f"timeout_s ({timeout_s}) must be >= 0, or None to wait forever")
+        if timeout_s == math.inf:
+            timeout_s = None  # forever
         self._left = limit
         self._deadline = None if timeout_s is None else now + timeout_s
 

@@ -325,6 +325,7 @@ class SchedulerStatus:
 def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitRequest:
     """The Submit request of a batch; rejects a batch that repeats a group id."""
     _check_text("run_id", run_id)
+    groups = list(groups)  # (a generator read twice sent none)
     seen: set[str] = set()
     for i, group in enumerate(groups):
         if not isinstance(group, PromptGroup):
@@ -363,6 +364,7 @@ def publish_timeout_s(rpc_timeout_s: float, weights_path: str, timeout_s: float 
 def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:
     if isinstance(group_ids, str):
         raise InvalidArgument("group_ids must be a sequence of ids, not one string")
+    group_ids = list(group_ids)  # (a generator read twice sent none)
     if any(not g for g in group_ids):
         raise InvalidArgument("group_ids must not contain an empty id")
     _check_text("run_id", run_id)
