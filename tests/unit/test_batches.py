@@ -18,13 +18,16 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 from rollserve.client import (
+    AlreadySubmitted,
     AsyncStepBatcher,
     BatchTimeout,
     CancelResult,
     GroupResult,
+    GroupsRefused,
     GroupStatus,
     InvalidArgument,
     PromptGroup,
+    SchedulerUnavailable,
     StepBatch,
     StepBatcher,
 )
@@ -369,3 +372,65 @@ async def test_the_async_batcher_makes_the_same_batches() -> None:
     tail = await batcher.cancel_outstanding(drain_timeout_s=math.inf)
     assert [ids(b) for b in async_batches] == [ids(b) for b in sync_batches]
     check_invariants(async_run, async_batches, 8, 1, tail=tail.group_ids)
+
+
+class RefusingRun(FakeRun):
+    """A scheduler that refuses the groups named in ``invalid`` (all or none, as Submit
+    does), and whose answer to the Submits named in ``lost`` (by call number) is lost after
+    it queued them (a deadline)."""
+
+    def __init__(self, invalid: set[str], lost: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__()
+        self.invalid = invalid
+        self.lost = lost
+        self.calls = 0
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int:
+        self.calls += 1
+        taken = {g.group_id for g in self.submitted}
+        for i, group in enumerate(groups):
+            if group.group_id in self.invalid:
+                raise InvalidArgument(f"groups[{i}].sampling.max_tokens (9000) exceeds the model")
+            if group.group_id in taken:
+                raise AlreadySubmitted(f"group_id {group.group_id!r} was already submitted")
+        accepted = super().submit(groups)
+        if self.calls in self.lost:
+            raise SchedulerUnavailable("Submit: Deadline Exceeded (DEADLINE_EXCEEDED)")
+        return accepted
+
+
+def test_groups_the_scheduler_refuses_are_dropped_and_named_and_the_rest_launched() -> None:
+    """One invalid group in a launch (Submit is all or none): the others are launched, the
+    refused one is named in GroupsRefused, and the batcher goes on (it sent the same launch
+    again at every step, refused each time: training stopped)."""
+    run = RefusingRun(invalid={"g2"})
+    batcher = StepBatcher(run, prompt_groups(8), batch_size=4)
+    with pytest.raises(GroupsRefused) as refused:
+        next(batcher)
+    first, second = next(batcher), next(batcher)
+    assert [g.group_id for g, _ in refused.value.refused] == ["g2"]
+    assert "max_tokens (9000)" in str(refused.value)
+    assert isinstance(refused.value, InvalidArgument)
+    assert sorted(ids(first) + ids(second)) == ["g0", "g1", "g3", "g4", "g5", "g6", "g7"]
+
+
+def test_groups_queued_by_a_submit_whose_answer_was_lost_are_launched_once() -> None:
+    """A Submit runs out of time after the scheduler queued its groups: the retry is told
+    they are taken already, and the batcher counts them as launched (every retry was
+    refused, for good)."""
+    run = RefusingRun(invalid=set(), lost={1})
+    batcher = StepBatcher(run, prompt_groups(4), batch_size=4)
+    with pytest.raises(SchedulerUnavailable):
+        next(batcher)
+    batch = next(batcher)
+    assert sorted(ids(batch)) == ["g0", "g1", "g2", "g3"]
+    assert [g.group_id for g in run.submitted] == ["g0", "g1", "g2", "g3"]
+
+
+async def test_the_async_batcher_drops_refused_groups_too() -> None:
+    run = RefusingRun(invalid={"g0"})
+    batcher = AsyncStepBatcher(AsyncFakeRun(run), prompt_groups(3), batch_size=2)
+    with pytest.raises(GroupsRefused):
+        await anext(batcher)
+    batch = await anext(batcher)
+    assert ids(batch) == ["g1", "g2"]

@@ -16,7 +16,7 @@ from rollserve.scheduler.validation import ValidationError
     ("exc", "code", "words"),
     [
         (ValidationError("n (0) must be >= 1"), grpc.StatusCode.INVALID_ARGUMENT, "n (0)"),
-        (DuplicateGroup("r", "g"), grpc.StatusCode.INVALID_ARGUMENT, "already submitted"),
+        (DuplicateGroup("r", "g"), grpc.StatusCode.ALREADY_EXISTS, "already submitted"),
         (VersionBehind("r", 1, 2), grpc.StatusCode.INVALID_ARGUMENT, "versions only go up"),
         (QueueFull("the queue holds 9"), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue holds"),
         (WeightsNotLoaded("/c", ["e0: no"]), grpc.StatusCode.FAILED_PRECONDITION, "e0: no"),

@@ -11,11 +11,13 @@ from rollserve.client.batches import (
     BatchedGroup,
     BatchTimeout,
     Dropped,
+    GroupsRefused,
     StepBatch,
     StepBatcher,
 )
 from rollserve.client.client import ReceivedGroup, RolloutClient
 from rollserve.client.errors import (
+    AlreadySubmitted,
     InvalidArgument,
     ResourceExhausted,
     RolloutError,
@@ -39,6 +41,7 @@ from rollserve.client.wire import SCHEMA_VERSION, VersionSegment, stream_key
 
 __all__ = [
     "SCHEMA_VERSION",
+    "AlreadySubmitted",
     "AsyncReceivedGroup",
     "AsyncRolloutClient",
     "AsyncStepBatcher",
@@ -50,6 +53,7 @@ __all__ = [
     "FinishReason",
     "GroupResult",
     "GroupStatus",
+    "GroupsRefused",
     "InvalidArgument",
     "PromptGroup",
     "PublishResult",

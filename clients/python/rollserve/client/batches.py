@@ -64,7 +64,12 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from rollserve.client.consumer import ReceivedBase
-from rollserve.client.errors import InvalidArgument, RolloutError
+from rollserve.client.errors import (
+    AlreadySubmitted,
+    InvalidArgument,
+    RolloutError,
+    SchedulerUnavailable,
+)
 from rollserve.client.types import CancelResult, PromptGroup
 from rollserve.client.wire import GroupResult
 
@@ -76,6 +81,7 @@ __all__ = [
     "BatchedGroup",
     "BatcherState",
     "Dropped",
+    "GroupsRefused",
     "StepBatch",
     "StepBatcher",
 ]
@@ -327,13 +333,32 @@ class AsyncBatchClient(Protocol[R]):
     async def cancel(self, group_ids: Sequence[str]) -> CancelResult: ...
 
 
+class GroupsRefused(InvalidArgument):
+    """The scheduler refused some groups of a launch (``refused``: each group with its
+    error, which names the field and the limit); the batcher dropped them and launched the
+    others. Iterate on: the next step takes new groups in their place."""
+
+    def __init__(self, refused: Sequence[tuple[PromptGroup, RolloutError]]) -> None:
+        listed = "; ".join(f"{g.group_id!r}: {e.message}" for g, e in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        super().__init__(f"the scheduler refused {len(refused)} groups: {listed}{more}")
+        self.refused = tuple(refused)
+
+
 class _Launcher(Generic[R]):
-    """Takes groups from the trainer's iterator; keeps those a failed Submit did not queue."""
+    """Takes groups from the trainer's iterator; keeps those a failed Submit did not queue.
+
+    Submit is all or none: when the scheduler refuses a launch as invalid, its groups are
+    sent one by one, those it takes are launched and those it refuses dropped (kept, the
+    same launch was refused at every step). A group it says is taken already, whose earlier
+    Submit ran out of time, was accepted then: it is launched."""
 
     def __init__(self, state: BatcherState[R], groups: Iterable[PromptGroup]) -> None:
         self._state = state
         self._source = iter(groups)
         self._backlog: list[PromptGroup] = []  # taken from the iterator, not submitted yet
+        self._unsure: set[str] = set()  # ids of the backlog a Submit may have queued
+        self._refused: list[tuple[PromptGroup, RolloutError]] = []  # not said yet
 
     def next_launch(self) -> list[PromptGroup]:
         """The groups to submit now, with the current step as their priority."""
@@ -353,6 +378,33 @@ class _Launcher(Generic[R]):
         for group in groups:
             self._state.launched(group.group_id)
         self._backlog.clear()
+        self._unsure.clear()
+        self.say_refused()  # (refused groups of an earlier launch, cut off part way)
+
+    def failed(self, launch: Sequence[PromptGroup], exc: RolloutError) -> bool:
+        """A Submit of ``launch`` failed with ``exc``; True when the groups are to be sent one
+        by one (the scheduler refused the launch as invalid), else they stay in the backlog
+        for the next try (and may have been queued if the call ran out of time)."""
+        if isinstance(exc, InvalidArgument):
+            return True
+        if isinstance(exc, SchedulerUnavailable):
+            self._unsure.update(g.group_id for g in launch)
+        return False
+
+    def sent_alone(self, group: PromptGroup, exc: InvalidArgument | None) -> None:
+        """A group of a refused launch, sent alone, was taken (``exc`` None) or refused."""
+        self._backlog = [g for g in self._backlog if g.group_id != group.group_id]
+        if exc is None or (isinstance(exc, AlreadySubmitted) and group.group_id in self._unsure):
+            self._state.launched(group.group_id)
+        else:
+            self._refused.append((group, exc))
+        self._unsure.discard(group.group_id)
+
+    def say_refused(self) -> None:
+        """Raises GroupsRefused for the groups refused since it last did."""
+        refused, self._refused = self._refused, []
+        if refused:
+            raise GroupsRefused(refused)
 
 
 def _note(arrival: Arrival, received: ReceivedBase) -> None:
@@ -468,9 +520,26 @@ class StepBatcher(Generic[R]):
 
     def _top_up(self) -> None:
         launch = self._launcher.next_launch()
-        if launch:
+        if not launch:
+            return
+        try:
             self._client.submit(launch)
-            self._launcher.submitted(launch)
+        except RolloutError as exc:
+            if not self._launcher.failed(launch, exc):
+                raise
+            for group in launch:
+                try:
+                    self._client.submit([group])
+                except InvalidArgument as refused:
+                    self._launcher.sent_alone(group, refused)
+                except RolloutError as other:
+                    self._launcher.failed([group], other)
+                    raise
+                else:
+                    self._launcher.sent_alone(group, None)
+            self._launcher.say_refused()
+            return
+        self._launcher.submitted(launch)
 
     def _wait_ready(self) -> None:
         state = self.state
@@ -551,9 +620,26 @@ class AsyncStepBatcher(Generic[R]):
 
     async def _top_up(self) -> None:
         launch = self._launcher.next_launch()
-        if launch:
+        if not launch:
+            return
+        try:
             await self._client.submit(launch)
-            self._launcher.submitted(launch)
+        except RolloutError as exc:
+            if not self._launcher.failed(launch, exc):
+                raise
+            for group in launch:
+                try:
+                    await self._client.submit([group])
+                except InvalidArgument as refused:
+                    self._launcher.sent_alone(group, refused)
+                except RolloutError as other:
+                    self._launcher.failed([group], other)
+                    raise
+                else:
+                    self._launcher.sent_alone(group, None)
+            self._launcher.say_refused()
+            return
+        self._launcher.submitted(launch)
 
     async def _wait_ready(self) -> None:
         state = self.state

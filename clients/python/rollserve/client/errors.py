@@ -24,6 +24,12 @@ class InvalidArgument(RolloutError, ValueError):
     """A request the scheduler (or the SDK, before sending it) rejects as malformed."""
 
 
+class AlreadySubmitted(InvalidArgument):
+    """A group id the run has taken already; nothing of the batch was queued. After a
+    Submit that ran past its deadline, the groups it named may be the ones taken: it was
+    accepted after all."""
+
+
 class ResourceExhausted(RolloutError):
     """The scheduler's queue cannot take the batch; nothing of it was queued. Retry later."""
 
@@ -60,6 +66,7 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 _BY_CODE: dict[grpc.StatusCode, type[RolloutError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadySubmitted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: SchedulerUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: SchedulerUnavailable,

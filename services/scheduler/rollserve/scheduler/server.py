@@ -176,6 +176,8 @@ def _refusal_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, redis.exceptions.ConnectionError):
         return grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}"
+    if isinstance(exc, DuplicateGroup):  # (a retry of a Submit whose answer was lost, often)
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
 
 
