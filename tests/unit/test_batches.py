@@ -434,3 +434,39 @@ async def test_the_async_batcher_drops_refused_groups_too() -> None:
         await anext(batcher)
     batch = await anext(batcher)
     assert ids(batch) == ["g1", "g2"]
+
+
+class FlakyCancelRun(FakeRun):
+    """Its first Cancel fails (the scheduler is unreachable); it records ``release``s."""
+
+    def __init__(self, durations: dict[str, float | None]) -> None:
+        super().__init__(durations)
+        self.cancels = 0
+        self.released: list[str] = []
+
+    def cancel(self, group_ids: Sequence[str]) -> CancelResult:
+        self.cancels += 1
+        if self.cancels == 1:
+            raise SchedulerUnavailable("Cancel: connection refused (UNAVAILABLE)")
+        return super().cancel(group_ids)
+
+    def release(self, received: ReceivedBase) -> None:
+        self.released.append(received.group_id)
+
+
+def test_a_cancel_of_the_tail_that_fails_forgets_nothing_and_foreign_entries_are_let_go() -> None:
+    """The first cancel_outstanding fails: the second one still cancels the running groups
+    and acknowledges the finished ones (the batcher had forgotten them: an empty Dropped,
+    and their entries pending for good). An entry of another trainer read while draining is
+    released for its own trainer (it was kept claimed for the process's life)."""
+    run = FlakyCancelRun({"g1": 10.0})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=1.0, max_staleness=1)
+    assert ids(take(batcher, 1)[0]) == ["g0", "g2"]
+    run.inject("foreign", at=0.9)  # read while draining for g3, before it
+    with pytest.raises(SchedulerUnavailable):
+        batcher.cancel_outstanding()
+    assert batcher.state.outstanding == 2
+    dropped = batcher.cancel_outstanding()
+    assert (dropped.cancelled, dropped.discarded) == (("g1",), ("g3",))
+    assert run.acked == ["g0", "g2", "g3"] and batcher.state.outstanding == 0
+    assert run.released == ["foreign"]

@@ -285,10 +285,13 @@ class BatcherState(Generic[R]):
         self.launched_now = 0
         return batch
 
+    def outstanding_groups(self) -> tuple[list[str], list[R]]:
+        """Every outstanding group: (ids still running, finished entries held)."""
+        return list(self._running), [f.received for f in self._finished.values()]
+
     def drop_outstanding(self) -> tuple[list[str], list[R]]:
         """Forgets every outstanding group: (ids still running, finished entries held)."""
-        running = list(self._running)
-        held = [f.received for f in self._finished.values()]
+        running, held = self.outstanding_groups()
         self._running.clear()
         self._finished.clear()
         return running, held
@@ -496,26 +499,33 @@ class StepBatcher(Generic[R]):
     def cancel_outstanding(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Dropped:
         """Ends the run's tail: cancels the outstanding groups still running and acknowledges,
         unused, those that finished, reading the stream up to ``drain_timeout_s`` for the
-        entries of groups that finished before the cancel reached the scheduler."""
-        running, held = self.state.drop_outstanding()
+        entries of groups that finished before the cancel reached the scheduler. If the
+        cancel fails, nothing is forgotten (call it again); the finished groups it holds are
+        acknowledged whatever the drain meets, and entries not its own are let go."""
+        running, held = self.state.outstanding_groups()
         cancelled: Sequence[str] = ()
         unread: set[str] = set()
         if running:
             result = self._client.cancel(running)
             cancelled, unread = result.cancelled, set(result.unknown)
-        if unread and drain_timeout_s > 0:
-            stream = self._client.groups(timeout_s=drain_timeout_s)
-            try:
-                for received in stream:
-                    if received.group_id in unread:
-                        unread.discard(received.group_id)
-                        held.append(received)
-                    if not unread:
-                        break
-            finally:
-                _close(stream)
-        if held:
-            self._client.ack(*held)
+        self.state.drop_outstanding()
+        try:
+            if unread and drain_timeout_s > 0:
+                stream = self._client.groups(timeout_s=drain_timeout_s)
+                try:
+                    for received in stream:
+                        if received.group_id in unread:
+                            unread.discard(received.group_id)
+                            held.append(received)
+                        else:  # another trainer's: its own takes it over
+                            _release(self._client, received)
+                        if not unread:
+                            break
+                finally:
+                    _close(stream)
+        finally:
+            if held:
+                self._client.ack(*held)
         return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
 
     def _top_up(self) -> None:
@@ -597,25 +607,30 @@ class AsyncStepBatcher(Generic[R]):
 
     async def cancel_outstanding(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Dropped:
         """See :meth:`StepBatcher.cancel_outstanding`."""
-        running, held = self.state.drop_outstanding()
+        running, held = self.state.outstanding_groups()
         cancelled: Sequence[str] = ()
         unread: set[str] = set()
         if running:
             result = await self._client.cancel(running)
             cancelled, unread = result.cancelled, set(result.unknown)
-        if unread and drain_timeout_s > 0:
-            stream = self._client.groups(timeout_s=drain_timeout_s)
-            try:
-                async for received in stream:
-                    if received.group_id in unread:
-                        unread.discard(received.group_id)
-                        held.append(received)
-                    if not unread:
-                        break
-            finally:
-                await _aclose(stream)
-        if held:
-            await self._client.ack(*held)
+        self.state.drop_outstanding()
+        try:
+            if unread and drain_timeout_s > 0:
+                stream = self._client.groups(timeout_s=drain_timeout_s)
+                try:
+                    async for received in stream:
+                        if received.group_id in unread:
+                            unread.discard(received.group_id)
+                            held.append(received)
+                        else:  # another trainer's: its own takes it over
+                            _release(self._client, received)
+                        if not unread:
+                            break
+                finally:
+                    await _aclose(stream)
+        finally:
+            if held:
+                await self._client.ack(*held)
         return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
 
     async def _top_up(self) -> None:
