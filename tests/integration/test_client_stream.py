@@ -12,6 +12,7 @@ import asyncio
 import math
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -26,6 +27,7 @@ from rollserve.client import (
     Sample,
     SamplingParams,
     SchedulerUnavailable,
+    StreamUnavailable,
     UndecodableEntry,
 )
 from rollserve.client.types import cancel_request, submit_request
@@ -569,3 +571,46 @@ def test_two_iterators_of_one_client_never_hand_out_a_group_twice(
         seen = [g.group_id for g in [first, *extra, later]]
         assert sorted(seen) == ["a", "b", "c", "d"]
         assert all(g.done() for g in [first, *extra, later])
+
+
+def reader_url(redis_url: str, user: str) -> str:
+    parts = redis_url.split("://", 1)
+    return f"{parts[0]}://{user}:pw@{parts[1]}"
+
+
+def test_a_redis_that_refuses_the_heartbeat_is_said_not_swallowed(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """A Redis user without scripting: the first read says so, naming the way out (the
+    heartbeat's failures were only logged, and held groups were taken over by other
+    consumers while the trainer used them); scripting taken away later stops the reader
+    at its next step. With heartbeat=False the same user reads."""
+    if "@" in redis_url or not redis_url.startswith("redis://"):
+        pytest.skip("needs the embedded server's plain redis:// URL")
+    user = f"reader-{uuid.uuid4().hex[:8]}"
+    r.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@scripting"]
+    )
+    run = new_run_id()
+    publish(r, run, "a", "b")
+    try:
+        with (
+            client(reader_url(redis_url, user), run) as c,
+            pytest.raises(InvalidArgument, match="refuses the heartbeat script"),
+        ):
+            next(c.groups(timeout_s=WAIT_S))
+        with client(reader_url(redis_url, user), run, heartbeat=False) as c:
+            got = list(c.groups(limit=2, timeout_s=WAIT_S))
+            assert [g.group_id for g in got] == ["a", "b"]
+        publish(r, run, "c", "d")
+        r.acl_setuser(user, enabled=True, commands=["+@scripting"])
+        with client(reader_url(redis_url, user), run, read_count=1) as c:
+            stream = c.groups(timeout_s=WAIT_S)
+            assert next(stream).group_id == "c"  # held: the heartbeat keeps it claimed
+            r.acl_setuser(user, enabled=True, commands=["-@scripting"])
+            with pytest.raises(StreamUnavailable, match="refuses the heartbeat script"):
+                for _ in range(int(WAIT_S / 0.05)):
+                    next(stream)  # (d, then reads until the refusal is seen)
+                    time.sleep(0.05)
+    finally:
+        r.acl_deluser(user)

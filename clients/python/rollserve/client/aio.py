@@ -48,6 +48,7 @@ from rollserve.client.consumer import (
     ReceivedBase,
     default_consumer_name,
     heartbeat_chunks,
+    heartbeat_refused,
     is_busygroup,
     is_nogroup,
     parse_delivery_count,
@@ -56,7 +57,7 @@ from rollserve.client.consumer import (
     parse_xreadgroup,
     redis_client,
 )
-from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
+from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
     PromptGroup,
@@ -137,6 +138,9 @@ class AsyncRolloutClient:
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._beater: asyncio.Task[None] | None = None  # runs while entries are held
+        # What Redis answered to the last heartbeat it refused (not an outage): said by the
+        # reader, since held groups are no longer kept claimed.
+        self._heartbeat_refused: redis.ResponseError | None = None
         self._closed = False
 
     @property
@@ -201,6 +205,8 @@ class AsyncRolloutClient:
         iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
+                if (refused := self._heartbeat_refused) is not None:
+                    raise StreamUnavailable(heartbeat_refused(refused))
                 batch = await self._read(self._state.next_read(now, budget))
                 self._ensure_heartbeat()
                 counts = await self._delivery_counts(batch)
@@ -297,6 +303,11 @@ class AsyncRolloutClient:
         except redis.ResponseError as exc:
             if not is_busygroup(exc):
                 raise
+        if self.config.heartbeat:  # refused, held groups would be taken over: say it now
+            try:
+                await self._redis.script_load(HEARTBEAT_SCRIPT)
+            except redis.ResponseError as exc:
+                raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
 
     async def _delivery_counts(self, batch: Batch) -> dict[str, int]:
@@ -317,7 +328,8 @@ class AsyncRolloutClient:
 
     def _ensure_heartbeat(self) -> None:
         """Starts the heartbeat task if entries are held and none runs."""
-        if self._beater is None and not self._closed and self._state.needs_heartbeat:
+        beating = self._beater is not None and not self._beater.done()
+        if not beating and not self._closed and self._state.needs_heartbeat:
             self._beater = asyncio.create_task(
                 self._beat_while_held(), name=f"rollserve-heartbeat-{self.consumer_name}"
             )
@@ -331,7 +343,10 @@ class AsyncRolloutClient:
             if not ids:
                 self._beater = None  # no await since the check: _ensure_heartbeat starts anew
                 return
-            await self._beat(ids)
+            try:
+                await self._beat(ids)
+            except Exception:  # never the end of the heartbeat while groups are held
+                log.exception("stream %s: heartbeat failed", self.config.stream)
 
     async def _beat(self, ids: list[str]) -> None:
         config = self.config
@@ -343,6 +358,8 @@ class AsyncRolloutClient:
                 )
                 reply = parse_heartbeat(raw)
             except redis.RedisError as exc:
+                if isinstance(exc, redis.ResponseError) and not is_nogroup(exc):
+                    self._heartbeat_refused = exc  # the reader raises it at its next step
                 log.warning(
                     "stream %s: heartbeat of %d held entries failed (%s); retrying in %.1f s",
                     config.stream,
@@ -351,6 +368,7 @@ class AsyncRolloutClient:
                     config.heartbeat_interval_s,
                 )
                 return
+            self._heartbeat_refused = None
             self._state.on_heartbeat(chunk, reply)
 
     # ------------------------------------------------------------ lifecycle

@@ -42,6 +42,7 @@ from rollserve.client.consumer import (
     ReceivedBase,
     default_consumer_name,
     heartbeat_chunks,
+    heartbeat_refused,
     is_busygroup,
     is_nogroup,
     parse_delivery_count,
@@ -50,7 +51,7 @@ from rollserve.client.consumer import (
     parse_xreadgroup,
     redis_client,
 )
-from rollserve.client.errors import REDIS_DOWN, StreamUnavailable, error_from_rpc
+from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
     PromptGroup,
@@ -151,6 +152,9 @@ class RolloutClient:
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._beater: threading.Thread | None = None  # runs while entries are held
+        # What Redis answered to the last heartbeat it refused (not an outage): said by the
+        # reader, since held groups are no longer kept claimed.
+        self._heartbeat_refused: redis.ResponseError | None = None
         self._closing = threading.Event()
 
     @property
@@ -237,6 +241,8 @@ class RolloutClient:
             iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
+                if (refused := self._heartbeat_refused) is not None:
+                    raise StreamUnavailable(heartbeat_refused(refused))
                 with self._lock:
                     op = self._state.next_read(now, budget)
                 batch = self._read(op)
@@ -347,6 +353,11 @@ class RolloutClient:
         except redis.ResponseError as exc:
             if not is_busygroup(exc):
                 raise
+        if self.config.heartbeat:  # refused, held groups would be taken over: say it now
+            try:
+                self._redis.script_load(HEARTBEAT_SCRIPT)
+            except redis.ResponseError as exc:
+                raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
 
     def _delivery_counts(self, batch: Batch) -> dict[str, int]:
@@ -368,7 +379,7 @@ class RolloutClient:
     def _ensure_heartbeat(self) -> None:
         """Starts the heartbeat thread if entries are held and none runs."""
         with self._lock:
-            if self._beater is not None or self._closing.is_set():
+            if (self._beater is not None and self._beater.is_alive()) or self._closing.is_set():
                 return
             if not self._state.needs_heartbeat:
                 return
@@ -388,7 +399,10 @@ class RolloutClient:
                 if not ids:
                     self._beater = None  # under the lock: _ensure_heartbeat starts another
                     return
-            self._beat(ids)
+            try:
+                self._beat(ids)
+            except Exception:  # never the end of the heartbeat while groups are held
+                log.exception("stream %s: heartbeat failed", self.config.stream)
 
     def _beat(self, ids: list[str]) -> None:
         config = self.config
@@ -400,6 +414,8 @@ class RolloutClient:
                 )
                 reply = parse_heartbeat(raw)
             except redis.RedisError as exc:
+                if isinstance(exc, redis.ResponseError) and not is_nogroup(exc):
+                    self._heartbeat_refused = exc  # the reader raises it at its next step
                 log.warning(
                     "stream %s: heartbeat of %d held entries failed (%s); retrying in %.1f s",
                     config.stream,
@@ -408,6 +424,7 @@ class RolloutClient:
                     config.heartbeat_interval_s,
                 )
                 return
+            self._heartbeat_refused = None
             with self._lock:
                 self._state.on_heartbeat(chunk, reply)
 

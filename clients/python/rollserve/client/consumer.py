@@ -144,6 +144,16 @@ def redis_client(from_url: Callable[..., _R], redis_url: str, block_ms: int) -> 
     return client
 
 
+def heartbeat_refused(exc: Exception) -> str:
+    """What to say when Redis refuses the heartbeat script (an ACL without scripting)."""
+    return (
+        f"Redis refuses the heartbeat script ({exc}): the groups this consumer holds would be "
+        "taken over by other consumers after claim_idle_ms while the trainer still uses them. "
+        "Give the Redis user scripting (SCRIPT LOAD, EVALSHA), or pass heartbeat=False with a "
+        "claim_idle_ms above the longest time a group is held"
+    )
+
+
 def default_consumer_name() -> str:
     """``host-pid-random``: unique per process; pass your own to resume after a restart."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
