@@ -158,6 +158,13 @@ def test_settings_reject_a_context_the_profile_cannot_hold(tmp_path: Path) -> No
     with pytest.raises(ValidationError, match=re.escape("max_model_len (8192) exceeds the KV")):
         SimSettings(profile=str(small), max_model_len=8192)
     assert SimSettings(profile=str(small), max_model_len=4096).cost_profile().name == "small"
+    # A capacity that is not whole blocks: the engine holds the whole blocks only (a context
+    # between the two was taken, and a call that filled it refused as ALREADY_EXISTS).
+    small.write_text(
+        small.read_text().replace("kv_capacity_tokens = 4096", "kv_capacity_tokens = 4100")
+    )
+    with pytest.raises(ValidationError, match=re.escape("(4096 tokens in whole blocks)")):
+        SimSettings(profile=str(small), max_model_len=4100)
 
 
 def test_command_line_fleet_has_base_port_and_engine_has_no_engines() -> None:

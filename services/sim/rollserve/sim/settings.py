@@ -120,10 +120,11 @@ class SimSettings(BaseModel):
                 f"eos_token_id ({self.eos_token_id}) must be below vocab_size ({self.vocab_size})"
             )
         profile = load_profile(self.profile)
-        if self.max_model_len > profile.kv_capacity_tokens:
+        usable = profile.num_blocks * profile.block_size  # (whole blocks: what the engine has)
+        if self.max_model_len > usable:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the KV capacity of profile "
-                f"{profile.name} ({profile.kv_capacity_tokens} tokens): one sample would not fit; "
+                f"{profile.name} ({usable} tokens in whole blocks): one sample would not fit; "
                 "lower max_model_len or use a profile with more KV"
             )
         if self.port and self.port + self.engines - 1 > MAX_PORT:
