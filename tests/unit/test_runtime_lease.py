@@ -26,6 +26,7 @@ from tests.unit.test_runtime import (
     running,
     specs,
 )
+from tests.unit.test_runtime_weights import asked_to_load
 
 # Long enough that no stall of a loaded machine loses a lease for want of a renewal; a
 # runtime sees its lease taken at its next renewal, a third of the ttl later at most.
@@ -213,10 +214,7 @@ async def test_a_publish_under_way_when_the_lease_is_found_taken_answers_lease_l
     try:
         publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
 
-        async def loading() -> bool:
-            return len(engine.weight_updates) == 1
-
-        await eventually(loading, "the engine to load step 2")
+        await eventually(asked_to_load(engine), "the engine to load step 2")
         await successor_takes_over(client)
         with pytest.raises(LeaseLost, match="refused this scheduler's write"):
             await runtime.submit(run, specs(run, 1))

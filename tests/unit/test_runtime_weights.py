@@ -243,6 +243,15 @@ async def test_a_scheduler_told_to_forget_the_fleet_s_weights_leaves_engines_the
     assert all(v.version == 0 for s in results[0].samples for v in s.versions)
 
 
+def asked_to_load(engine: FakeEngine) -> Callable[[], Awaitable[bool]]:
+    """Whether the engine was asked to load weights (its load may wait for a gate)."""
+
+    async def asked() -> bool:
+        return len(engine.weight_updates) == 1
+
+    return asked
+
+
 def serving_of(runtime: SchedulerRuntime) -> Callable[[], Awaitable[bool]]:
     async def serving() -> bool:
         return runtime.status().engines[0].healthy
@@ -288,10 +297,7 @@ async def test_a_publish_that_waited_for_a_newer_one_loads_nothing(other_redis_u
     try:
         newer = asyncio.create_task(runtime.publish_version(run, 6, "/ckpt/step-6"))
 
-        async def loading() -> bool:
-            return len(engine.weight_updates) == 1
-
-        await eventually(loading, "the engine to load step 6")
+        await eventually(asked_to_load(engine), "the engine to load step 6")
         older = asyncio.create_task(runtime.publish_version(run, 5, "/ckpt/step-5"))
         await asyncio.sleep(0)  # it waits for the newer one now
         gate.set()
@@ -319,10 +325,7 @@ async def test_a_publish_whose_caller_goes_is_carried_through(other_redis_url: s
     try:
         publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
 
-        async def loading() -> bool:
-            return len(engine.weight_updates) == 1
-
-        await eventually(loading, "the engine to load step 2")
+        await eventually(asked_to_load(engine), "the engine to load step 2")
         publishing.cancel()
         await asyncio.wait({publishing})
         gate.set()
