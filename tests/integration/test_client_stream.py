@@ -23,6 +23,7 @@ from rollserve.client import (
     GroupStatus,
     InvalidArgument,
     PromptGroup,
+    ReceivedGroup,
     RolloutClient,
     Sample,
     SamplingParams,
@@ -614,3 +615,28 @@ def test_a_redis_that_refuses_the_heartbeat_is_said_not_swallowed(
                     time.sleep(0.05)
     finally:
         r.acl_deluser(user)
+
+
+def test_a_released_group_goes_to_another_consumer_while_this_one_reads_on(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """Consumer X releases a group that is another trainer's and keeps reading (as a batcher
+    does each step): consumer Y takes it over (X's reads of its own pending list kept it
+    from going idle, and X's claim scans took it back: Y never got it)."""
+    run = new_run_id()
+    publish(r, run, "mine", "theirs")
+    with (
+        client(redis_url, run, consumer_name="X") as x,
+        client(redis_url, run, consumer_name="Y") as y,
+    ):
+        got = list(x.groups(limit=2, timeout_s=WAIT_S))
+        x.release(*[g for g in got if g.group_id == "theirs"])
+        assert x.in_hand == 1
+        taken: list[ReceivedGroup] = []
+        deadline = time.monotonic() + WAIT_S
+        while not taken and time.monotonic() < deadline:
+            assert list(x.groups(limit=1, timeout_s=0.05)) == []  # never handed out again
+            taken = list(y.groups(limit=1, timeout_s=0.05))
+        assert [g.group_id for g in taken] == ["theirs"]
+        assert taken[0].done()
+        assert x.ack(*[g for g in got if g.group_id == "mine"]) == 1

@@ -168,16 +168,19 @@ def test_read_ahead_entry_taken_by_another_consumer_is_not_handed_out() -> None:
     assert state.beat_ids() == ["1-0"]
 
 
-def test_released_entry_is_held_but_not_beaten() -> None:
+def test_a_released_entry_is_given_up_parked_and_parked_again_if_claimed_back() -> None:
     state = make_state()
     hand_out_all(state, read(state, entry("1-0", "a"), entry("2-0", "b")))
     state.release("1-0")
     assert state.beat_ids() == ["2-0"]
-    assert state.in_hand == 2
+    assert state.in_hand == 1
+    assert state.to_park() == ["1-0"] and state.to_park() == []
     (again,) = read(state, entry("1-0", "a"), entry("3-0", "c"))  # not handed out again
     assert again.entry_id == "3-0"
+    assert state.to_park() == ["1-0"]  # our own claim took it back: parked again
     state.release("9-0")  # not in hand: nothing to release
-    assert "9-0" not in state.beat_ids()
+    assert "9-0" not in state.beat_ids() and state.to_park() == []
+    assert state.parking_name == "me.released"
 
 
 def test_heartbeat_chunks() -> None:

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
+from typing import Any, cast
 
 import grpc
 import redis
@@ -261,6 +262,7 @@ class AsyncRolloutClient:
         config, cursor = self.config, CLAIM_START_CURSOR
         try:
             await self._ensure_group()
+            await self._park()
             if isinstance(op, Claim):
                 reply = await self._redis.xautoclaim(
                     config.stream,
@@ -284,6 +286,7 @@ class AsyncRolloutClient:
             batch = self._state.on_read(op, entries, time.monotonic(), next_cursor=cursor)
             if batch.drop:
                 await self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
+            await self._park()
         except REDIS_DOWN as exc:
             raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
         except redis.ResponseError as exc:
@@ -292,6 +295,22 @@ class AsyncRolloutClient:
             self._state.group_lost()
             return Batch([], [])
         return batch
+
+    async def _park(self) -> None:
+        """Moves the released entries to the parking consumer, idle for ``claim_idle_ms``:
+        the next claim scan of another consumer takes them."""
+        ids = self._state.to_park()
+        if ids:
+            config = self.config
+            await self._redis.xclaim(
+                config.stream,
+                config.consumer_group,
+                self._state.parking_name,
+                0,
+                cast(Any, ids),  # (redis-py types the ids as one tuple element)
+                idle=config.claim_idle_ms,
+                justid=True,
+            )
 
     async def _ensure_group(self) -> None:
         if self._state.group_ready:

@@ -41,8 +41,9 @@ heartbeat keeps them (and the batch in training) claimed while the process lives
 consumers of the group take them over only if it dies. With the client's ``heartbeat=False``,
 ``claim_idle_ms`` must exceed the time a group may wait if other consumers share the group.
 Stream entries of groups this batcher did not launch (another trainer's, in a shared group)
-are logged, left pending and released from the heartbeat (the client's ``release``, where
-it has one), so that their own trainer takes them over after ``claim_idle_ms``.
+are logged and released (the client's ``release``, where it has one): the client's next
+read gives them up, unacknowledged and idle, so that another consumer's next claim scan
+takes them over.
 
 Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
 ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
+from typing import Any, cast
 
 import grpc
 import redis
@@ -283,7 +284,8 @@ class RolloutClient:
         """Stops keeping these groups claimed, without acknowledging them: another
         consumer of the group takes them over after ``claim_idle_ms`` (this one does not
         hand them out again). For groups this trainer will not use, such as another
-        trainer's in a shared consumer group. No I/O."""
+        trainer's in a shared consumer group. No I/O: the next read of ``groups()`` gives
+        them up, at once claimable."""
         with self._lock:
             for r in received:
                 self._state.release(r.entry_id)
@@ -309,6 +311,7 @@ class RolloutClient:
         config, cursor = self.config, CLAIM_START_CURSOR
         try:
             self._ensure_group()
+            self._park()
             if isinstance(op, Claim):
                 reply = self._redis.xautoclaim(
                     config.stream,
@@ -333,6 +336,7 @@ class RolloutClient:
                 batch = self._state.on_read(op, entries, time.monotonic(), next_cursor=cursor)
             if batch.drop:
                 self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
+            self._park()
         except REDIS_DOWN as exc:
             raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
         except redis.ResponseError as exc:
@@ -342,6 +346,23 @@ class RolloutClient:
                 self._state.group_lost()
             return Batch([], [])
         return batch
+
+    def _park(self) -> None:
+        """Moves the released entries to the parking consumer, idle for ``claim_idle_ms``:
+        the next claim scan of another consumer takes them."""
+        with self._lock:
+            ids = self._state.to_park()
+        if ids:
+            config = self.config
+            self._redis.xclaim(
+                config.stream,
+                config.consumer_group,
+                self._state.parking_name,
+                0,
+                cast(Any, ids),  # (redis-py types the ids as one tuple element)
+                idle=config.claim_idle_ms,
+                justid=True,
+            )
 
     def _ensure_group(self) -> None:
         if self._state.group_ready:

@@ -356,6 +356,9 @@ class _BoundedSet:
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
 
 class ConsumerState:
     """What one consumer has read, handed out and acknowledged. Not thread-safe.
@@ -370,7 +373,12 @@ class ConsumerState:
         self._acked = _BoundedSet(config.dedupe_capacity)
         self._in_hand: dict[str, str] = {}  # entry id -> group id, handed out, not acked
         self._in_hand_groups: dict[str, str] = {}  # group id -> entry id
-        self._unbeaten: set[str] = set()  # in hand, no longer kept claimed (lost, released)
+        self._unbeaten: set[str] = set()  # in hand, no longer kept claimed (lost)
+        # Released by the caller: moved to the parking consumer (``parking_name``) by the
+        # next read, idle already, for another consumer to claim at once; one this consumer's
+        # own claim scan takes back is parked again, never handed out.
+        self._released = _BoundedSet(config.dedupe_capacity)
+        self._to_park: dict[str, None] = {}
         # Read for delivery, not handed out yet (the iterator is suspended): entry -> group.
         self._read_ahead: dict[str, str] = {}
         self._lost_ahead: set[str] = set()  # read ahead, then lost: never to be handed out
@@ -497,6 +505,9 @@ class ConsumerState:
             entry_id = entry.entry_id
             if entry_id is None or entry_id in self._in_hand:
                 continue
+            if entry_id in self._released:  # our claim scan took it back: park it again
+                self._to_park[entry_id] = None
+                continue
             if not entry.fields:
                 drop.append(Drop(entry_id, "trimmed from the stream before it was acknowledged"))
                 continue
@@ -537,16 +548,36 @@ class ConsumerState:
     def acked(self, entry_id: str) -> None:
         group_id = self._in_hand.pop(entry_id, None)
         self._unbeaten.discard(entry_id)
+        self._released.discard(entry_id)
+        self._to_park.pop(entry_id, None)
         if group_id is not None:
             self._in_hand_groups.pop(group_id, None)
             self._acked.add(group_id)
 
     def release(self, entry_id: str) -> None:
-        """Stops keeping an entry in the caller's hands claimed: left unacknowledged, it is
-        taken over by another consumer after ``claim_idle_ms``. It is not handed out here
-        again (unless the caller acknowledges it, which acknowledges it for the group)."""
-        if entry_id in self._in_hand:
-            self._unbeaten.add(entry_id)
+        """Gives an entry in the caller's hands up, unacknowledged, for another consumer:
+        the next read parks it (``to_park``), idle, so that the first claim scan of another
+        consumer takes it. It is not handed out here again (the caller may still ack it,
+        which acknowledges it for the group). (Kept pending here, it was read again with
+        this consumer's pending list at every ``groups()``, which kept it from going idle,
+        and this consumer's own claim scans took it back.)"""
+        group_id = self._in_hand.pop(entry_id, None)
+        if group_id is None:
+            return
+        self._in_hand_groups.pop(group_id, None)
+        self._unbeaten.discard(entry_id)
+        self._released.add(entry_id)
+        self._to_park[entry_id] = None
+
+    @property
+    def parking_name(self) -> str:
+        """The consumer released entries are moved to (it never reads)."""
+        return f"{self.config.consumer_name}.released"
+
+    def to_park(self) -> list[str]:
+        """The released entries to move to the parking consumer now (the caller does)."""
+        ids, self._to_park = list(self._to_park), {}
+        return ids
 
     # ------------------------------------------------------------- heartbeat
 
