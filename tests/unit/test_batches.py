@@ -470,3 +470,40 @@ def test_a_cancel_of_the_tail_that_fails_forgets_nothing_and_foreign_entries_are
     assert (dropped.cancelled, dropped.discarded) == (("g1",), ("g3",))
     assert run.acked == ["g0", "g2", "g3"] and batcher.state.outstanding == 0
     assert run.released == ["foreign"]
+
+
+class ReleasingRun(FakeRun):
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[str] = []
+
+    def release(self, received: ReceivedBase) -> None:
+        self.released.append(received.group_id)
+
+
+def test_groups_launched_before_a_restart_are_released_or_discarded_as_told() -> None:
+    """Entries of groups this batcher did not launch (here: an earlier incarnation's, before a
+    restart): released by default, for another trainer of a shared group; acknowledged
+    unused with unknown_groups='discard' (a trainer alone on its run left them pending for
+    good, holding the stream's trim back)."""
+    outcomes = {}
+    for unknown in ("release", "discard"):
+        run = ReleasingRun()
+        run.inject("before-restart", at=0.5)
+        batcher = StepBatcher(run, prompt_groups(2), batch_size=2, unknown_groups=unknown)
+        assert ids(next(batcher)) == ["g0", "g1"]
+        outcomes[unknown] = (run.released, run.acked)
+    assert outcomes["release"] == (["before-restart"], [])
+    assert outcomes["discard"] == ([], ["before-restart"])
+    with pytest.raises(InvalidArgument, match="unknown_groups"):
+        StepBatcher(ReleasingRun(), prompt_groups(1), batch_size=1, unknown_groups="drop")  # type: ignore[arg-type]
+
+
+async def test_the_async_batcher_discards_unknown_groups_when_told() -> None:
+    run = ReleasingRun()
+    run.inject("before-restart", at=0.5)
+    batcher = AsyncStepBatcher(
+        AsyncFakeRun(run), prompt_groups(2), batch_size=2, unknown_groups="discard"
+    )
+    assert ids(await anext(batcher)) == ["g0", "g1"]
+    assert run.acked == ["before-restart"]

@@ -43,7 +43,9 @@ consumers of the group take them over only if it dies. With the client's ``heart
 Stream entries of groups this batcher did not launch (another trainer's, in a shared group)
 are logged and released (the client's ``release``, where it has one): the client's next
 read gives them up, unacknowledged and idle, so that another consumer's next claim scan
-takes them over.
+takes them over. A trainer that reads its run alone passes ``unknown_groups="discard"``:
+such entries (the groups launched before a restart from a checkpoint) are acknowledged
+unused instead of staying pending for good.
 
 Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
 ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,
@@ -62,7 +64,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar, cast
 
 from rollserve.client.consumer import ReceivedBase
 from rollserve.client.errors import (
@@ -411,13 +413,27 @@ class _Launcher(Generic[R]):
             raise GroupsRefused(refused)
 
 
-def _note(arrival: Arrival, received: ReceivedBase) -> None:
+UnknownGroups = Literal["release", "discard"]
+
+
+def _check_unknown_groups(value: str) -> UnknownGroups:
+    if value not in ("release", "discard"):
+        raise InvalidArgument(
+            f"unknown_groups ({value!r}) must be 'release' (another trainer reads the same "
+            "consumer group) or 'discard' (this trainer reads the run alone)"
+        )
+    return cast(UnknownGroups, value)
+
+
+def _note(arrival: Arrival, received: ReceivedBase, unknown: UnknownGroups) -> None:
     if arrival is Arrival.UNKNOWN:
         log.warning(
-            "stream entry %s of group %r: not launched by this batcher; left pending "
-            "for another consumer",
+            "stream entry %s of group %r: not launched by this batcher; %s",
             received.entry_id,
             received.group_id,
+            "acked unused (unknown_groups='discard')"
+            if unknown == "discard"
+            else "released for another consumer",
         )
     elif arrival is Arrival.DUPLICATE:
         log.info(
@@ -466,6 +482,11 @@ class StepBatcher(Generic[R]):
     max_staleness: steps a group may wait between launch and delivery.
     batch_timeout_s: longest wait for one batch before :class:`BatchTimeout`; None waits
         as long as it takes.
+    unknown_groups: what to do with stream entries of groups this batcher did not launch:
+        ``"release"`` them for the other trainers of a shared consumer group, or
+        ``"discard"`` them (acknowledged unused) when this trainer reads the run alone, as
+        after a restart from a checkpoint: the groups launched before the restart are then
+        not left pending for good (they held back the stream's trim).
     """
 
     def __init__(
@@ -477,11 +498,13 @@ class StepBatcher(Generic[R]):
         oversample: float = 0.0,
         max_staleness: int = 1,
         batch_timeout_s: float | None = None,
+        unknown_groups: UnknownGroups = "release",
     ) -> None:
         self._client = client
         self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
+        self._unknown = _check_unknown_groups(unknown_groups)
 
     def __iter__(self) -> Iterator[StepBatch[R]]:
         return self
@@ -560,8 +583,10 @@ class StepBatcher(Generic[R]):
         try:
             for received in stream:
                 arrival = state.on_finished(received)
-                _note(arrival, received)
-                if arrival is Arrival.DUPLICATE:
+                _note(arrival, received, self._unknown)
+                if arrival is Arrival.DUPLICATE or (
+                    arrival is Arrival.UNKNOWN and self._unknown == "discard"
+                ):
                     self._client.ack(received)
                 elif arrival is Arrival.UNKNOWN:
                     _release(self._client, received)
@@ -586,11 +611,13 @@ class AsyncStepBatcher(Generic[R]):
         oversample: float = 0.0,
         max_staleness: int = 1,
         batch_timeout_s: float | None = None,
+        unknown_groups: UnknownGroups = "release",
     ) -> None:
         self._client = client
         self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
+        self._unknown = _check_unknown_groups(unknown_groups)
 
     def __aiter__(self) -> AsyncIterator[StepBatch[R]]:
         return self
@@ -665,8 +692,10 @@ class AsyncStepBatcher(Generic[R]):
         try:
             async for received in stream:
                 arrival = state.on_finished(received)
-                _note(arrival, received)
-                if arrival is Arrival.DUPLICATE:
+                _note(arrival, received, self._unknown)
+                if arrival is Arrival.DUPLICATE or (
+                    arrival is Arrival.UNKNOWN and self._unknown == "discard"
+                ):
                     await self._client.ack(received)
                 elif arrival is Arrival.UNKNOWN:
                     _release(self._client, received)
