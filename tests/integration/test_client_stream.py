@@ -640,3 +640,44 @@ def test_a_released_group_goes_to_another_consumer_while_this_one_reads_on(
         assert [g.group_id for g in taken] == ["theirs"]
         assert taken[0].done()
         assert x.ack(*[g for g in got if g.group_id == "mine"]) == 1
+
+
+def test_parking_a_released_group_leaves_it_to_a_consumer_that_took_it_over(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """X releases a group and reads again only after claim_idle_ms (a long training step);
+    Y took the group over meanwhile: X's parking leaves it with Y (moved away, it went to a
+    third consumer too and was trained on twice)."""
+    run = new_run_id()
+    publish(r, run, "theirs")
+    with (
+        client(redis_url, run, consumer_name="X") as x,
+        client(redis_url, run, consumer_name="Y") as y,
+        client(redis_url, run, consumer_name="Z") as z,
+    ):
+        (held,) = x.groups(limit=1, timeout_s=WAIT_S)
+        x.release(held)  # no read of X's for a while: not parked yet
+        taken: list[ReceivedGroup] = []
+        deadline = time.monotonic() + WAIT_S
+        while not taken and time.monotonic() < deadline:  # once idle past claim_idle_ms
+            taken = list(y.groups(limit=1, timeout_s=0.05))
+        assert [g.group_id for g in taken] == ["theirs"]
+        assert list(x.groups(limit=1, timeout_s=0.05)) == []  # parks nothing: Y holds it
+        [entry] = r.xpending_range(stream_key(run), GROUP, "-", "+", 10)
+        assert entry["consumer"] == b"Y"
+        assert list(z.groups(limit=1, timeout_s=CLAIM_IDLE_MS / 1000 * 3)) == []
+        assert taken[0].done()
+
+
+def test_a_heartbeat_refused_once_is_said_once(r: redis.Redis, redis_url: str) -> None:
+    """Redis refused a heartbeat for a while, then took them again: the reader says it once
+    and reads on (it raised at every later read: the flag was cleared only by a beat, and
+    beats run only while groups are held)."""
+    run = new_run_id()
+    publish(r, run, "a", "b")
+    with client(redis_url, run, read_count=1) as c:
+        c._heartbeat_refused = redis.ResponseError("NOPERM this user has no permissions")
+        with pytest.raises(StreamUnavailable, match="refuses the heartbeat script"):
+            next(c.groups(timeout_s=WAIT_S))
+        got = list(c.groups(limit=2, timeout_s=WAIT_S))
+        assert [g.group_id for g in got] == ["a", "b"]

@@ -27,6 +27,7 @@ from rollserve.client import (
     GroupStatus,
     InvalidArgument,
     PromptGroup,
+    RolloutError,
     SchedulerUnavailable,
     StepBatch,
     StepBatcher,
@@ -507,3 +508,40 @@ async def test_the_async_batcher_discards_unknown_groups_when_told() -> None:
     )
     assert ids(await anext(batcher)) == ["g0", "g1"]
     assert run.acked == ["before-restart"]
+
+
+class CutOffRun(RefusingRun):
+    """Its first Submit is cut off (a cancel, a broken call) after the scheduler queued it."""
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int:
+        accepted = super().submit(groups)
+        if self.calls == 1:
+            raise RolloutError("Submit: Cancelled (CANCELLED)")
+        return accepted
+
+
+def test_groups_queued_by_a_submit_cut_off_any_way_are_launched_once() -> None:
+    """(Only a deadline counted as "may have been queued": after a cancelled Submit the retry
+    was told the groups were taken, and the batcher dropped them as refused.)"""
+    run = CutOffRun(invalid=set())
+    batcher = StepBatcher(run, prompt_groups(2), batch_size=2)
+    with pytest.raises(RolloutError, match="CANCELLED"):
+        next(batcher)
+    assert sorted(ids(next(batcher))) == ["g0", "g1"]
+
+
+def test_cancel_outstanding_discards_unknown_groups_when_told() -> None:
+    run = FlakyCancelRun({"g1": 10.0})
+    run.cancels = 1  # (its cancel works)
+    batcher = StepBatcher(
+        run,
+        prompt_groups(),
+        batch_size=2,
+        oversample=1.0,
+        max_staleness=1,
+        unknown_groups="discard",
+    )
+    take(batcher, 1)
+    run.inject("before-restart", at=0.9)  # read while draining for g3
+    batcher.cancel_outstanding()
+    assert "before-restart" in run.acked and run.released == []

@@ -44,7 +44,9 @@ def test_expand_in_place_spreads_each_value_over_its_tokens() -> None:
 
 def test_the_plugin_makes_vllms_cpu_expand_write_float_outputs() -> None:
     cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
-    pytest.importorskip("vllm._C")
+    # vLLM's kernels as vLLM loads them: the build for this CPU (vllm._C needs AVX-512 and
+    # BF16, and dies of an illegal instruction on a CPU without them).
+    pytest.importorskip("vllm.platforms").current_platform.import_kernels()
     from rollserve.engine import vllm_fixes
 
     temperature = torch.tensor([1.0, 0.7, 0.0])

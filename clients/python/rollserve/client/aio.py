@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any, cast
 
 import grpc
 import redis
@@ -38,6 +37,7 @@ from rollserve.client.consumer import (
     DEFAULT_DEDUPE_CAPACITY,
     DEFAULT_READ_COUNT,
     HEARTBEAT_SCRIPT,
+    PARK_SCRIPT,
     Batch,
     Budget,
     Claim,
@@ -138,6 +138,7 @@ class AsyncRolloutClient:
         self._channel = grpc.aio.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
+        self._park_script = self._redis.register_script(PARK_SCRIPT)
         self._beater: asyncio.Task[None] | None = None  # runs while entries are held
         # What Redis answered to the last heartbeat it refused (not an outage): said by the
         # reader, since held groups are no longer kept claimed.
@@ -206,7 +207,8 @@ class AsyncRolloutClient:
         iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
-                if (refused := self._heartbeat_refused) is not None:
+                refused, self._heartbeat_refused = self._heartbeat_refused, None
+                if refused is not None:  # (said once: a later refusal is said again)
                     raise StreamUnavailable(heartbeat_refused(refused))
                 batch = await self._read(self._state.next_read(now, budget))
                 self._ensure_heartbeat()
@@ -297,19 +299,33 @@ class AsyncRolloutClient:
         return batch
 
     async def _park(self) -> None:
-        """Moves the released entries to the parking consumer, idle for ``claim_idle_ms``:
-        the next claim scan of another consumer takes them."""
+        """Moves the released entries still pending here to the parking consumer, idle for
+        ``claim_idle_ms``: the next claim scan of another consumer takes them. One another
+        consumer took over meanwhile (its idle time had run out) stays with it."""
         ids = self._state.to_park()
-        if ids:
-            config = self.config
-            await self._redis.xclaim(
+        if not ids:
+            return
+        config = self.config
+        try:
+            await self._park_script(
+                keys=[config.stream],
+                args=[
+                    config.consumer_group,
+                    config.consumer_name,
+                    self._state.parking_name,
+                    config.claim_idle_ms,
+                    *ids,
+                ],
+            )
+        except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
+            if is_nogroup(exc):
+                raise
+            log.warning(
+                "stream %s: could not give up %d released entries (%s); other consumers "
+                "take them over after claim_idle_ms",
                 config.stream,
-                config.consumer_group,
-                self._state.parking_name,
-                0,
-                cast(Any, ids),  # (redis-py types the ids as one tuple element)
-                idle=config.claim_idle_ms,
-                justid=True,
+                len(ids),
+                exc,
             )
 
     async def _ensure_group(self) -> None:

@@ -70,8 +70,8 @@ from rollserve.client.consumer import ReceivedBase
 from rollserve.client.errors import (
     AlreadySubmitted,
     InvalidArgument,
+    ResourceExhausted,
     RolloutError,
-    SchedulerUnavailable,
 )
 from rollserve.client.types import CancelResult, PromptGroup
 from rollserve.client.wire import GroupResult
@@ -387,13 +387,14 @@ class _Launcher(Generic[R]):
         self._unsure.clear()
         self.say_refused()  # (refused groups of an earlier launch, cut off part way)
 
-    def failed(self, launch: Sequence[PromptGroup], exc: RolloutError) -> bool:
+    def failed(self, launch: Sequence[PromptGroup], exc: BaseException) -> bool:
         """A Submit of ``launch`` failed with ``exc``; True when the groups are to be sent one
         by one (the scheduler refused the launch as invalid), else they stay in the backlog
-        for the next try (and may have been queued if the call ran out of time)."""
+        for the next try. Unless the queue was full, they may have been queued: a call that
+        ran out of time, broke or was cancelled (the scheduler carries a Submit through)."""
         if isinstance(exc, InvalidArgument):
             return True
-        if isinstance(exc, SchedulerUnavailable):
+        if not isinstance(exc, ResourceExhausted):
             self._unsure.update(g.group_id for g in launch)
         return False
 
@@ -541,6 +542,8 @@ class StepBatcher(Generic[R]):
                         if received.group_id in unread:
                             unread.discard(received.group_id)
                             held.append(received)
+                        elif self._unknown == "discard":
+                            self._client.ack(received)
                         else:  # another trainer's: its own takes it over
                             _release(self._client, received)
                         if not unread:
@@ -558,7 +561,7 @@ class StepBatcher(Generic[R]):
             return
         try:
             self._client.submit(launch)
-        except RolloutError as exc:
+        except BaseException as exc:
             if not self._launcher.failed(launch, exc):
                 raise
             for group in launch:
@@ -566,7 +569,7 @@ class StepBatcher(Generic[R]):
                     self._client.submit([group])
                 except InvalidArgument as refused:
                     self._launcher.sent_alone(group, refused)
-                except RolloutError as other:
+                except BaseException as other:
                     self._launcher.failed([group], other)
                     raise
                 else:
@@ -650,6 +653,8 @@ class AsyncStepBatcher(Generic[R]):
                         if received.group_id in unread:
                             unread.discard(received.group_id)
                             held.append(received)
+                        elif self._unknown == "discard":
+                            await self._client.ack(received)
                         else:  # another trainer's: its own takes it over
                             _release(self._client, received)
                         if not unread:
@@ -667,7 +672,7 @@ class AsyncStepBatcher(Generic[R]):
             return
         try:
             await self._client.submit(launch)
-        except RolloutError as exc:
+        except BaseException as exc:
             if not self._launcher.failed(launch, exc):
                 raise
             for group in launch:
@@ -675,7 +680,7 @@ class AsyncStepBatcher(Generic[R]):
                     await self._client.submit([group])
                 except InvalidArgument as refused:
                     self._launcher.sent_alone(group, refused)
-                except RolloutError as other:
+                except BaseException as other:
                     self._launcher.failed([group], other)
                     raise
                 else:

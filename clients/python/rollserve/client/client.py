@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, cast
 
 import grpc
 import redis
@@ -32,6 +31,7 @@ from rollserve.client.consumer import (
     DEFAULT_DEDUPE_CAPACITY,
     DEFAULT_READ_COUNT,
     HEARTBEAT_SCRIPT,
+    PARK_SCRIPT,
     Batch,
     Budget,
     Claim,
@@ -152,6 +152,7 @@ class RolloutClient:
         self._channel = grpc.insecure_channel(scheduler_address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
+        self._park_script = self._redis.register_script(PARK_SCRIPT)
         self._beater: threading.Thread | None = None  # runs while entries are held
         # What Redis answered to the last heartbeat it refused (not an outage): said by the
         # reader, since held groups are no longer kept claimed.
@@ -242,7 +243,8 @@ class RolloutClient:
             iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
-                if (refused := self._heartbeat_refused) is not None:
+                refused, self._heartbeat_refused = self._heartbeat_refused, None
+                if refused is not None:  # (said once: a later refusal is said again)
                     raise StreamUnavailable(heartbeat_refused(refused))
                 with self._lock:
                     op = self._state.next_read(now, budget)
@@ -348,20 +350,34 @@ class RolloutClient:
         return batch
 
     def _park(self) -> None:
-        """Moves the released entries to the parking consumer, idle for ``claim_idle_ms``:
-        the next claim scan of another consumer takes them."""
+        """Moves the released entries still pending here to the parking consumer, idle for
+        ``claim_idle_ms``: the next claim scan of another consumer takes them. One another
+        consumer took over meanwhile (its idle time had run out) stays with it."""
         with self._lock:
             ids = self._state.to_park()
-        if ids:
-            config = self.config
-            self._redis.xclaim(
+        if not ids:
+            return
+        config = self.config
+        try:
+            self._park_script(
+                keys=[config.stream],
+                args=[
+                    config.consumer_group,
+                    config.consumer_name,
+                    self._state.parking_name,
+                    config.claim_idle_ms,
+                    *ids,
+                ],
+            )
+        except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
+            if is_nogroup(exc):
+                raise
+            log.warning(
+                "stream %s: could not give up %d released entries (%s); other consumers "
+                "take them over after claim_idle_ms",
                 config.stream,
-                config.consumer_group,
-                self._state.parking_name,
-                0,
-                cast(Any, ids),  # (redis-py types the ids as one tuple element)
-                idle=config.claim_idle_ms,
-                justid=True,
+                len(ids),
+                exc,
             )
 
     def _ensure_group(self) -> None:

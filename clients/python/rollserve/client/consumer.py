@@ -113,6 +113,21 @@ end
 return {claimed, others}
 """
 
+# KEYS: stream. ARGV: group, consumer, parking consumer, idle ms, then entry ids. Moves to the
+# parking consumer, idle, those of the ids still pending for the consumer (one another
+# consumer took over meanwhile stays its own); returns how many it moved.
+PARK_SCRIPT = """
+local moved = 0
+for i = 5, #ARGV do
+  local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #held > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
 
 # A read waits up to block_ms in Redis: the client's socket timeout must outlast it.
 READ_TIMEOUT_MARGIN_S = 5.0

@@ -142,6 +142,24 @@ def _log_crash(task: asyncio.Task[None]) -> None:
         log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
 
 
+# Replies of a Redis that may take the write later: out of memory under noeviction, a replica
+# turned read-only by a failover, a busy script, a load from disk, a failed save.
+_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MISCONF", "TRYAGAIN")
+_TRANSIENT_ERRORS = (
+    *_REDIS_ERRORS,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+)
+
+
+def _transient(exc: redis.exceptions.RedisError) -> bool:
+    if isinstance(exc, _TRANSIENT_ERRORS):
+        return True
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(
+        _TRANSIENT_REPLIES
+    )
+
+
 def _log_unheard(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.warning("%s, whose caller had gone, ended with: %s", task.get_name(), exc)
@@ -1614,12 +1632,20 @@ class SchedulerRuntime:
         waited out, and so is an error Redis answers (out of memory under ``noeviction``, a
         replica that became read-only, a busy script): the group is out of memory already,
         and given up it stayed pending in Redis, never delivered, until a restart. Only
-        LeaseLost (another scheduler took over) ends it."""
+        LeaseLost (another scheduler took over) and an answer no retry changes end it."""
         attempt = 0
         while True:
             try:
                 return await self._store.deliver(result)
             except redis.exceptions.RedisError as exc:
+                if not _transient(exc):  # (WRONGTYPE, a script's bug: no retry passes)
+                    log.error(
+                        "writing group %s to Redis: %s; not retried: the group stays "
+                        "pending in Redis, run again by the next scheduler to start",
+                        result.group_id,
+                        exc,
+                    )
+                    raise
                 delay = _REDIS_RETRY_S[min(attempt, len(_REDIS_RETRY_S) - 1)]
                 level = logging.WARNING if isinstance(exc, _REDIS_ERRORS) else logging.ERROR
                 log.log(
@@ -1758,10 +1784,15 @@ class SchedulerRuntime:
             if ending is not None and self._retire(ending.record):
                 endings.append(ending)
         self._wake.set()
-        if endings:  # (retired already: cut off, they stayed pending in Redis)
-            await self._carried_through(
-                self._write_endings(endings), f"endings on {engine.engine_id}"
+        if endings:
+            # In a task of its own: cut off with its caller (a registration's deadline), the
+            # retired groups stayed pending in Redis; awaited, a Redis that refuses for a
+            # while held up the caller (a publish, under the weights lock).
+            task = asyncio.create_task(
+                self._write_endings(endings), name=f"endings on {engine.engine_id}"
             )
+            self._tasks.add(task)
+            task.add_done_callback(self._call_ended)
 
     async def _write_endings(self, endings: Sequence[_Ending]) -> None:
         for ending in endings:

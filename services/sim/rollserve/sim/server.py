@@ -188,10 +188,12 @@ class SimEngineServicer(pb_grpc.EngineServicer):
         self._tick: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
-        """Stops the engine's flush ticks and its stepping."""
+        """Stops the engine's flush ticks, its stepping and the loads under way."""
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
+        for load in self._loads:
+            load.cancel()
         self.engine.close()
 
     def _flush_tick(self) -> None:
