@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from rollserve.client import AsyncRolloutClient
 from rollserve.client.wire import stream_key
-from rollserve.scheduler.store import Store
+from rollserve.scheduler.lease import LEASE_KEY, LeaseLost
+from rollserve.scheduler.store import Store, history_keys
 
 from tests.unit.fakes import FakeEngine
 from tests.unit.test_runtime import WAIT_S, eventually, make_runtime, new_run, specs
@@ -198,3 +199,44 @@ async def test_a_trim_redis_refuses_is_tried_again_and_fails_nothing(
     assert len(refused) == 3 and not failed
     said = [r for r in caplog.records if "refused to trim" in r.getMessage()]
     assert len(said) == 1
+
+
+async def test_a_store_that_lost_its_lease_trims_and_forgets_nothing(
+    store: tuple[Store, aioredis.Redis],
+) -> None:
+    """The trim and the drop of unloadable history are fenced by the lease as every other
+    write is: a scheduler that stalled while another took over removes nothing once it
+    wakes (LeaseLost, as for a delivery)."""
+    s, client = store
+    run = f"trim-{uuid.uuid4().hex[:8]}"
+    ids = await written(client, run, 3)
+    await client.xack(stream_key(run), "trainer", *await read(client, run, "trainer", 3))
+    records_key, used_key, _, _ = history_keys("default")
+    await client.hset(records_key, "k", b"record")
+    await client.zadd(used_key, {"k": 1})
+    s.lease(ttl_s=10, wait_s=1)  # (the store writes as its holder from now on)
+    await client.set(LEASE_KEY, "successor")
+    try:
+        with pytest.raises(LeaseLost, match="refused this scheduler's write"):
+            await s.trim_acked(run, retention_s=0)
+        with pytest.raises(LeaseLost, match="refused this scheduler's write"):
+            await s.drop_history_keys(["k"])
+        assert await left(client, run) == ids
+        assert await client.hkeys(records_key) == [b"k"]
+        assert await client.zrange(used_key, 0, -1) == [b"k"]
+    finally:
+        await client.delete(LEASE_KEY, records_key, used_key)
+
+
+async def test_history_keys_are_dropped_however_many(store: tuple[Store, aioredis.Redis]) -> None:
+    s, client = store
+    records_key, used_key, _, _ = history_keys("default")
+    keys = [f"k{i}" for i in range(9000)]  # (more than one script's arguments can unpack)
+    await client.hset(records_key, mapping=dict.fromkeys([*keys, "kept"], b"record"))
+    await client.zadd(used_key, dict.fromkeys([*keys, "kept"], 1))
+    try:
+        await s.drop_history_keys(keys)
+        assert await client.hkeys(records_key) == [b"kept"]
+        assert await client.zrange(used_key, 0, -1) == [b"kept"]
+    finally:
+        await client.delete(records_key, used_key)

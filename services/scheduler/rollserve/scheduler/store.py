@@ -164,6 +164,14 @@ redis.call('SET', KEYS[1], ARGV[1])
 return {1, wanted, current}
 """
 
+# KEYS: the history's records, its last-used times. ARGV: prompt keys. Forgets the keys.
+_DROP_HISTORY = """
+redis.call('HDEL', KEYS[1], unpack(ARGV))
+redis.call('ZREM', KEYS[2], unpack(ARGV))
+return 0
+"""
+_DROP_CHUNK = 1000
+
 # KEYS: stream. ARGV: retention, ms. Removes the entries every consumer group of the stream
 # has acknowledged that were written more than the retention ago; returns {removed, left}.
 # A group has acknowledged every entry before its oldest pending one, or, with none pending,
@@ -282,7 +290,8 @@ class Store:
         self._publish_version = self._fenced(_PUBLISH_VERSION)
         self._save_weights = self._fenced(_SAVE_WEIGHTS)
         self._forget_weights = self._fenced(_FORGET_WEIGHTS)
-        self._trim_acked = client.register_script(_TRIM_ACKED)
+        self._trim_acked = self._fenced(_TRIM_ACKED)
+        self._drop_history = self._fenced(_DROP_HISTORY)
 
     @classmethod
     def from_url(
@@ -365,9 +374,10 @@ class Store:
         """Removes the entries of the run's stream that every consumer group has acknowledged
         and that were written more than ``retention_s`` ago (none while no reader has made a
         consumer group); returns how many it removed and how many are left."""
-        removed, left = await self._trim_acked(
-            keys=[stream_key(run_id)], args=[round(retention_s * 1000)]
+        reply = await self._write(
+            self._trim_acked, [stream_key(run_id)], [round(retention_s * 1000)]
         )
+        removed, left = cast(list[int], reply)
         return int(removed), int(left)
 
     async def runs(self) -> list[str]:
@@ -467,7 +477,6 @@ class Store:
         """Forgets saved key records (ones that no longer load)."""
         if prompt_keys:
             records_key, used_key, _, _ = self._history_keys
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hdel(records_key, *prompt_keys)
-                pipe.zrem(used_key, *prompt_keys)
-                await pipe.execute()
+            for start in range(0, len(prompt_keys), _DROP_CHUNK):  # (Lua's unpack limit)
+                chunk = prompt_keys[start : start + _DROP_CHUNK]
+                await self._write(self._drop_history, [records_key, used_key], chunk)
