@@ -46,6 +46,7 @@ from rollserve.client.consumer import (
     heartbeat_refused,
     is_busygroup,
     is_nogroup,
+    park_refused,
     parse_delivery_count,
     parse_heartbeat,
     parse_xautoclaim,
@@ -357,28 +358,12 @@ class RolloutClient:
             ids = self._state.to_park()
         if not ids:
             return
-        config = self.config
         try:
-            self._park_script(
-                keys=[config.stream],
-                args=[
-                    config.consumer_group,
-                    config.consumer_name,
-                    self._state.parking_name,
-                    config.claim_idle_ms,
-                    *ids,
-                ],
-            )
+            self._park_script(keys=[self.config.stream], args=self._state.park_args(ids))
         except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
             if is_nogroup(exc):
                 raise
-            log.warning(
-                "stream %s: could not give up %d released entries (%s); other consumers "
-                "take them over after claim_idle_ms",
-                config.stream,
-                len(ids),
-                exc,
-            )
+            park_refused(self.config.stream, len(ids), exc)
 
     def _ensure_group(self) -> None:
         if self._state.group_ready:

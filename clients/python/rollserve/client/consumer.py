@@ -169,6 +169,18 @@ def heartbeat_refused(exc: Exception) -> str:
     )
 
 
+def park_refused(stream: str, count: int, exc: Exception) -> None:
+    """Says that Redis refused PARK_SCRIPT (no scripting): not fatal, since other consumers
+    take the released entries over once idle past claim_idle_ms anyway."""
+    log.warning(
+        "stream %s: could not give up %d released entries (%s); other consumers take them "
+        "over after claim_idle_ms",
+        stream,
+        count,
+        exc,
+    )
+
+
 def default_consumer_name() -> str:
     """``host-pid-random``: unique per process; pass your own to resume after a restart."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -590,9 +602,21 @@ class ConsumerState:
         return f"{self.config.consumer_name}.released"
 
     def to_park(self) -> list[str]:
-        """The released entries to move to the parking consumer now (the caller does)."""
+        """The released entries to move to the parking consumer now (the caller does, with
+        PARK_SCRIPT and ``park_args``)."""
         ids, self._to_park = list(self._to_park), {}
         return ids
+
+    def park_args(self, ids: Sequence[str]) -> list[str | int]:
+        """PARK_SCRIPT's arguments (its one key is the stream) for moving ``ids``."""
+        config = self.config
+        return [
+            config.consumer_group,
+            config.consumer_name,
+            self.parking_name,
+            config.claim_idle_ms,
+            *ids,
+        ]
 
     # ------------------------------------------------------------- heartbeat
 
