@@ -195,3 +195,15 @@ def test_parse_heartbeat() -> None:
     reply = parse_heartbeat([[b"1-0", b"2-0"], [b"3-0", b"B", b"4-0", b"C"]])
     assert reply == HeartbeatReply(claimed=["1-0", "2-0"], taken={"3-0": "B", "4-0": "C"})
     assert parse_heartbeat([[], []]) == HeartbeatReply(claimed=[], taken={})
+
+
+def test_a_park_that_did_not_reach_redis_is_tried_again_unless_acknowledged() -> None:
+    state = make_state()
+    hand_out_all(state, read(state, entry("1-0", "a"), entry("2-0", "b")))
+    state.release("1-0")
+    state.release("2-0")
+    ids = state.to_park()
+    state.acked("2-0")  # (the caller acknowledged it meanwhile)
+    state.park_failed(ids)
+    assert state.to_park() == ["1-0"]
+    assert state.park_args(["1-0"])[2:] == ["me.released", state.config.claim_idle_ms, "1-0"]

@@ -609,6 +609,45 @@ async def test_groups_ended_by_a_registration_are_written_without_holding_it(
     assert result.status == GroupStatus.FAILED and "re-registered" in result.error
 
 
+async def test_one_ending_redis_refuses_for_good_leaves_the_others_written(
+    redis_url: str,
+) -> None:
+    """An engine re-registers while two groups with no attempt left run on it: Redis refuses
+    the first ending for good (WRONGTYPE); the second is still written (the first refusal
+    ended the loop, and the rest stayed pending in Redis). Faked: that refusal."""
+    old = await FakeEngine("a", behaviour=Behaviour.HANG).start()
+    new = await FakeEngine("a").start()
+    runtime = await make_runtime(redis_url, [old], max_attempts=1)
+    real_deliver = runtime._store.deliver
+    refused: list[str] = []
+
+    async def deliver(result: GroupResult) -> str | None:
+        if not refused:
+            refused.append(result.group_id)
+            raise redis.exceptions.ResponseError(
+                "WRONGTYPE Operation against a key holding the wrong kind of value"
+            )
+        return await real_deliver(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 2))
+
+        async def hanging() -> bool:
+            return old.hanging >= 2
+
+        await eventually(hanging, "both groups to run on the old engine")
+        await runtime.register_engine("a", new.address)
+        [result] = await read_stream(redis_url, run, 1)
+        await runtime._store.cancel(run, refused)  # (else the next test's scheduler runs it)
+    finally:
+        await runtime.stop()
+        await old.stop()
+        await new.stop()
+    assert result.group_id != refused[0] and result.status == GroupStatus.FAILED
+
+
 async def test_publishes_at_once_each_cap_the_tokens_made_before_them(redis_url: str) -> None:
     """Two publishes without weights at once (v1, v2): the tokens made before v2 count as v1,
     not v0 (each read the version before them, 0, before Redis answered)."""

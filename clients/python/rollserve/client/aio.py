@@ -308,6 +308,9 @@ class AsyncRolloutClient:
             return
         try:
             await self._park_script(keys=[self.config.stream], args=self._state.park_args(ids))
+        except REDIS_DOWN:
+            self._state.park_failed(ids)
+            raise
         except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
             if is_nogroup(exc):
                 raise

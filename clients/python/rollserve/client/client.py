@@ -244,7 +244,8 @@ class RolloutClient:
             iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
-                refused, self._heartbeat_refused = self._heartbeat_refused, None
+                with self._lock:  # (the heartbeat's thread sets it)
+                    refused, self._heartbeat_refused = self._heartbeat_refused, None
                 if refused is not None:  # (said once: a later refusal is said again)
                     raise StreamUnavailable(heartbeat_refused(refused))
                 with self._lock:
@@ -360,6 +361,10 @@ class RolloutClient:
             return
         try:
             self._park_script(keys=[self.config.stream], args=self._state.park_args(ids))
+        except REDIS_DOWN:
+            with self._lock:
+                self._state.park_failed(ids)
+            raise
         except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
             if is_nogroup(exc):
                 raise
@@ -437,7 +442,8 @@ class RolloutClient:
                 reply = parse_heartbeat(raw)
             except redis.RedisError as exc:
                 if isinstance(exc, redis.ResponseError) and not is_nogroup(exc):
-                    self._heartbeat_refused = exc  # the reader raises it at its next step
+                    with self._lock:  # the reader raises it at its next step
+                        self._heartbeat_refused = exc
                 log.warning(
                     "stream %s: heartbeat of %d held entries failed (%s); retrying in %.1f s",
                     config.stream,
@@ -446,8 +452,8 @@ class RolloutClient:
                     config.heartbeat_interval_s,
                 )
                 return
-            self._heartbeat_refused = None
             with self._lock:
+                self._heartbeat_refused = None
                 self._state.on_heartbeat(chunk, reply)
 
     # ------------------------------------------------------------ lifecycle

@@ -607,6 +607,13 @@ class ConsumerState:
         ids, self._to_park = list(self._to_park), {}
         return ids
 
+    def park_failed(self, ids: Sequence[str]) -> None:
+        """The move of ``ids`` did not reach Redis (an outage): the next read tries again
+        for those still released (not acknowledged meanwhile)."""
+        for entry_id in ids:
+            if entry_id in self._released:
+                self._to_park[entry_id] = None
+
     def park_args(self, ids: Sequence[str]) -> list[str | int]:
         """PARK_SCRIPT's arguments (its one key is the stream) for moving ``ids``."""
         config = self.config

@@ -99,7 +99,7 @@ from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
-from rollserve.scheduler.store import FleetWeights, Store
+from rollserve.scheduler.store import FleetWeights, Store, may_pass_later
 from rollserve.scheduler.trim import TrimSchedule
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
@@ -140,24 +140,6 @@ def _log_crash(task: asyncio.Task[None]) -> None:
     exc = None if task.cancelled() else task.exception()
     if exc is not None and not isinstance(exc, LeaseLost):  # (said once, as the runtime halts)
         log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
-
-
-# Replies of a Redis that may take the write later: out of memory under noeviction, a replica
-# turned read-only by a failover, a busy script, a load from disk, a failed save.
-_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MISCONF", "TRYAGAIN")
-_TRANSIENT_ERRORS = (
-    *_REDIS_ERRORS,
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-)
-
-
-def _transient(exc: redis.exceptions.RedisError) -> bool:
-    if isinstance(exc, _TRANSIENT_ERRORS):
-        return True
-    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(
-        _TRANSIENT_REPLIES
-    )
 
 
 def _log_unheard(task: asyncio.Task[Any]) -> None:
@@ -1638,7 +1620,7 @@ class SchedulerRuntime:
             try:
                 return await self._store.deliver(result)
             except redis.exceptions.RedisError as exc:
-                if not _transient(exc):  # (WRONGTYPE, a script's bug: no retry passes)
+                if not may_pass_later(exc):  # (WRONGTYPE, a script's bug: no retry passes)
                     log.error(
                         "writing group %s to Redis: %s; not retried: the group stays "
                         "pending in Redis, run again by the next scheduler to start",
@@ -1796,7 +1778,10 @@ class SchedulerRuntime:
 
     async def _write_endings(self, endings: Sequence[_Ending]) -> None:
         for ending in endings:
-            await self._write_ending(ending)
+            # One Redis refuses for good (logged by _write) stays pending for a restart; the
+            # rest, of other runs maybe, are still written.
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self._write_ending(ending)
 
     def _requeue(self, call: _Call, reason: str) -> _Ending | None:
         """Queues the call's unfinished samples again; says how the group ends instead when

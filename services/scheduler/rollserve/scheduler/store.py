@@ -36,6 +36,7 @@ that runs, and a version it stored would be one that scheduler does not know.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -272,6 +273,32 @@ def history_keys(namespace: str) -> tuple[str, str, str, str]:
     (string) and the counter that orders writes."""
     prefix = f"{KEY_PREFIX}:pred:{{{namespace}}}"
     return f"{prefix}:keys", f"{prefix}:used", f"{prefix}:globals", f"{prefix}:clock"
+
+
+# Redis's codes for a refusal that a later try may pass: out of memory under noeviction, a
+# replica a failover turned read-only, a failed save (MISCONF), a busy script, a load from
+# disk, too few replicas or a primary down. Redis 6 wraps an error inside a script
+# ("ERR Error running script ...: -OOM command not allowed ..."), so the code is looked for
+# after a dash too. (BUSYGROUP is another thing: the word must end.)
+_LATER_CODES = re.compile(
+    r"(?:^|-)(?:OOM|READONLY|MISCONF|BUSY|LOADING|NOREPLICAS|MASTERDOWN|TRYAGAIN)\b"
+)
+_LATER_ERRORS = (
+    redis.exceptions.ConnectionError,  # (BusyLoadingError too)
+    redis.exceptions.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+)
+
+
+def may_pass_later(exc: redis.exceptions.RedisError) -> bool:
+    """Whether a write Redis refused with ``exc`` may pass if tried again (an outage, or a
+    refusal of the moment); False for one no retry changes (WRONGTYPE, a script's error)."""
+    if isinstance(exc, _LATER_ERRORS):
+        return True
+    return bool(_LATER_CODES.search(str(exc)))
 
 
 class Store:
