@@ -30,6 +30,14 @@ PROMPTS = [list(range(start, start + 64)) for start in (100, 300, 500)]
 LOGPROB_TOLERANCE = 0.05
 """Largest difference allowed between a token's logprob with and without speculation: the
 verification pass scores several positions at once, which moves bf16 results a little."""
+TIE_TOLERANCE = 0.02
+"""Where a speculating engine's greedy token differs from the reference's, the most their
+two tokens' logprobs may differ for the difference to be a near-tie that bf16 rounding
+ordered otherwise: the tiny random model's next-token distributions are nearly flat
+(logprobs -6.2 to -6.8), so two tokens within bf16's relative precision (2^-8 of the
+logits) come up in a 200-token sample. Seen on an AVX2 CPU (bf16 without native support):
+one sample in six differed at token 119, the two tokens' logprobs 0.004 apart, every
+logprob before it equal. A draft accepted wrongly is off by up to 0.5."""
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +99,27 @@ async def greedy(
     return done
 
 
+def assert_same_greedy(got: pb.Complete, want: pb.Complete, what: str) -> None:
+    """``got`` (a speculating engine's) made ``want``'s greedy tokens (the reference's), with
+    logprobs within LOGPROB_TOLERANCE; up to a near-tie: where the tokens first differ, the
+    two tokens' logprobs are within TIE_TOLERANCE (rounding chose between equals), and the
+    rest is not compared (each went on from another context)."""
+    pairs = enumerate(zip(got.token_ids, want.token_ids, strict=False))
+    differ = next((i for i, (a, b) in pairs if a != b), None)
+    end = len(want.token_ids) if differ is None else differ
+    if differ is None:
+        assert list(got.token_ids) == list(want.token_ids), what
+        assert got.finish_reason == want.finish_reason, what
+    else:
+        gap = abs(got.logprobs[differ] - want.logprobs[differ])
+        assert gap <= TIE_TOLERANCE, f"{what}: token {differ} differs, logprobs {gap:.4f} apart"
+    worst = max(
+        (abs(a - b) for a, b in zip(got.logprobs[:end], want.logprobs[:end], strict=True)),
+        default=0.0,
+    )
+    assert worst <= LOGPROB_TOLERANCE, f"{what}: logprobs differ by {worst}"
+
+
 async def test_ngram_keeps_greedy_output_and_reports_accepted_drafts(
     spec_stub: pb_grpc.EngineAsyncStub, plain_stub: pb_grpc.EngineAsyncStub
 ) -> None:
@@ -103,12 +132,9 @@ async def test_ngram_keeps_greedy_output_and_reports_accepted_drafts(
         drafts_by_sample += spec.spec_drafts
         assert spec.spec_accepted_tokens <= spec.spec_draft_tokens
         plain = (await greedy(plain_stub, f"plain-{i}", prompt))[0]
-        assert list(spec.token_ids) == list(plain.token_ids), f"prompt {i}"
-        assert spec.finish_reason == plain.finish_reason
         assert (plain.spec_draft_tokens, plain.spec_accepted_tokens) == (0, 0)
         assert len(spec.logprobs) == len(spec.token_ids)
-        worst = max(abs(a - b) for a, b in zip(spec.logprobs, plain.logprobs, strict=True))
-        assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprobs differ by {worst}"
+        assert_same_greedy(spec, plain, f"prompt {i}")
     after = await spec_stub.Stats(pb.StatsRequest())
     drafts = after.spec_drafts - before.spec_drafts
     draft_tokens = after.spec_draft_tokens - before.spec_draft_tokens
