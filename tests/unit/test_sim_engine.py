@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest, StepResult
-from rollserve.sim.profile import CostProfile, load_profile, profile_names
+from rollserve.sim.profile import CostProfile, cpu_profile_name, load_profile, profile_names
 
 # Round coefficients so that a step's time can be written down by hand.
 BASE, PER_SEQ, PER_PREFILL, PER_KV = 1.0, 0.1, 0.01, 0.001
@@ -320,12 +320,16 @@ def test_step_time_is_the_linear_cost_model() -> None:
 
 def test_shipped_profiles_load() -> None:
     names = profile_names()
-    assert {"gpu-h100-llama8b", "cpu-tiny"} <= set(names)
+    assert {"gpu-h100-llama8b", "cpu-tiny", "cpu-tiny-avx2"} <= set(names)
     for name in names:
         profile = load_profile(name)
         assert profile.name == name
         assert profile.source and profile.simulated_hardware
-    assert "rollserve sim calibrate" in load_profile("cpu-tiny").source  # calibrated here
+    for name in ("cpu-tiny", "cpu-tiny-avx2"):
+        assert "rollserve sim calibrate" in load_profile(name).source  # calibrated here
+    # vLLM emulates bfloat16 with AVX2 alone: each decoding sequence costs several times more
+    native, avx2 = load_profile("cpu-tiny"), load_profile("cpu-tiny-avx2")
+    assert avx2.per_decode_seq_s > 3 * native.per_decode_seq_s
     gpu = load_profile("gpu-h100-llama8b")
     assert 5e-3 < gpu.step_time(1, 0, 1000) < 10e-3  # one stream decodes at 100-200 tokens/s
 
@@ -450,3 +454,20 @@ def test_calibrated_engines_is_optional_and_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="calibrated_engines must be an integer"):
         load_profile(path)
     assert load_profile("gpu-h100-llama8b").calibrated_engines is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        ("fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_tile", "cpu-tiny"),
+        ("fpu sse2 avx avx2 fma amx_bf16 amx_tile", "cpu-tiny"),
+        ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl", "cpu-tiny-avx2"),
+        ("fpu sse2 avx avx2 fma", "cpu-tiny-avx2"),
+        (None, "cpu-tiny"),  # no flags line (another architecture): the default
+    ],
+)
+def test_the_cpu_profile_is_the_one_fitted_on_a_cpu_like_this(flags: str | None, name: str) -> None:
+    cpuinfo = "processor\t: 0\nmodel name\t: AMD EPYC\n" + (
+        "" if flags is None else f"flags\t\t: {flags}\n"
+    )
+    assert cpu_profile_name(cpuinfo) == name

