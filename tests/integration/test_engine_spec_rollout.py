@@ -114,7 +114,7 @@ async def test_a_long_history_indexed_on_the_drafter_s_thread_is_drafted_from(
         await greedy(rollout_stub, "thread-0", prompt, earlier_outputs=[made.token_ids] * copies)
     )[0]
     fresh = (await greedy(rollout_stub, "thread-control", control))[0]
-    assert list(told.token_ids) == list(made.token_ids)
+    assert_same_greedy(told, made)
     assert told.spec_accepted_tokens > fresh.spec_accepted_tokens, (
         told.spec_accepted_tokens,
         fresh.spec_accepted_tokens,
@@ -143,17 +143,18 @@ async def test_outputs_added_outside_a_call_are_drafted_from_by_the_prompt_s_nex
 
 def assert_drafted_from(made: pb.Complete, told: pb.Complete, fresh: pb.Complete) -> None:
     """``told``, greedy on a prompt whose output ``made`` the drafter was given, made the same
-    tokens, drafted nearly all of them from it, and more than ``fresh`` (a prompt it had
-    nothing of) took from drafts."""
-    assert list(told.token_ids) == list(made.token_ids)
-    tokens = len(told.token_ids)
+    tokens (up to a near-tie, after which the drafts of ``made`` no longer fit), drafted
+    nearly all of them from it, and more than ``fresh`` (a prompt it had nothing of) took
+    from drafts."""
+    shared = assert_same_greedy(told, made)
     assert told.spec_draft_tokens > 0
-    assert told.spec_accepted_tokens >= 0.9 * told.spec_draft_tokens, (
-        told.spec_accepted_tokens,
-        told.spec_draft_tokens,
-    )
+    if shared == len(made.token_ids):  # (else the drafts after the tie were turned down)
+        assert told.spec_accepted_tokens >= 0.9 * told.spec_draft_tokens, (
+            told.spec_accepted_tokens,
+            told.spec_draft_tokens,
+        )
     # all but the tokens the passes sampled themselves came from drafts
-    assert told.spec_accepted_tokens >= 0.7 * tokens, (told.spec_accepted_tokens, tokens)
+    assert told.spec_accepted_tokens >= 0.7 * shared, (told.spec_accepted_tokens, shared)
     assert told.spec_accepted_tokens > fresh.spec_accepted_tokens, (
         told.spec_accepted_tokens,
         fresh.spec_accepted_tokens,
@@ -213,4 +214,4 @@ async def test_no_request_crashes_the_engine_or_its_drafter(
         timeout_s=120,
     )
     after = (await greedy(rollout_stub, "fuzz-after", prompt))[0]
-    assert list(after.token_ids) == list(before.token_ids)
+    assert_same_greedy(after, before)  # (drafted from it: other verification passes)
