@@ -504,6 +504,21 @@ async def test_a_delivery_redis_refuses_for_a_while_is_retried(redis_url: str) -
     assert refusals == ["g0"] and result.group_id == "g0" and not failed
 
 
+def refuse_for_good(runtime: SchedulerRuntime, refuses: Callable[[str], bool]) -> None:
+    """Redis answers WRONGTYPE (an answer no retry changes) to the deliveries of the groups
+    ``refuses`` says so of, by group id, and takes the others."""
+    real_deliver = runtime._store.deliver
+
+    async def deliver(result: GroupResult) -> str | None:
+        if refuses(result.group_id):
+            raise redis.exceptions.ResponseError(
+                "WRONGTYPE Operation against a key holding the wrong kind of value"
+            )
+        return await real_deliver(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+
+
 async def test_a_delivery_no_retry_can_pass_is_tried_once_and_said(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -513,18 +528,13 @@ async def test_a_delivery_no_retry_can_pass_is_tried_once_and_said(
     caplog.set_level(logging.WARNING, logger="rollserve")
     engine = await FakeEngine("e0").start()
     runtime = await make_runtime(redis_url, [engine])
-    real_deliver = runtime._store.deliver
     tries: list[str] = []
 
-    async def deliver(result: GroupResult) -> str | None:
-        tries.append(result.group_id)
-        if result.group_id == "bad":
-            raise redis.exceptions.ResponseError(
-                "WRONGTYPE Operation against a key holding the wrong kind of value"
-            )
-        return await real_deliver(result)
+    def refuses(group_id: str) -> bool:
+        tries.append(group_id)
+        return group_id == "bad"
 
-    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    refuse_for_good(runtime, refuses)
     run = new_run()
     try:
         await runtime.submit(run, [spec("bad", run_id=run)])
@@ -618,18 +628,15 @@ async def test_one_ending_redis_refuses_for_good_leaves_the_others_written(
     old = await FakeEngine("a", behaviour=Behaviour.HANG).start()
     new = await FakeEngine("a").start()
     runtime = await make_runtime(redis_url, [old], max_attempts=1)
-    real_deliver = runtime._store.deliver
     refused: list[str] = []
 
-    async def deliver(result: GroupResult) -> str | None:
-        if not refused:
-            refused.append(result.group_id)
-            raise redis.exceptions.ResponseError(
-                "WRONGTYPE Operation against a key holding the wrong kind of value"
-            )
-        return await real_deliver(result)
+    def refuses(group_id: str) -> bool:  # the first ending only
+        if refused:
+            return False
+        refused.append(group_id)
+        return True
 
-    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    refuse_for_good(runtime, refuses)
     run = new_run()
     try:
         await runtime.submit(run, specs(run, 2))
