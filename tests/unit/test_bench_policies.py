@@ -99,3 +99,31 @@ def test_the_history_flags_are_checked_before_anything_runs(
 
     with pytest.raises(SystemExit, match=match):
         main(["bench", "policies", "--out-dir", str(tmp_path), *flags])
+
+
+def test_another_profile_runs_the_same_groups_on_other_engines(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO)
+    runs = {}
+    for profile in (None, "cpu-tiny-avx2"):
+        with open(tmp_path / "log.txt", "w") as log:
+            runs[profile] = run_policies(
+                PoliciesConfig(
+                    scenario=str(scenario),
+                    profile=profile,
+                    policies=("round_robin",),
+                    out_dir=tmp_path / "out",
+                ),
+                Console(file=log, width=190),
+            )
+    gpu, cpu = runs[None], runs["cpu-tiny-avx2"]
+    assert (gpu["profile"], cpu["profile"]) == ("gpu-h100-llama8b", "cpu-tiny-avx2")
+    # The same samples (the scenario draws them), on engines of other step costs.
+    assert cpu["length_max"] == gpu["length_max"]
+    rows = gpu["policies"]["round_robin"], cpu["policies"]["round_robin"]
+    assert rows[1]["output_tokens_per_s"] * rows[1]["makespan_s"] == pytest.approx(
+        rows[0]["output_tokens_per_s"] * rows[0]["makespan_s"]
+    )
+    assert rows[1]["makespan_s"] != pytest.approx(rows[0]["makespan_s"], rel=0.01)
+    with pytest.raises(ValueError, match="profile 'nope': no shipped profile of that name"):
+        run_policies(PoliciesConfig(scenario=str(scenario), profile="nope", out_dir=tmp_path))

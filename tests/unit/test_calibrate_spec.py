@@ -7,7 +7,9 @@ the design's phases below (each step's time from known costs); no timing is meas
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -20,9 +22,11 @@ from rollserve.sim.calibrate_spec import (
     cli_main,
     fit_spec_costs,
     nnls,
+    pays_up_to,
     spec_design,
     track_spec_steps,
 )
+from rollserve.sim.profile import SpecDecoding
 
 TRUE = SpecFit(
     step_base_s=2.0e-3,
@@ -193,6 +197,97 @@ def test_analysis_of_a_measurement_prints_the_flags_of_the_costs_it_recovers() -
     assert rows["B1-S1"]["spec_tokens_per_s"] > 2 * rows["B1-S1"]["plain_tokens_per_s"]
     assert rows["B1-S0"]["draft_tokens_a_step"] == 0
     assert rows["B4-S4"]["fitted_s"] == pytest.approx(rows["B4-S4"]["spec_step_s"])
+    # And the batch up to which speculation pays at the workload's drafts (the defaults).
+    assert out["pays_up_to"] == {
+        "accept_len": 2.0,
+        "drafted": 2.34,
+        "k": 4,
+        "batch": pays_up_to(out_fit(out), k=4, accept_len=2.0, drafted=2.34),
+    }
+    assert f"--spec-max-batch {out['pays_up_to']['batch']}" in text
+
+
+def out_fit(out: dict[str, object]) -> SpecFit:
+    fit = dict(out["fit"])  # type: ignore[call-overload]
+    fit["clamped"] = tuple(fit["clamped"])
+    return SpecFit(**fit)
+
+
+def measurement(batches: tuple[int, ...] = (1, 4, 16), costs: SpecFit = TRUE) -> dict[str, object]:
+    """A calibrate-spec measurement of the design's phases at ``batches`` on ``costs``."""
+    records: dict[str, dict[str, object]] = {}
+    for batch in batches:
+        for shared in sorted({0, batch // 2, batch}):
+            records[f"r0-spec-B{batch}-S{shared}"] = {
+                engine: {
+                    "iterations": [
+                        it.to_json()
+                        for it in phase_iterations(
+                            batch, shared, spec=engine == "spec", costs=costs
+                        )
+                    ]
+                }
+                for engine in ("plain", "spec")
+            }
+    return {"method": "rollout", "k": 4, "records": records}
+
+
+def test_speculation_pays_in_small_batches_where_a_draft_token_costs_a_sequence() -> None:
+    # The two CPUs of docs/calibration.md: native bfloat16 (a draft token 53 µs against 91 µs
+    # a sequence) and AVX2 alone, which emulates it (391 against 400).
+    native = SpecFit(2.81e-3, 90.9e-6, 330e-9, 0.78e-3, 32.1e-6, 53.4e-6, 1.0, 1.0, ())
+    avx2 = SpecFit(4.187e-3, 400.2e-6, 284.7e-9, 1.203e-3, 0.0, 391.2e-6, 1.0, 1.0, ())
+    assert pays_up_to(native, k=4, accept_len=2.0, drafted=2.34) == 30
+    assert pays_up_to(avx2, k=4, accept_len=2.0, drafted=2.34) == 5
+    # Better drafts pay in bigger batches; ngram's (1.34 tokens a pass) hardly anywhere.
+    assert pays_up_to(avx2, k=4, accept_len=3.0, drafted=4.0) == 9
+    assert pays_up_to(avx2, k=4, accept_len=1.34, drafted=2.0) == 0
+    assert pays_up_to(native, k=4, accept_len=1.34, drafted=2.0) == 1
+    # By hand at the avx2 break-even: 5 sequences gain, 6 lose.
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, drafted=2.34)
+    on = avx2.profile(spec)
+    off = on.with_spec(None)
+    assert on.step_time(5, 0, 0) < off.step_time(5, 0, 0)
+    assert on.step_time(6, 0, 0) > off.step_time(6, 0, 0)
+
+
+def test_an_earlier_run_is_analysed_again_from_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"measurement": measurement()}))
+    assert cli_main(["--from-json", str(path), "--accept", "3", "--drafted", "4"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--spec-pass-s 0.0014 --spec-draft-s 2.5e-05 --spec-token-s 3.5e-05" in text
+    # A pass saves 2 bases less the path (2 x 2.0 - 1.4 ms) and costs a sequence 25 + 4 x 35
+    # against the 2 x 60 µs its 2 extra tokens save: 45 µs b < 2.6 ms, b up to 57.
+    assert "at 3 tokens a drafted pass and 4 draft tokens" in text
+    assert "pays in steps of up to 57 sequences: the engines' --spec-max-batch 57" in text
+    # At 4 tokens a pass a sequence costs less speculating: every step.
+    assert cli_main(["--from-json", str(path), "--accept", "4", "--drafted", "4"]) == 0
+    assert "pays in every step: --spec-max-batch 0" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("content", "argv", "message"),
+    [
+        ("{}", [], "not a file written by calibrate-spec --json"),
+        ("not json", [], "not a file written by calibrate-spec --json"),
+        (None, [], "not a file written by calibrate-spec --json"),
+        ("measurement", ["--drafted", "5"], r"drafted \(5.0\) must be between 0 and draft_tokens"),
+        ("measurement", ["--accept", "6"], r"accept_len \(6.0\) must be between 1 and"),
+    ],
+)
+def test_a_bad_from_json_or_drafts_are_named(
+    tmp_path: Path, content: str | None, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "run.json"
+    if content == "measurement":
+        path.write_text(json.dumps({"measurement": measurement((1,))}))
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=message):
+        cli_main(["--from-json", str(path), *argv])
 
 
 @pytest.mark.parametrize(

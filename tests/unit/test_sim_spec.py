@@ -96,6 +96,31 @@ def test_with_spec_turns_it_on_and_off() -> None:
     assert on.step_time(1, 0, 10) < make_profile().step_time(1, 0, 10)
 
 
+def test_speculation_pays_up_to_the_batch_where_a_pass_stops_saving_bases() -> None:
+    # A pass saves accept_len - 1 = 1 step base (1.0) less pass_s (0.25) on any batch and costs
+    # each sequence 2 draft tokens (0.2) against the 0.1 that decoding a token more saves it:
+    # 0.1 b < 0.75, so it pays up to b = 7 and not at 8 (the profile's max_num_seqs).
+    spec = SpecDecoding(draft_tokens=4, accept_len=2.0, drafted=2.0, token_s=0.1, pass_s=0.25)
+    profile = make_engine_profile(spec=spec)
+    assert profile.spec_pays_up_to() == 7
+    on, off = profile.with_spec(replace(spec, max_batch=0)), profile.with_spec(None)
+    assert on.step_time(7, 0, 0) < off.step_time(7, 0, 0)
+    assert on.step_time(8, 0, 0) > off.step_time(8, 0, 0)
+    # The profile's own max_batch does not enter: it is what the answer is for.
+    assert profile.with_spec(replace(spec, max_batch=2)).spec_pays_up_to() == 7
+    # A context is read once a pass, for accept_len tokens: 100 tokens a sequence make the
+    # extra cost of a sequence 0, so it pays in every step.
+    assert profile.spec_pays_up_to(context_tokens=100) == profile.max_num_seqs
+    # Cheap draft tokens (a GPU's, a CPU with native bfloat16): every step.
+    assert profile.with_spec(replace(spec, token_s=0.01)).spec_pays_up_to() == 8
+    # A speculative path that costs the whole base it saves: not even a lone sequence.
+    assert profile.with_spec(replace(spec, pass_s=1.0)).spec_pays_up_to() == 0
+    with pytest.raises(ValueError, match="needs a spec table"):
+        make_engine_profile().spec_pays_up_to()
+    with pytest.raises(ValueError, match=r"context_tokens \(-1\) must be >= 0"):
+        profile.spec_pays_up_to(context_tokens=-1)
+
+
 def test_the_engine_decodes_a_lone_sample_faster_and_counts_its_speculating_steps() -> None:
     spec = SpecDecoding(draft_tokens=4, accept_len=2.0, max_batch=1)
 
@@ -271,6 +296,10 @@ def test_bench_rows_with_spec_run_on_speculating_engines(tmp_path: Path) -> None
     assert rows["round_robin+spec"]["vs_round_robin"] > 1
     assert out["step_floor_spec_s"] < out["step_floor_s"]
     assert out["spec"]["accept_len"] == 2.0
+    pays = out["spec"]["pays_up_to"]
+    assert pays == load_profile("gpu-h100-llama8b").with_spec(spec).spec_pays_up_to()
+    log = (tmp_path / "log.txt").read_text()
+    assert f"plain decoding in steps of up to {pays} sequences (--spec-max-batch {pays})" in log
     assert json.loads((tmp_path / "out.json").read_text())["spec"]["rows"] == [
         "round_robin+spec",
         "rl+spec",

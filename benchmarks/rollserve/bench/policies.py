@@ -71,6 +71,7 @@ class PoliciesConfig:
     scenario: str = "S1"
     steps: int | None = None
     engines: int | None = None
+    profile: str | None = None  # a shipped profile's name or a TOML file; None: the scenario's
     policies: tuple[str, ...] = DEFAULT_POLICIES
     warm_steps: int = 1
     oversample: float | None = None  # None: synchronous steps
@@ -133,6 +134,8 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
     scenario = load_scenario(cfg.scenario)
     if cfg.engines is not None:
         scenario = replace(scenario, engines=cfg.engines)
+    if cfg.profile is not None:
+        scenario = replace(scenario, profile=cfg.profile)
     measured = cfg.steps or scenario.steps
     over = cfg.oversample
     # Over-sampled runs draw more groups than they deliver: enough scenario steps to feed them.
@@ -278,9 +281,17 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         out["max_spec_vs_sync_round_robin"] = (
             reference.makespan_s / spec_floor if reference else None
         )
+        pays = profile.with_spec(replace(cfg.spec, accept_by_history=())).spec_pays_up_to()
+        out["spec"]["pays_up_to"] = pays
         console.print(
             f"floor with speculation: {spec_floor * spans:.1f} s; no speculating policy beats "
-            f"{_times(out['max_spec_vs_sync_round_robin'])} synchronous {BASELINE}"
+            f"{_times(out['max_spec_vs_sync_round_robin'])} synchronous {BASELINE}\n"
+            f"speculation at {cfg.spec.accept_len:g} tokens a pass costs less a token than "
+            + (
+                f"plain decoding in steps of up to {pays} sequences (--spec-max-batch {pays})"
+                if pays
+                else "plain decoding in no step on these costs"
+            )
         )
     figures = _figures(results, lengths, cfg.out_dir, scenario.name)
     out["figures"] = [str(p) for p in figures]

@@ -176,6 +176,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 scenario=args.scenario,
                 steps=args.steps,
                 engines=args.engines,
+                profile=args.profile,
                 policies=policies or DEFAULT_POLICIES,
                 warm_steps=args.warm_steps,
                 oversample=args.oversample,
@@ -352,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     policies.add_argument("--steps", type=positive_int, help="override the scenario's steps")
     policies.add_argument("--engines", type=positive_int, help="override the scenario's engines")
+    policies.add_argument(
+        "--profile",
+        help=(
+            "override the scenario's cost profile: a shipped name or a TOML file (P1 on "
+            "cpu-tiny-avx2: the peer workload on a CPU with AVX2 alone)"
+        ),
+    )
     policies.add_argument(
         "--policies",
         help="comma-separated (default: the baselines, rl and the oracles; also rl_moves: rl "

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollserve.cli.argtypes import positive_int
+from rollserve.cli.argtypes import positive_float, positive_int
 from rollserve.cli.paths import output_file
 from rollserve.sim.calibrate import (
     INTERVAL_SPREAD_S,
@@ -72,6 +72,7 @@ from rollserve.sim.calibrate import (
     Wave,
     load_average,
 )
+from rollserve.sim.profile import CostProfile, SpecDecoding
 
 __all__ = [
     "SPEC_BATCHES",
@@ -91,6 +92,13 @@ engine service speculates at up to ``spec_max_batch`` of them)."""
 SPEC_PROMPT_LEN = 16
 """Below the 32-token KV block: a repeated prompt gets no prefix-cache hit."""
 SPEC_OUTPUT_TOKENS = 256
+ENGINE_MAX_NUM_SEQS = 64
+"""The engine service's max_num_seqs (``EngineSettings``): the largest batch a step runs."""
+DEFAULT_ACCEPT = 2.0
+"""Tokens a drafted pass advances a sequence, for the break-even batch: ``rollserve bench
+drafts`` on the trained reasoner's rollouts (cut drafts, ``--spec-factor 1 --spec-min-share
+0.3``) gave 2.00, with 2.34 draft tokens a pass (docs/calibration.md)."""
+DEFAULT_DRAFTED = 2.34
 QUICK_BATCHES = (1, 8)
 QUICK_OUTPUT_TOKENS = 64
 METHODS = ("rollout", "ngram")
@@ -249,6 +257,24 @@ class SpecFit:
             + self.token_s * s.draft_tokens
         )
 
+    def profile(self, spec: SpecDecoding, max_num_seqs: int = ENGINE_MAX_NUM_SEQS) -> CostProfile:
+        """These costs as a simulator profile speculating by ``spec`` (no prefill term: the
+        design prefills only in steps that decode nothing; KV limits the engine's)."""
+        return CostProfile(
+            name="calibrate-spec",
+            source="rollserve sim calibrate-spec",
+            simulated_hardware="this machine",
+            step_base_s=self.step_base_s,
+            per_decode_seq_s=self.per_decode_seq_s,
+            per_prefill_token_s=0.0,
+            per_kv_token_s=self.per_kv_token_s,
+            kv_capacity_tokens=1 << 20,
+            block_size=32,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=2048,
+            spec=replace(spec, draft_s=self.draft_s, pass_s=self.pass_s, token_s=self.token_s),
+        )
+
     def as_before(self, s: SpecStep) -> float:
         """A step as the simulator charged it before this fit: a draft token as one more
         decoded sequence, nothing else."""
@@ -308,6 +334,10 @@ class SpecCalibrateConfig:
     quick: bool = False
     seed: int = 0
     json_path: Path | None = None
+    # The workload's drafts, for the break-even batch (the design's own drafts are not a
+    # rollout's: half its phases draft from a repeated greedy answer).
+    accept_len: float = DEFAULT_ACCEPT
+    drafted: float = DEFAULT_DRAFTED
 
 
 def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
@@ -422,8 +452,23 @@ def _group(phase: str) -> str:
     return phase.split("-spec-", 1)[1]
 
 
-def analyse(measurement: dict[str, Any], console: Any) -> dict[str, Any]:
-    """Tracks every phase, fits, prints the table and the flags; returns the JSON document."""
+def pays_up_to(fit: SpecFit, *, k: int, accept_len: float, drafted: float) -> int:
+    """The largest batch at which a pass of ``drafted`` draft tokens a sequence (of at most
+    ``k``), advancing it ``accept_len`` tokens, costs less a token than plain decoding, on
+    the fitted costs (:meth:`rollserve.sim.profile.CostProfile.spec_pays_up_to`); 0: none."""
+    spec = SpecDecoding(draft_tokens=k, accept_len=accept_len, drafted=drafted)
+    return fit.profile(spec).spec_pays_up_to()
+
+
+def analyse(
+    measurement: dict[str, Any],
+    console: Any,
+    *,
+    accept_len: float = DEFAULT_ACCEPT,
+    drafted: float = DEFAULT_DRAFTED,
+) -> dict[str, Any]:
+    """Tracks every phase, fits, prints the table, the flags and the batch up to which
+    speculation pays at ``accept_len`` and ``drafted``; returns the JSON document."""
     from rich.table import Table
 
     steps: list[SpecStep] = []
@@ -515,7 +560,23 @@ def analyse(measurement: dict[str, Any], console: Any) -> dict[str, Any]:
         f"--spec-pass-s {fit.pass_s:.3g} --spec-draft-s {fit.draft_s:.3g} "
         f"--spec-token-s {fit.token_s:.3g}"
     )
+    k = int(measurement["k"])
+    pays = pays_up_to(fit, k=k, accept_len=accept_len, drafted=drafted)
+    console.print(
+        f"at {accept_len:g} tokens a drafted pass and {drafted:g} draft tokens (the workload's: "
+        "`rollserve bench drafts`), speculation "
+        + (
+            f"pays in steps of up to {pays} sequences: the engines' --spec-max-batch {pays}"
+            if 0 < pays < ENGINE_MAX_NUM_SEQS
+            else (
+                "pays in every step: --spec-max-batch 0"
+                if pays
+                else "pays in no step, not even a lone sequence's: leave it off"
+            )
+        )
+    )
     return {
+        "pays_up_to": {"accept_len": accept_len, "drafted": drafted, "k": k, "batch": pays},
         "measurement": measurement,
         "fit": asdict(fit),
         "before_r2": before_r2,
@@ -533,7 +594,9 @@ def run_spec_calibration(cfg: SpecCalibrateConfig, console: Any = None) -> dict[
         raise ValueError(f"method {cfg.method!r}: one of {', '.join(METHODS)}")
     if cfg.k < 1 or cfg.repeats < 1:
         raise ValueError(f"k ({cfg.k}) and repeats ({cfg.repeats}) must be at least 1")
-    out = analyse(_measure(cfg, console), console)
+    # Checked before the engines start: SpecDecoding says what is out of range.
+    SpecDecoding(draft_tokens=cfg.k, accept_len=cfg.accept_len, drafted=cfg.drafted)
+    out = analyse(_measure(cfg, console), console, accept_len=cfg.accept_len, drafted=cfg.drafted)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(out, indent=1))
         console.print(f"wrote {cfg.json_path}")
@@ -562,7 +625,31 @@ def cli_main(argv: Sequence[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="a small design, to try it out")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", type=output_file, help="write the records and the fit here")
+    parser.add_argument(
+        "--accept",
+        type=positive_float,
+        default=defaults.accept_len,
+        help=(
+            "tokens a drafted pass advances a sequence on your workload, for the batch up to "
+            f"which speculation pays (default {defaults.accept_len:g}: the trained reasoner's "
+            "rollouts, `rollserve bench drafts`)"
+        ),
+    )
+    parser.add_argument(
+        "--drafted",
+        type=float,
+        default=defaults.drafted,
+        help=f"draft tokens a pass proposes a sequence, at most --k (default {defaults.drafted:g})",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="PATH",
+        help="analyse the records an earlier run wrote with --json instead of measuring",
+    )
     args = parser.parse_args(list(argv))
+    if args.from_json is not None:
+        return _reanalyse(args.from_json, accept_len=args.accept, drafted=args.drafted)
     run_spec_calibration(
         SpecCalibrateConfig(
             model=args.model,
@@ -572,6 +659,28 @@ def cli_main(argv: Sequence[str]) -> int:
             quick=args.quick,
             seed=args.seed,
             json_path=args.json,
+            accept_len=args.accept,
+            drafted=args.drafted,
         )
     )
+    return 0
+
+
+def _reanalyse(path: Path, *, accept_len: float, drafted: float) -> int:
+    """``--from-json``: the fit and the break-even batch of a run written with ``--json``."""
+    from rich.console import Console
+
+    try:
+        measurement = json.loads(path.read_text())["measurement"]
+        k = int(measurement["k"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"rollserve sim calibrate-spec: --from-json {path}: not a file written by "
+            f"calibrate-spec --json ({exc})"
+        ) from exc
+    try:
+        SpecDecoding(draft_tokens=k, accept_len=accept_len, drafted=drafted)
+    except ValueError as exc:
+        raise SystemExit(f"rollserve sim calibrate-spec: {exc}") from exc
+    analyse(measurement, Console(width=140), accept_len=accept_len, drafted=drafted)
     return 0

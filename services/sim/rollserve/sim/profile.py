@@ -241,6 +241,32 @@ class CostProfile:
         """This profile with ``spec`` as its speculative decoding (None: off)."""
         return replace(self, spec=spec)
 
+    def spec_pays_up_to(self, context_tokens: int = 0) -> int:
+        """The largest batch M such that a step of 1..M decoding sequences costs less a token
+        speculating (this profile's ``spec``, its ``max_batch`` aside) than decoding plainly,
+        each sequence attending ``context_tokens``; 0 where a lone sequence gains nothing,
+        ``max_num_seqs`` where every batch gains. vLLM's schedule takes it as ``spec_max_batch``.
+
+        Speculation pays in small batches: a pass costs the step's base once and advances
+        every sequence ``accept_len`` tokens, so it saves ``accept_len - 1`` bases, against the
+        draft tokens it verifies and the speculative path's own cost. Where a verified token
+        costs about as much as a decoding sequence (a CPU that emulates bfloat16), that leaves
+        only the smallest batches; where it costs a fraction of one, all of them.
+        """
+        if self.spec is None:
+            raise ValueError(f"profile {self.name!r}: spec_pays_up_to needs a spec table")
+        if context_tokens < 0:
+            raise ValueError(f"spec_pays_up_to: context_tokens ({context_tokens}) must be >= 0")
+        speculating = replace(self, spec=replace(self.spec, max_batch=0))
+        plain = replace(self, spec=None)
+        pays = 0
+        for batch in range(1, self.max_num_seqs + 1):
+            context = batch * context_tokens
+            if speculating.step_time(batch, 0, context) >= plain.step_time(batch, 0, context):
+                break
+            pays = batch
+        return pays
+
     @property
     def num_blocks(self) -> int:
         """KV blocks of the engine: the whole blocks that fit in ``kv_capacity_tokens``."""
