@@ -127,3 +127,24 @@ def test_another_profile_runs_the_same_groups_on_other_engines(tmp_path: Path) -
     assert rows[1]["makespan_s"] != pytest.approx(rows[0]["makespan_s"], rel=0.01)
     with pytest.raises(ValueError, match="profile 'nope': no shipped profile of that name"):
         run_policies(PoliciesConfig(scenario=str(scenario), profile="nope", out_dir=tmp_path))
+
+
+def test_over_sampled_rows_report_how_late_a_group_came_after_its_launch(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(SCENARIO.replace("steps = 1", "steps = 4"))
+    with open(tmp_path / "log.txt", "w") as log:
+        out = run_policies(
+            PoliciesConfig(
+                scenario=str(scenario),
+                policies=("round_robin",),
+                oversample=1.0,
+                due="launch",
+                steps=3,
+                out_dir=tmp_path / "out",
+            ),
+            Console(file=log, width=190),
+        )
+    assert out["due"] == "launch"
+    row = out["policies"]["round_robin"]
+    assert row["max_launch_lag"] == 1 and row["max_staleness"] <= 1
+    assert "due by launch" in (tmp_path / "log.txt").read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -532,3 +533,61 @@ def test_shared_history_counts_what_any_engine_ran() -> None:
     assert {i for i, *_ in own.timeline} == {0, 1}  # one group on each engine
     assert (own.fresh_starts, own.history_starts) == (2, 0)
     assert (shared.fresh_starts, shared.history_starts) == (2, 1)
+
+
+def test_groups_due_by_launch_wait_for_those_not_yet_started() -> None:
+    # Two engines of 4 sequences (a group each at a time), batch 4 over-sampled by 1.0: groups
+    # wait in the engines' queues. By its tokens a group still queued at the end of the step
+    # it was launched in is not due at the next, and may be delivered a step later still; by
+    # launch (the SDK's rule) it is due at the next step, started or not.
+    rng = random.Random(6)
+    stream = [
+        group(f"g{i}", tuple(rng.choice((5, 20, 60, 200, 400)) for _ in range(4)))
+        for i in range(60)
+    ]
+    runs = {
+        due: run_des_async(
+            stream,
+            create_policy("least_loaded"),
+            replace(PROFILE, max_num_seqs=4),
+            engines=2,
+            batch=4,
+            steps=8,
+            oversample=1.0,
+            max_staleness=1,
+            due=due,
+        )
+        for due in ("tokens", "launch")
+    }
+    by_tokens, by_launch = runs["tokens"], runs["launch"]
+    assert by_tokens.max_staleness <= 1 and by_launch.max_staleness <= 1
+    assert by_tokens.max_launch_lag == 2
+    assert by_launch.max_launch_lag == 1
+    assert all(s.groups == 4 for s in by_launch.steps)
+    # Waiting for more costs time here.
+    assert by_launch.total_s > by_tokens.total_s
+    # A synchronous run launches and delivers in the same step.
+    sync = run_des([stream[:4]], create_policy("round_robin"), PROFILE, engines=1)
+    assert sync.max_launch_lag == 0
+    with pytest.raises(ValueError, match=r"oversample \(1.5\) must be at most 1 with due='launch'"):
+        run_des_async(
+            stream,
+            create_policy("round_robin"),
+            PROFILE,
+            1,
+            batch=4,
+            steps=2,
+            oversample=1.5,
+            due="launch",
+        )
+    with pytest.raises(ValueError, match="due"):
+        run_des_async(
+            stream,
+            create_policy("round_robin"),
+            PROFILE,
+            1,
+            batch=4,
+            steps=2,
+            oversample=0.5,
+            due="started",  # type: ignore[arg-type]
+        )

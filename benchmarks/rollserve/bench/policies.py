@@ -47,7 +47,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policy import Policy
-    from rollserve.sim.des import Oracle, RunResult, Tail
+    from rollserve.sim.des import Due, Oracle, RunResult, Tail
     from rollserve.sim.profile import CostProfile, SpecDecoding
     from rollserve.sim.scenarios import SimGroup
 
@@ -77,6 +77,7 @@ class PoliciesConfig:
     oversample: float | None = None  # None: synchronous steps
     max_staleness: int = 1
     tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
+    due: Due = "tokens"  # carried groups are due by their oldest tokens, or by launch (the SDK)
     weight_updates: bool = False  # engines load each new version's weights (DesConfig)
     spec: SpecDecoding | None = None  # the speculative decoding of the "+spec" rows
     move_gain: float | None = None  # the moving rows' RLSettings.move_gain (None: its default)
@@ -151,7 +152,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         "synchronous: every group of a step delivered"
         if over is None
         else f"over-sampled by {over:g}, the rest carried over within {cfg.max_staleness} "
-        "version(s)"
+        f"version(s), due by {'launch' if cfg.due == 'launch' else 'their oldest tokens'}"
         if cfg.tail == "carry"
         else f"over-sampled by {over:g}, the rest stopped and batched into long rounds"
     )
@@ -220,6 +221,7 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
                 oversample=over,
                 max_staleness=cfg.max_staleness,
                 tail=cfg.tail,
+                due=cfg.due,
                 **kwargs,
             )
         console.print(f"  ran {name}")
@@ -346,6 +348,7 @@ def _report(
         "oversample": cfg.oversample,
         "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
         "tail": cfg.tail if cfg.oversample is not None else None,
+        "due": cfg.due if cfg.oversample is not None else None,
         "weight_updates": cfg.weight_updates,
         "move_gain": cfg.move_gain,
         "told_noise": cfg.told_noise,
@@ -370,6 +373,7 @@ def _report(
             "history_hit_rate": r.history_hit_rate,
             "offpolicy_token_fraction": r.offpolicy_token_fraction,
             "max_staleness": r.max_staleness,
+            "max_launch_lag": r.max_launch_lag,
             "discarded_token_fraction": r.discarded_token_fraction,
             "decision_us": r.decision_us,
             "predictor_mae": r.predictor_mae,

@@ -182,6 +182,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 oversample=args.oversample,
                 max_staleness=args.max_staleness,
                 tail=args.tail,
+                due=args.due,
                 weight_updates=args.weight_updates,
                 spec=spec,
                 move_gain=args.move_gain,
@@ -404,6 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="carry",
         help="over-sampled runs: carry unfinished groups over (partial rollouts), or stop them "
         "and run their prompts together in long rounds (tail batching)",
+    )
+    policies.add_argument(
+        "--due",
+        choices=("tokens", "launch"),
+        default="tokens",
+        help="when a carried group must be delivered: once it holds tokens max-staleness "
+        "versions old (default), or once it was launched that many steps ago, started or not "
+        "(the SDK's StepBatcher, which waits for more)",
     )
     policies.add_argument(
         "--weight-updates",

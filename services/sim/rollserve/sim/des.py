@@ -22,9 +22,13 @@ policy version ``k``):
   groups a step. At a step's start the groups in flight (carried over) are topped up from the
   group stream to ``ceil(batch * (1 + oversample))``; the step ends when ``batch`` groups are
   done, and the rest run on into later steps (partial rollouts: they keep their tokens and go
-  on under the new version). Staleness bound: a group with tokens of version
-  ``k - max_staleness`` or older must be delivered in step ``k``, so step ``k`` also waits for
-  those (they are done first because they carry the trainer's priority, their launch step).
+  on under the new version). Staleness bound (``due``): by default a group with tokens of
+  version ``k - max_staleness`` or older must be delivered in step ``k``, so step ``k`` also
+  waits for those (they are done first because they carry the trainer's priority, their
+  launch step); a group launched but still queued has no tokens and is not due yet. With
+  ``due="launch"`` a group launched at step ``k - max_staleness`` or earlier is due in step
+  ``k`` whether or not it has started: the rule of the SDK's ``StepBatcher``, which sees
+  launches and not tokens, and so waits for more.
   Every delivered sample's tokens are counted per version: the off-policy fraction is the
   share of delivered tokens generated under an older version than the step's.
 
@@ -126,6 +130,9 @@ class StepStats:
     offpolicy_tokens: int
     max_staleness: int  # versions, over the step's delivered tokens
     tail_s: float
+    # Steps since the launch of the step's earliest-launched delivered group (the staleness the
+    # SDK's StepBatcher bounds; 0 in synchronous steps).
+    launch_lag: int = 0
 
     @property
     def makespan_s(self) -> float:
@@ -207,6 +214,10 @@ class RunResult:
     @property
     def max_staleness(self) -> int:
         return max((s.max_staleness for s in self.steps), default=0)
+
+    @property
+    def max_launch_lag(self) -> int:
+        return max((s.launch_lag for s in self.steps), default=0)
 
     @property
     def decision_us(self) -> float:
@@ -698,7 +709,10 @@ class _Fleet:
         )
 
 
-def _step_stats(step: int, start: float, end: float, delivered: Sequence[_Group]) -> StepStats:
+def _step_stats(
+    step: int, start: float, end: float, delivered: Sequence[_Group], *, launched: bool = False
+) -> StepStats:
+    """The step's figures; with ``launched``, the groups' priorities are their launch steps."""
     finish = sorted(t for g in delivered for t in g.finish_times)
     cut = finish[max(0, math.ceil((1 - TAIL_SHARE) * len(finish)) - 1)] if finish else end
     tokens = sum(sum(g.versions.values()) for g in delivered)
@@ -714,6 +728,7 @@ def _step_stats(step: int, start: float, end: float, delivered: Sequence[_Group]
         offpolicy_tokens=offpolicy,
         max_staleness=max((step - v for v in oldest), default=0),
         tail_s=end - cut,
+        launch_lag=max((step - g.priority for g in delivered), default=0) if launched else 0,
     )
 
 
@@ -758,18 +773,28 @@ def run_des(
     return fleet.result(out)
 
 
-def _stale(g: _Group, oldest: int) -> bool:
-    """Whether ``g`` has tokens of version ``oldest`` or older (then it must be delivered)."""
+Due = Literal["tokens", "launch"]
+"""When a carried group must be delivered (module docstring): ``tokens``, once it holds tokens
+of version ``step - max_staleness`` or older; ``launch``, once it was launched at that step or
+earlier (the SDK's ``StepBatcher``)."""
+
+
+def _stale(g: _Group, oldest: int, due: Due = "tokens") -> bool:
+    """Whether ``g`` must be delivered in a step whose oldest allowed version is ``oldest``."""
+    if due == "launch":
+        return g.priority <= oldest
     version = g.oldest_version()
     return version is not None and version <= oldest
 
 
-def _has_batch(carried: list[_Group], batch: int, oldest: int, *, stop_rest: bool) -> bool:
+def _has_batch(
+    carried: list[_Group], batch: int, oldest: int, *, stop_rest: bool, due: Due = "tokens"
+) -> bool:
     """Whether the step can end: ``batch`` groups done and none left that must be delivered
     (with ``stop_rest`` the others are stopped, not waited for)."""
     if sum(1 for g in carried if g.done) < batch:
         return False
-    return stop_rest or not any(_stale(g, oldest) for g in carried if not g.done)
+    return stop_rest or not any(_stale(g, oldest, due) for g in carried if not g.done)
 
 
 Tail = Literal["carry", "batch"]
@@ -790,15 +815,16 @@ def run_des_async(
     oversample: float,
     max_staleness: int = 1,
     tail: Tail = "carry",
+    due: Due = "tokens",
     cfg: DesConfig | None = None,
     predictor: LengthPredictor | None = None,
     oracle: Oracle = None,
     keep_timeline: bool = True,
 ) -> RunResult:
     """``steps`` trainer steps of ``batch`` groups each, over-sampled by ``oversample`` from
-    ``stream`` (taken in order); the rest carried over within ``max_staleness`` versions, or
-    deferred to long rounds (``tail``; then long rounds follow the last step until no prompt
-    is left deferred)."""
+    ``stream`` (taken in order); the rest carried over within ``max_staleness`` versions (when
+    a group is due: ``due``), or deferred to long rounds (``tail``; then long rounds follow the
+    last step until no prompt is left deferred)."""
     if batch < 1 or steps < 1:
         raise ValueError(f"batch ({batch}) and steps ({steps}) must be >= 1")
     if not (math.isfinite(oversample) and oversample >= 0):
@@ -807,6 +833,14 @@ def run_des_async(
         raise ValueError(f"max_staleness ({max_staleness}) must be >= 0")
     if tail not in ("carry", "batch"):
         raise ValueError(f"tail ({tail!r}) must be 'carry' or 'batch'")
+    if due not in ("tokens", "launch"):
+        raise ValueError(f"due ({due!r}) must be 'tokens' or 'launch'")
+    if due == "launch" and tail == "carry" and oversample > 1:
+        raise ValueError(
+            f"oversample ({oversample}) must be at most 1 with due='launch': more carries more "
+            "groups than a batch holds, and the due ones could not all be delivered (the "
+            "SDK's StepBatcher refuses it too)"
+        )
     fleet = _Fleet(
         policy,
         profile,
@@ -852,11 +886,13 @@ def run_des_async(
         # step - max_staleness or older is delivered in this step.
         oldest = step_no + 1 if long_round else step_no - max_staleness
         wanted = min(batch, len(carried)) if long_round else batch
-        while not _has_batch(carried, wanted, oldest, stop_rest=tail == "batch" and not long_round):
+        while not _has_batch(
+            carried, wanted, oldest, stop_rest=tail == "batch" and not long_round, due=due
+        ):
             fleet.advance()
         done = [g for g in carried if g.done]
-        forced = [g for g in done if _stale(g, oldest)]
-        rest = sorted((g for g in done if not _stale(g, oldest)), key=lambda g: g.done_at)
+        forced = [g for g in done if _stale(g, oldest, due)]
+        rest = sorted((g for g in done if not _stale(g, oldest, due)), key=lambda g: g.done_at)
         delivered = forced + rest[: max(0, wanted - len(forced))]
         chosen = {id(g) for g in delivered}
         carried = [g for g in carried if id(g) not in chosen]
@@ -866,7 +902,7 @@ def run_des_async(
                     fleet.abort(g)
                     deferred.append(g.group)
             carried = [g for g in carried if g.done]
-        out.append(_step_stats(step_no, start, fleet.now, delivered))
+        out.append(_step_stats(step_no, start, fleet.now, delivered, launched=True))
         fleet.new_version()
         step_no += 1
     return fleet.result(out)
