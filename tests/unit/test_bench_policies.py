@@ -148,3 +148,8 @@ def test_over_sampled_rows_report_how_late_a_group_came_after_its_launch(tmp_pat
     row = out["policies"]["round_robin"]
     assert row["max_launch_lag"] == 1 and row["max_staleness"] <= 1
     assert "due by launch" in (tmp_path / "log.txt").read_text()
+
+
+def test_over_sampling_beyond_a_batch_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"oversample \(2\) must be at most 1 when the tail"):
+        run_policies(PoliciesConfig(scenario="S1", oversample=2.0, out_dir=tmp_path))

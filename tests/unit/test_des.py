@@ -569,17 +569,29 @@ def test_groups_due_by_launch_wait_for_those_not_yet_started() -> None:
     # A synchronous run launches and delivers in the same step.
     sync = run_des([stream[:4]], create_policy("round_robin"), PROFILE, engines=1)
     assert sync.max_launch_lag == 0
-    with pytest.raises(ValueError, match=r"oversample \(1.5\) must be at most 1 with due='launch'"):
-        run_des_async(
-            stream,
-            create_policy("round_robin"),
-            PROFILE,
-            1,
-            batch=4,
-            steps=2,
-            oversample=1.5,
-            due="launch",
-        )
+    for due in ("tokens", "launch"):
+        with pytest.raises(ValueError, match=r"oversample \(1.5\) must be at most 1 when the tail"):
+            run_des_async(
+                stream,
+                create_policy("round_robin"),
+                PROFILE,
+                1,
+                batch=4,
+                steps=2,
+                oversample=1.5,
+                due=due,
+            )
+    # Tail batching carries nothing over: any over-sampling.
+    run_des_async(
+        stream,
+        create_policy("round_robin"),
+        PROFILE,
+        1,
+        batch=4,
+        steps=2,
+        oversample=1.5,
+        tail="batch",
+    )
     with pytest.raises(ValueError, match="due"):
         run_des_async(
             stream,

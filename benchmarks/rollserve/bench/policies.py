@@ -125,6 +125,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         raise ValueError(f"move_gain ({cfg.move_gain}) must be in (0, 1)")
     if not (math.isfinite(cfg.told_noise) and cfg.told_noise >= 0):
         raise ValueError(f"told_noise ({cfg.told_noise}) must be a finite log-error sd >= 0")
+    if cfg.oversample is not None and cfg.oversample > 1 and cfg.tail == "carry":
+        raise ValueError(
+            f"oversample ({cfg.oversample:g}) must be at most 1 when the tail is carried (a "
+            "step would have to deliver more than its batch); use --tail batch for more"
+        )
     speculating = [name for name in cfg.policies if name.endswith(SPEC)]
     if speculating and cfg.spec is None:
         raise ValueError(

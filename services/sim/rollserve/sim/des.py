@@ -835,11 +835,12 @@ def run_des_async(
         raise ValueError(f"tail ({tail!r}) must be 'carry' or 'batch'")
     if due not in ("tokens", "launch"):
         raise ValueError(f"due ({due!r}) must be 'tokens' or 'launch'")
-    if due == "launch" and tail == "carry" and oversample > 1:
+    if tail == "carry" and oversample > 1:
+        # By tokens too: at 2, every other step of P1 had twice the batch due.
         raise ValueError(
-            f"oversample ({oversample}) must be at most 1 with due='launch': more carries more "
-            "groups than a batch holds, and the due ones could not all be delivered (the "
-            "SDK's StepBatcher refuses it too)"
+            f"oversample ({oversample}) must be at most 1 when the tail is carried: more "
+            "carries more groups than a batch holds, and a step would have to deliver more "
+            "than its batch to keep the staleness bound (the SDK's StepBatcher refuses it too)"
         )
     fleet = _Fleet(
         policy,
