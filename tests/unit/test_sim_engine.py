@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest, StepResult
-from rollserve.sim.profile import CostProfile, cpu_profile_name, load_profile, profile_names
+from rollserve.sim.profile import (
+    CostProfile,
+    cpu_model,
+    cpu_profile_name,
+    load_profile,
+    profile_names,
+)
 
 # Round coefficients so that a step's time can be written down by hand.
 BASE, PER_SEQ, PER_PREFILL, PER_KV = 1.0, 0.1, 0.01, 0.001
@@ -471,3 +477,5 @@ def test_the_cpu_profile_is_the_one_fitted_on_a_cpu_like_this(flags: str | None,
         "" if flags is None else f"flags\t\t: {flags}\n"
     )
     assert cpu_profile_name(cpuinfo) == name
+    assert cpu_model(cpuinfo) == "AMD EPYC"
+    assert cpu_model("processor\t: 0\n") == ""

