@@ -579,4 +579,4 @@ def test_groups_due_by_launch_wait_for_those_not_yet_started() -> None:
     # Tail batching carries nothing over: any over-sampling.
     assert len(two_steps(oversample=1.5, tail="batch").steps) >= 2
     with pytest.raises(ValueError, match="due"):
-        two_steps(oversample=0.5, due="started")
+        two_steps(oversample=0.5, due="started")  # type: ignore[arg-type]
