@@ -320,20 +320,17 @@ AVX2_PROFILE = "cpu-tiny-avx2"
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The CPU's feature flags, from ``cpuinfo`` (the text of /proc/cpuinfo; read when None);
     none where there is no such file."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset(_cpuinfo_field("flags", cpuinfo).split())
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name, from ``cpuinfo`` (read when None); "" where it gives none."""
+    return _cpuinfo_field("model name", cpuinfo)
+
+
+def _cpuinfo_field(name: str, cpuinfo: str | None) -> str:
+    """The first ``name`` line's value in ``cpuinfo`` (/proc/cpuinfo's text; read when None),
+    stripped; "" where there is no such line or file."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -341,7 +338,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
             return ""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name":
+        if key.strip() == name:
             return value.strip()
     return ""
 
