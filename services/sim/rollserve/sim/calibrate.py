@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollserve.cli.paths import output_file
-from rollserve.sim.profile import cpu_profile_name, load_profile
+from rollserve.sim.profile import PROFILES_DIR, cpu_profile_name, load_profile
 
 __all__ = [
     "CalibrateConfig",
@@ -102,12 +102,10 @@ __all__ = [
     "track_steps",
 ]
 
-_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
-
 
 def default_out() -> Path:
     """Where a calibration is written unless told: the shipped profile of a CPU like this."""
-    return _PROFILES_DIR / f"{cpu_profile_name()}.toml"
+    return PROFILES_DIR / f"{cpu_profile_name()}.toml"
 
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -1304,8 +1302,8 @@ def destination(m: Measurement, cfg: CalibrateConfig) -> tuple[Path, str]:
                 "the measurement does not say which CPU it ran on (a JSON from before "
                 "session 28): pass --out for the profile"
             )
-        out = _PROFILES_DIR / f"{m.profile}.toml"
-    if out.resolve().parent == _PROFILES_DIR:
+        out = PROFILES_DIR / f"{m.profile}.toml"
+    if out.resolve().parent == PROFILES_DIR:
         return out, out.stem
     return out, m.profile or cpu_profile_name()
 

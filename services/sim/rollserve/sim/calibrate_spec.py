@@ -92,8 +92,6 @@ engine service speculates at up to ``spec_max_batch`` of them)."""
 SPEC_PROMPT_LEN = 16
 """Below the 32-token KV block: a repeated prompt gets no prefix-cache hit."""
 SPEC_OUTPUT_TOKENS = 256
-ENGINE_MAX_NUM_SEQS = 64
-"""The engine service's max_num_seqs (``EngineSettings``): the largest batch a step runs."""
 DEFAULT_ACCEPT = 2.0
 """Tokens a drafted pass advances a sequence, for the break-even batch: ``rollserve bench
 drafts`` on the trained reasoner's rollouts (cut drafts, ``--spec-factor 1 --spec-min-share
@@ -257,9 +255,10 @@ class SpecFit:
             + self.token_s * s.draft_tokens
         )
 
-    def profile(self, spec: SpecDecoding, max_num_seqs: int = ENGINE_MAX_NUM_SEQS) -> CostProfile:
+    def profile(self, spec: SpecDecoding, max_num_seqs: int | None = None) -> CostProfile:
         """These costs as a simulator profile speculating by ``spec`` (no prefill term: the
-        design prefills only in steps that decode nothing; KV limits the engine's)."""
+        design prefills only in steps that decode nothing; at most ``max_num_seqs`` sequences
+        a step, by default the engine service's)."""
         return CostProfile(
             name="calibrate-spec",
             source="rollserve sim calibrate-spec",
@@ -270,7 +269,7 @@ class SpecFit:
             per_kv_token_s=self.per_kv_token_s,
             kv_capacity_tokens=1 << 20,
             block_size=32,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=max_num_seqs or engine_max_num_seqs(),
             max_num_batched_tokens=2048,
             spec=replace(spec, draft_s=self.draft_s, pass_s=self.pass_s, token_s=self.token_s),
         )
@@ -452,6 +451,14 @@ def _group(phase: str) -> str:
     return phase.split("-spec-", 1)[1]
 
 
+def engine_max_num_seqs() -> int:
+    """The engine service's max_num_seqs (its ``EngineSettings`` default): the most sequences
+    a step of the engines this command starts runs."""
+    from rollserve.engine.settings import EngineSettings
+
+    return int(EngineSettings.model_fields["max_num_seqs"].default)
+
+
 def pays_up_to(fit: SpecFit, *, k: int, accept_len: float, drafted: float) -> int:
     """The largest batch at which a pass of ``drafted`` draft tokens a sequence (of at most
     ``k``), advancing it ``accept_len`` tokens, costs less a token than plain decoding, on
@@ -567,7 +574,7 @@ def analyse(
         "`rollserve bench drafts`), speculation "
         + (
             f"pays in steps of up to {pays} sequences: the engines' --spec-max-batch {pays}"
-            if 0 < pays < ENGINE_MAX_NUM_SEQS
+            if 0 < pays < engine_max_num_seqs()
             else (
                 "pays in every step: --spec-max-batch 0"
                 if pays

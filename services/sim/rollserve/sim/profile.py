@@ -54,6 +54,7 @@ cache is empty (:meth:`~rollserve.sim.engine_model.SimEngine.new_weights`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -64,9 +65,10 @@ import tomllib
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policies.rl import RLSettings
 
-__all__ = ["CostProfile", "SpecDecoding", "load_profile", "profile_names"]
+__all__ = ["PROFILES_DIR", "CostProfile", "SpecDecoding", "load_profile", "profile_names"]
 
-_DIR = Path(__file__).resolve().parent / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+"""Where the shipped profiles are, one TOML file each, named after the profile."""
 
 _TEXT_FIELDS = ("name", "source", "simulated_hardware")
 _COST_FIELDS = ("step_base_s", "per_decode_seq_s", "per_prefill_token_s", "per_kv_token_s")
@@ -331,16 +333,20 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 def _cpuinfo_field(name: str, cpuinfo: str | None) -> str:
     """The first ``name`` line's value in ``cpuinfo`` (/proc/cpuinfo's text; read when None),
     stripped; "" where there is no such line or file."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
+    for line in (_proc_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         key, _, value = line.partition(":")
         if key.strip() == name:
             return value.strip()
     return ""
+
+
+@functools.cache
+def _proc_cpuinfo() -> str:
+    """/proc/cpuinfo, read once a process (the CPU does not change under it); "" without it."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def cpu_profile_name(cpuinfo: str | None = None) -> str:
@@ -354,7 +360,7 @@ def cpu_profile_name(cpuinfo: str | None = None) -> str:
 
 def profile_names() -> tuple[str, ...]:
     """The shipped profiles, by name."""
-    return tuple(sorted(p.stem for p in _DIR.glob("*.toml")))
+    return tuple(sorted(p.stem for p in PROFILES_DIR.glob("*.toml")))
 
 
 def load_profile(path_or_name: str | Path) -> CostProfile:
@@ -366,7 +372,7 @@ def load_profile(path_or_name: str | Path) -> CostProfile:
     """
     path = Path(path_or_name)
     if isinstance(path_or_name, str) and path.suffix != ".toml" and len(path.parts) == 1:
-        path = _DIR / f"{path_or_name}.toml"
+        path = PROFILES_DIR / f"{path_or_name}.toml"
         if not path.is_file():
             raise ValueError(
                 f"profile {path_or_name!r}: no shipped profile of that name; "
