@@ -175,20 +175,8 @@ def test_the_design_drafts_none_half_and_all_of_each_batch_after_an_untimed_answ
 
 
 def test_analysis_of_a_measurement_prints_the_flags_of_the_costs_it_recovers() -> None:
-    records: dict[str, dict[str, object]] = {}
-    for batch in (1, 4, 16):
-        for shared in sorted({0, batch // 2, batch}):
-            records[f"r0-spec-B{batch}-S{shared}"] = {
-                engine: {
-                    "iterations": [
-                        it.to_json()
-                        for it in phase_iterations(batch, shared, spec=engine == "spec")
-                    ]
-                }
-                for engine in ("plain", "spec")
-            }
     console = Console(width=200, record=True)
-    out = analyse({"method": "rollout", "k": 4, "records": records}, console)
+    out = analyse(measurement(), console)
     text = console.export_text()
     assert "--spec-pass-s 0.0014 --spec-draft-s 2.5e-05 --spec-token-s 3.5e-05" in text
     rows = {row["point"]: row for row in out["points"]}
@@ -213,8 +201,8 @@ def out_fit(out: dict[str, object]) -> SpecFit:
     return SpecFit(**fit)
 
 
-def measurement(batches: tuple[int, ...] = (1, 4, 16), costs: SpecFit = TRUE) -> dict[str, object]:
-    """A calibrate-spec measurement of the design's phases at ``batches`` on ``costs``."""
+def measurement(batches: tuple[int, ...] = (1, 4, 16)) -> dict[str, object]:
+    """A calibrate-spec measurement of the design's phases at ``batches`` on TRUE's costs."""
     records: dict[str, dict[str, object]] = {}
     for batch in batches:
         for shared in sorted({0, batch // 2, batch}):
@@ -222,9 +210,7 @@ def measurement(batches: tuple[int, ...] = (1, 4, 16), costs: SpecFit = TRUE) ->
                 engine: {
                     "iterations": [
                         it.to_json()
-                        for it in phase_iterations(
-                            batch, shared, spec=engine == "spec", costs=costs
-                        )
+                        for it in phase_iterations(batch, shared, spec=engine == "spec")
                     ]
                 }
                 for engine in ("plain", "spec")
