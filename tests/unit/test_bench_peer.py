@@ -74,7 +74,7 @@ from rollserve.client.wire import (
     Sample,
     VersionSegment,
 )
-from rollserve.engine.settings import EngineSettings
+from rollserve.engine.settings import EngineSettings, resolve_dtype
 from rollserve.workload import read_prompt_set
 
 from tests.unit.test_batches import FakeRun
@@ -98,6 +98,7 @@ def test_the_peer_servers_get_the_engine_services_arguments() -> None:
     assert flags["--max-model-len"] == str(settings.max_model_len)
     assert flags["--scheduling-policy"] == settings.scheduling_policy
     assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert flags["--dtype"] == resolve_dtype(settings, "cpu")  # float32 where bf16 is emulated
     assert "--enable-prefix-caching" in argv
     assert "--no-enable-chunked-prefill" in argv  # per-request seeds crash it on CPU
     env = server_env(settings, omp_threads=1)

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rollserve.engine.cpu_features import cpu_model
 from rollserve.sim.engine_model import Finished, SimEngine, SimRequest, StepResult
 from rollserve.sim.profile import (
     CostProfile,
-    cpu_model,
     cpu_profile_name,
     load_profile,
     profile_names,

@@ -904,7 +904,8 @@ def group_record(group: DeliveredGroup) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     """What ran the benchmark: the CPU (its model, and the shipped profile of CPUs like it,
     which says whether it runs bfloat16 natively: the figures differ by that), the versions."""
-    from rollserve.sim.profile import cpu_model, cpu_profile_name
+    from rollserve.engine.cpu_features import cpu_model
+    from rollserve.sim.profile import cpu_profile_name
 
     def version(dist: str) -> str:
         try:
@@ -927,7 +928,7 @@ def machine() -> dict[str, Any]:
 def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     from rollserve.assets import reasoner_dir
-    from rollserve.engine.settings import EngineSettings
+    from rollserve.engine.settings import EngineSettings, resolve_dtype
 
     if shutil.which("vllm-router") is None and not (
         Path(sys.executable).with_name("vllm-router").exists()
@@ -953,9 +954,9 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
             "scheduling_policy",
             "enforce_eager",
             "seed",
-            "dtype",
         )
     }
+    engine["dtype"] = resolve_dtype(settings, "cpu")  # what both sides' vLLM is given
     settings_out: dict[str, Any] = {
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "model": str(model),

@@ -35,7 +35,7 @@ from typing import Any
 from rollserve.bench.peer_stats import DeliveredGroup, DeliveredSample, StepRecord, StreamGroup
 from rollserve.cli.stack import ManagedProcess, StackError, free_port
 from rollserve.engine.cpu_priority import renice_threads
-from rollserve.engine.settings import EngineSettings
+from rollserve.engine.settings import EngineSettings, resolve_dtype
 
 SERVED_MODEL = "reasoner"
 # The router's policies that need nothing but the workers' URLs (kv_aware needs KV events).
@@ -110,7 +110,7 @@ def server_argv(settings: EngineSettings, port: int) -> list[str]:
         "--seed",
         str(settings.seed),
         "--dtype",
-        settings.dtype,
+        resolve_dtype(settings, "cpu"),  # as the engine service resolves it
         *(["--enforce-eager"] if settings.enforce_eager else []),
         "--scheduling-policy",
         settings.scheduling_policy,

@@ -38,7 +38,7 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from .cpu_priority import renice_threads
 from .service import SERVER_OPTIONS, EngineServicer, VllmBackend
-from .settings import EngineSettings, apply_environment, resolve_device
+from .settings import EngineSettings, apply_environment, resolve_device, resolve_dtype
 
 __all__ = [
     "ENGINE_SERVICE",
@@ -100,7 +100,13 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     port = server.add_insecure_port(settings.address)
     await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    logger.info("listening on %s; loading %s on %s", settings.address, settings.model, device)
+    logger.info(
+        "listening on %s; loading %s on %s (dtype %s)",
+        settings.address,
+        settings.model,
+        device,
+        resolve_dtype(settings, device),
+    )
 
     backend: VllmBackend | None = None
     link: asyncio.Task[None] | None = None

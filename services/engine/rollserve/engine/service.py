@@ -46,7 +46,7 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from .drafter import ADD_OUTPUTS_METHOD, DRAFTER_CLASS, EXTENSION_CLASS
-from .settings import Device, EngineSettings
+from .settings import Device, EngineSettings, resolve_dtype
 
 __all__ = [
     "FINISH_REASONS",
@@ -480,7 +480,7 @@ def build_engine_args(settings: EngineSettings, device: Device) -> Any:
         block_size=settings.block_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         seed=settings.seed,
-        dtype=settings.dtype,
+        dtype=resolve_dtype(settings, device),
         enforce_eager=settings.enforce_eager,
         scheduling_policy=settings.scheduling_policy,
         stream_interval=settings.stream_interval,

@@ -7,12 +7,14 @@ Nothing else in the engine reads or writes the environment.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
+from rollserve.engine.cpu_features import emulates_bf16
 
 __all__ = [
     "MAX_PROMPT_LOOKUP",
@@ -22,7 +24,9 @@ __all__ = [
     "EngineSettings",
     "SpecMethod",
     "apply_environment",
+    "checkpoint_dtype",
     "resolve_device",
+    "resolve_dtype",
 ]
 
 Device = Literal["cpu", "cuda"]
@@ -103,7 +107,13 @@ class EngineSettings(BaseModel):
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="vLLM's global random seed.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype; auto follows the checkpoint."
+        "auto",
+        description=(
+            "Weight and activation dtype. auto is vLLM's choice (the checkpoint's, but a "
+            "float32 one runs in bfloat16), except on an x86 CPU that emulates bfloat16 "
+            "(AVX2 without AVX-512 BF16 or AMX), where a float32 checkpoint stays float32: "
+            "the shipped reasoner decodes 2.3x faster so."
+        ),
     )
     enforce_eager: bool = Field(
         True, description="Skip graph capture: starts much faster, runs a little slower."
@@ -305,6 +315,37 @@ def resolve_device(settings: EngineSettings) -> Device:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def checkpoint_dtype(model: Path) -> str | None:
+    """The dtype a checkpoint's config.json names (``dtype``, or ``torch_dtype`` as older
+    transformers write it); None where it names none or cannot be read as JSON (vLLM then
+    reports the checkpoint's problem itself)."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    value = config.get("dtype", config.get("torch_dtype"))
+    return value if isinstance(value, str) else None
+
+
+def resolve_dtype(settings: EngineSettings, device: Device, cpuinfo: str | None = None) -> str:
+    """The dtype vLLM is given for these settings: `settings.dtype` unless it is ``auto``.
+
+    ``auto`` on a CPU that emulates bfloat16 (`emulates_bf16`; ``cpuinfo`` is /proc/cpuinfo's
+    text, read when None) with a float32 checkpoint is ``float32``: vLLM would downcast it to
+    bfloat16, which such a CPU runs several times slower (64 sequences of the shipped
+    reasoner: 14.7 ms a step in float32, 34.0 ms in bfloat16). Anything else stays ``auto``
+    for vLLM to resolve; a bfloat16 checkpoint is not upcast, as a model of real size reads
+    twice the memory a step in float32.
+    """
+    if settings.dtype != "auto" or device != "cpu":
+        return settings.dtype
+    if checkpoint_dtype(settings.model) == "float32" and emulates_bf16(cpuinfo):
+        return "float32"
+    return "auto"
 
 
 def apply_environment(settings: EngineSettings, device: Device) -> None:

