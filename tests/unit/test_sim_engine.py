@@ -333,9 +333,11 @@ def test_shipped_profiles_load() -> None:
         assert profile.source and profile.simulated_hardware
     for name in ("cpu-tiny", "cpu-tiny-avx2"):
         assert "rollserve sim calibrate" in load_profile(name).source  # calibrated here
-    # vLLM emulates bfloat16 with AVX2 alone: each decoding sequence costs several times more
+    # With AVX2 alone the engine runs the reasoner in float32, not emulated bfloat16 (which
+    # cost 4.5 times native bfloat16's 91 µs a decoding sequence): about as much as native.
     native, avx2 = load_profile("cpu-tiny"), load_profile("cpu-tiny-avx2")
-    assert avx2.per_decode_seq_s > 3 * native.per_decode_seq_s
+    assert "float32" in avx2.simulated_hardware and "bfloat16" in native.simulated_hardware
+    assert avx2.per_decode_seq_s < 2 * native.per_decode_seq_s
     gpu = load_profile("gpu-h100-llama8b")
     assert 5e-3 < gpu.step_time(1, 0, 1000) < 10e-3  # one stream decodes at 100-200 tokens/s
 
