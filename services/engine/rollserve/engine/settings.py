@@ -250,8 +250,9 @@ class EngineSettings(BaseModel):
             "Speculate only in steps that run at most this many sequences (the long tail of a "
             "rollout); 0 speculates in every step. Where it pays depends on the hardware: "
             "`rollserve sim calibrate-spec` prints the largest batch at which a pass costs "
-            "less a token than decoding (about 30 on a CPU with native bfloat16, 5 on one "
-            "with AVX2 alone, at the trained reasoner's drafts)."
+            "less a token than decoding (at the trained reasoner's drafts: about 30 on a CPU "
+            "with native bfloat16, 16-21 on one with AVX2 alone in float32, 4-5 there in "
+            "emulated bfloat16)."
         ),
     )
 

