@@ -507,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollserve.bench.push_cost import add_bench_push_cost
 
     add_bench_push_cost(bench_sub)
+    from rollserve.bench.dtype import add_bench_dtype
+
+    add_bench_dtype(bench_sub)
     decisions = bench_sub.add_parser(
         "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
     )
