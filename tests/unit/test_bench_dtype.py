@@ -3,8 +3,10 @@ measurements (no engine runs: the children's results are built here)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from rollserve.bench.dtype import (
     DtypeConfig,
     DtypeRun,
     agreement,
+    config_from_json,
     merge,
     order_of_rounds,
     summarize,
@@ -34,6 +37,11 @@ from rollserve.bench.dtype import (
 def test_bad_settings_are_refused_by_name(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DtypeConfig(**overrides)  # type: ignore[arg-type]
+
+
+def test_the_child_gets_the_parents_settings() -> None:
+    cfg = DtypeConfig(model=Path("/m"), dtypes=("bfloat16", "float32"), batches=(2, 4), seed=7)
+    assert config_from_json(json.dumps({**asdict(cfg), "model": "/m"})) == cfg
 
 
 def test_rounds_alternate_the_order_of_the_dtypes() -> None:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -189,7 +189,8 @@ def _run_child(cfg: DtypeConfig, dtype: str) -> DtypeRun:
         "-m",
         "rollserve.bench.dtype",
         "--child",
-        json.dumps({**asdict(cfg), "model": str(cfg.model), "dtype": dtype}),
+        dtype,
+        json.dumps({**asdict(cfg), "model": str(cfg.model)}),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -208,15 +209,34 @@ def _run_child(cfg: DtypeConfig, dtype: str) -> DtypeRun:
 # --- the child: one engine in one dtype ---------------------------------------------------
 
 
-async def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+class Sampled(NamedTuple):
+    """A sample of the scored batch: its prompt, its tokens and the engine's logprobs."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def config_from_json(text: str) -> DtypeConfig:
+    """The parent's `DtypeConfig`, as `_run_child` hands it to the child in JSON."""
+    raw = json.loads(text)
+    return DtypeConfig(
+        **{
+            **raw,
+            "model": Path(raw["model"]),
+            "dtypes": tuple(raw["dtypes"]),
+            "batches": tuple(raw["batches"]),
+        }
+    )
+
+
+async def _measure(cfg: DtypeConfig, dtype: str) -> dict[str, Any]:
     from rollserve.engine.service import build_engine_args
     from rollserve.engine.settings import EngineSettings, apply_environment
 
-    settings = EngineSettings(
-        model=Path(spec["model"]),
-        dtype=spec["dtype"],
-        omp_num_threads=spec["omp_threads"],
-        seed=spec["seed"],
+    assert cfg.model is not None  # run_dtype fills it in
+    settings = EngineSettings.model_validate(
+        {"model": cfg.model, "dtype": dtype, "omp_num_threads": cfg.omp_threads, "seed": cfg.seed}
     )
     apply_environment(settings, "cpu")
     from vllm import SamplingParams
@@ -227,12 +247,11 @@ async def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     llm = AsyncLLM.from_engine_args(build_engine_args(settings, "cpu"))
     resolved = str(llm.model_config.dtype).removeprefix("torch.")
     vocab = llm.model_config.get_vocab_size()
-    tokens, prompt_len = spec["tokens"], spec["prompt_tokens"]
-    sampled: list[tuple[list[int], list[int], list[float]]] = []
+    sampled: list[Sampled] = []
 
     async def one(prompt: list[int], seed: int, rid: str, keep: bool) -> None:
         params = SamplingParams(
-            max_tokens=tokens,
+            max_tokens=cfg.tokens,
             ignore_eos=True,  # a fixed length; min_tokens would mask EOS in the logprobs
             temperature=1.0,
             seed=seed,
@@ -245,21 +264,21 @@ async def _measure(spec: dict[str, Any]) -> dict[str, Any]:
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
-                sampled.append((prompt, ids, lps))
+                sampled.append(Sampled(prompt, ids, lps))
 
     walls: dict[str, list[float]] = {}
     try:
-        for batch in spec["batches"]:
+        for batch in cfg.batches:
             prompts = [
-                [3 + (spec["seed"] + b * 7 + j * 3) % (vocab - 3) for j in range(prompt_len)]
+                [3 + (cfg.seed + b * 7 + j * 3) % (vocab - 3) for j in range(cfg.prompt_tokens)]
                 for b in range(batch)
             ]
-            for rep in range(spec["repeats"] + 1):  # the first is untimed
-                keep = rep == 1 and batch == max(spec["batches"])
+            for rep in range(cfg.repeats + 1):  # the first is untimed
+                keep = rep == 1 and batch == max(cfg.batches)
                 start = time.perf_counter()
                 await asyncio.gather(
                     *(
-                        one(p, spec["seed"] + 1000 * rep + i, f"b{batch}-r{rep}-{i}", keep)
+                        one(p, cfg.seed + 1000 * rep + i, f"b{batch}-r{rep}-{i}", keep)
                         for i, p in enumerate(prompts)
                     )
                 )
@@ -267,17 +286,15 @@ async def _measure(spec: dict[str, Any]) -> dict[str, Any]:
                     walls.setdefault(str(batch), []).append(time.perf_counter() - start)
     finally:
         llm.shutdown()
-    return {"resolved": resolved, "walls": walls, "logprob_diffs": _vs_trainer(spec, sampled)}
+    return {"resolved": resolved, "walls": walls, "logprob_diffs": _vs_trainer(cfg, sampled)}
 
 
-def _vs_trainer(
-    spec: dict[str, Any], sampled: list[tuple[list[int], list[int], list[float]]]
-) -> list[float]:
+def _vs_trainer(cfg: DtypeConfig, sampled: list[Sampled]) -> list[float]:
     """|engine logprob - the trainer's float32 logprob| of every sampled token."""
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
     diffs: list[float] = []
     with torch.no_grad():
         for prompt, ids, lps in sampled:
@@ -289,9 +306,8 @@ def _vs_trainer(
     return diffs
 
 
-def _child_main(text: str) -> int:
-    spec = json.loads(text)
-    print(json.dumps(asyncio.run(_measure(spec))), flush=True)
+def _child_main(dtype: str, text: str) -> int:
+    print(json.dumps(asyncio.run(_measure(config_from_json(text), dtype))), flush=True)
     return 0
 
 
@@ -352,6 +368,6 @@ def _cmd_bench_dtype(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        sys.exit(_child_main(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(_child_main(sys.argv[2], sys.argv[3]))
     raise SystemExit("run it as `rollserve bench dtype`")
