@@ -5,11 +5,11 @@ the trainer's float32 forward pass (transformers). Nothing is asserted on time."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.cli_proc import run_rollserve
 
 pytestmark = pytest.mark.integration
 
@@ -18,14 +18,7 @@ pytestmark = pytest.mark.integration
 def test_each_dtype_runs_as_asked_and_float32_logprobs_are_the_trainers(tmp_path: Path) -> None:
     report = tmp_path / "dtype.json"
     args = ["--batches", "1,4", "--tokens", "24", "--repeats", "1", "--json", str(report)]
-    done = subprocess.run(
-        [sys.executable, "-m", "rollserve.cli.main", "bench", "dtype", *args],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_rollserve(["bench", "dtype", *args])
     data = json.loads(report.read_text())
     fp32, bf16 = data["dtypes"]["float32"], data["dtypes"]["bfloat16"]
     assert (fp32["resolved"], bf16["resolved"]) == ("float32", "bfloat16")

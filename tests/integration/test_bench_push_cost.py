@@ -5,11 +5,11 @@ while outputs are pushed to it (AddOutputs), against calls with none."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.cli_proc import run_rollserve
 
 pytestmark = pytest.mark.integration
 
@@ -19,14 +19,7 @@ def test_pushes_reach_a_running_engine_and_are_counted_by_rate(tmp_path: Path) -
     report = tmp_path / "push-cost.json"
     args = ["--rates", "0,20", "--repeats", "1", "--calls", "2", "--n", "4", "--max-tokens", "64"]
     args += ["--json", str(report)]
-    done = subprocess.run(
-        [sys.executable, "-m", "rollserve.cli.main", "bench", "push-cost", *args],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_rollserve(["bench", "push-cost", *args])
     data = json.loads(report.read_text())
     none, pushed = data["summary"]["0.0"], data["summary"]["20.0"]
     assert none["pushes"] == 0 and none["vs_none"] == 1.0

@@ -5,14 +5,14 @@ a child process, on a rollouts file written here with the shipped reasoner's pro
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from rollserve.assets import reasoner_dir
 from rollserve.bench.drafts import Rollout, write_rollouts
 from rollserve.bench.workload import bench_groups
+
+from tests.integration.cli_proc import run_rollserve
 
 pytestmark = pytest.mark.integration
 
@@ -28,23 +28,7 @@ def test_each_state_is_continued_k_times_within_what_the_sample_had_left(tmp_pat
     write_rollouts(samples, rollouts)
     args = ["--samples", str(samples), "--resample", "3", "--resample-samples", "2"]
     args += ["--engines", "1", "--max-tokens", str(max_tokens), "--fractions", "0.5"]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollserve.cli.main",
-            "bench",
-            "remaining",
-            *args,
-            "--json",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_rollserve(["bench", "remaining", *args, "--json", str(report)])
     data = json.loads(report.read_text())
     states = data["states"]
     assert sorted(s["prompt_key"] for s in states) == sorted(g.prompt_key for g in groups)

@@ -6,11 +6,11 @@ finished outputs, a Generate call carries those its engine lacks, and the engine
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.cli_proc import run_rollserve
 
 pytestmark = pytest.mark.integration
 
@@ -20,14 +20,7 @@ def test_the_scheduler_hands_engines_the_outputs_other_engines_made(tmp_path: Pa
     report = tmp_path / "share.json"
     args = ["--groups", "4", "--n", "2", "--epochs", "2", "--rounds", "1", "--max-tokens", "48"]
     args += ["--policy", "round_robin", "--json", str(report)]
-    done = subprocess.run(
-        [sys.executable, "-m", "rollserve.cli.main", "bench", "share", *args],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_rollserve(["bench", "share", *args])
     data = json.loads(report.read_text())
     shared, own = data["summary"]["shared"], data["summary"]["own"]
     # No prompt had outputs when epoch 0's calls started: what it handed over was pushed

@@ -9,29 +9,19 @@ measurement is ``rollserve workload stats`` (see docs/workload.md).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_proc import run_rollserve
+
 pytestmark = pytest.mark.integration
-
-ROLLSERVE = [sys.executable, "-m", "rollserve.cli.main"]
-
-
-def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [*ROLLSERVE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
 
 
 @pytest.mark.timeout(600)
 def test_workload_stats_writes_the_figures_and_the_json(tmp_path: Path) -> None:
     out = tmp_path / "stats"
-    _run(
+    run_rollserve(
         [
             "workload",
             "stats",
@@ -44,7 +34,7 @@ def test_workload_stats_writes_the_figures_and_the_json(tmp_path: Path) -> None:
             "--json",
             str(out / "stats.json"),
         ],
-        tmp_path,
+        cwd=tmp_path,
         timeout=540,
     )
     figures = json.loads((out / "stats.json").read_text())
@@ -69,9 +59,9 @@ def test_workload_stats_writes_the_figures_and_the_json(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_demo_runs_the_trained_model_and_reports_reward(tmp_path: Path) -> None:
     summary_path = tmp_path / "demo.json"
-    _run(
+    run_rollserve(
         ["demo", "--steps", "2", "--groups", "6", "--n", "4", "--json", str(summary_path)],
-        tmp_path,
+        cwd=tmp_path,
         timeout=540,
     )
     summary = json.loads(summary_path.read_text())
@@ -89,12 +79,12 @@ def test_demo_that_trains_publishes_each_update_and_the_next_step_runs_it(tmp_pa
 
     summary_path = tmp_path / "demo.json"
     checkpoints = tmp_path / "ckpt"
-    _run(
+    run_rollserve(
         [
             "demo", "--steps", "2", "--groups", "6", "--n", "4", "--train", "--lr", "1e-4",
             "--checkpoints", str(checkpoints), "--json", str(summary_path),
         ],
-        tmp_path,
+        cwd=tmp_path,
         timeout=540,
     )  # fmt: skip
     summary = json.loads(summary_path.read_text())
