@@ -26,12 +26,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 from rich.console import Console
 from rich.table import Table
+from rollserve.engine.settings import Dtype, EngineSettings
 
 DTYPES = ("float32", "bfloat16")
+NAMED_DTYPES = tuple(name for name in get_args(Dtype) if name != "auto")
+"""The dtypes the engine takes by name (``EngineSettings.dtype`` less ``auto``)."""
+MAX_MODEL_LEN = int(EngineSettings.model_fields["max_model_len"].default)
+"""The engine service's context (its ``EngineSettings`` default), which each sample fills."""
 
 
 @dataclass(frozen=True)
@@ -50,17 +55,19 @@ class DtypeConfig:
         if len(set(self.dtypes)) != len(self.dtypes) or not self.dtypes:
             raise ValueError(f"dtypes ({','.join(self.dtypes)}) must be distinct and given")
         for name in self.dtypes:
-            if name not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"dtypes: {name!r} is not float32, bfloat16 or float16")
+            if name not in NAMED_DTYPES:
+                raise ValueError(
+                    f"dtypes: {name!r} is not {', '.join(NAMED_DTYPES[:-1])} or {NAMED_DTYPES[-1]}"
+                )
         if not self.batches or min(self.batches) < 1 or max(self.batches) > 256:
             raise ValueError(f"batches ({self.batches}) must each be 1 to 256")
         for name in ("tokens", "prompt_tokens", "repeats", "rounds", "omp_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
-        if self.tokens + self.prompt_tokens > 2048:
+        if self.tokens + self.prompt_tokens > MAX_MODEL_LEN:
             raise ValueError(
                 f"tokens + prompt_tokens ({self.tokens + self.prompt_tokens}) must fit the "
-                "engine's max_model_len of 2048"
+                f"engine's max_model_len of {MAX_MODEL_LEN}"
             )
 
 
@@ -167,7 +174,7 @@ def run_dtype(cfg: DtypeConfig, console: Console | None = None) -> dict[str, Any
     """Runs the children and returns (and prints) the summary."""
     console = console or Console()
     from rollserve.assets import reasoner_dir
-    from rollserve.engine.settings import EngineSettings, resolve_dtype
+    from rollserve.engine.settings import resolve_dtype
 
     model = cfg.model or reasoner_dir()
     cfg = DtypeConfig(**{**asdict(cfg), "model": model})
@@ -232,7 +239,7 @@ def config_from_json(text: str) -> DtypeConfig:
 
 async def _measure(cfg: DtypeConfig, dtype: str) -> dict[str, Any]:
     from rollserve.engine.service import build_engine_args
-    from rollserve.engine.settings import EngineSettings, apply_environment
+    from rollserve.engine.settings import apply_environment
 
     assert cfg.model is not None  # run_dtype fills it in
     settings = EngineSettings.model_validate(

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "SPECULATIVE_FIELDS",
     "Device",
+    "Dtype",
     "EngineSettings",
     "SpecMethod",
     "apply_environment",
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 Device = Literal["cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SpecMethod = Literal["ngram", "rollout", "suffix"]
 
 MAX_SPECULATIVE_TOKENS = 32
@@ -106,7 +108,7 @@ class EngineSettings(BaseModel):
         True, description="Reuse KV blocks of shared prompt prefixes (samples of a group)."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="vLLM's global random seed.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Dtype = Field(
         "auto",
         description=(
             "Weight and activation dtype. auto is vLLM's choice (the checkpoint's, but a "
