@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rollserve.assets import reasoner_dir
 from rollserve.cli.stack import launch_engine
 from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
+from rollserve.engine.settings import EngineSettings, resolve_dtype
 from rollserve.engine.tiny_model import make_tiny_model
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -345,6 +346,10 @@ async def test_stats(engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path) -> N
     assert stats.generation_tokens >= 16
     assert stats.prefix_cache_queries >= stats.prefix_cache_hits > 0
     assert stats.preemptions >= 0
+    # The dtype it resolved its "auto" to: float32 where the CPU emulates bfloat16 (the tiny
+    # checkpoint is float32); else vLLM's choice, bfloat16 on CPU.
+    resolved = resolve_dtype(EngineSettings(model=tiny_model_dir), "cpu")
+    assert stats.dtype == (resolved if resolved != "auto" else "bfloat16")
 
 
 class FakeScheduler(pb_grpc.SchedulerServicer):

@@ -85,6 +85,7 @@ class FakeEngine:
     progress_fails: bool = False  # Stats asked for progress fails with UNAVAILABLE
     progress_gate: asyncio.Event | None = None  # Stats asked for progress answers once set
     takes_earlier_outputs: bool = False  # what Stats says (it records what calls carry)
+    dtype: str = "float32"  # what Stats says
     port: int = 0  # 0: a free one (another engine may start on a stopped one's port)
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what Stats says
     stats_calls: int = 0  # Stats calls answered
@@ -297,6 +298,7 @@ class _Servicer(pb_grpc.EngineServicer):
             weights_path=self._e.weights[1],
             takes_earlier_outputs=self._e.takes_earlier_outputs,
             boot_id=self._e.boot_id,
+            dtype=self._e.dtype,
         )
 
     async def AddOutputs(

@@ -55,9 +55,10 @@ async def test_status_shows_the_queue_deliveries_and_each_engine(
     [e0] = printed["engines"]
     assert e0["engine_id"] == "e0" and e0["healthy"] and e0["address"] == engine.address
     assert e0["predicted_outstanding_tokens"] == 0.0  # nothing runs
+    assert e0["model"] == "fake" and e0["dtype"] == engine.dtype  # as its Stats say
     assert "1 groups, 2 samples" in shown  # delivered
     assert "1 of 1 in service" in shown
-    assert "e0" in shown and "in service" in shown
+    assert "e0" in shown and "in service" in shown and engine.dtype in shown
     assert "none published" in shown
 
 

@@ -28,7 +28,12 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 WAIT_S = 10.0
 INFO = ModelInfo(
-    model="scripted", max_model_len=256, max_num_seqs=8, vocab_size=1000, eos_token_id=1
+    model="scripted",
+    max_model_len=256,
+    max_num_seqs=8,
+    vocab_size=1000,
+    eos_token_id=1,
+    dtype="bfloat16",
 )
 
 
@@ -301,6 +306,15 @@ async def test_the_last_seed_int64_holds_is_taken(
 def with_earlier(req: pb.GenerateRequest, *outputs: list[int]) -> pb.GenerateRequest:
     req.earlier_outputs.extend(pb.EarlierOutput(token_ids=output) for output in outputs)
     return req
+
+
+async def test_stats_say_what_the_backend_serves(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
+) -> None:
+    stub, _ = engine
+    stats = await stub.Stats(pb.StatsRequest())
+    assert (stats.model, stats.max_model_len, stats.max_num_seqs) == ("scripted", 256, 8)
+    assert (stats.vocab_size, stats.eos_token_id, stats.dtype) == (1000, 1, "bfloat16")
 
 
 async def test_earlier_outputs_reach_a_backend_that_drafts_from_them_before_the_samples() -> None:

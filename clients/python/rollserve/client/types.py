@@ -233,6 +233,9 @@ class EngineStatus:
     restarts: int = 0  # times the scheduler found it started anew (a new boot id)
     # Tokens its running samples are predicted still to make (the length predictor's view).
     predicted_outstanding_tokens: float = 0.0
+    # What it serves and the dtype it computes in, as its Stats said ("": not known or said).
+    model: str = ""
+    dtype: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.EngineStatus) -> EngineStatus:
@@ -250,6 +253,8 @@ class EngineStatus:
             loading_weights=msg.loading_weights,
             restarts=msg.restarts,
             predicted_outstanding_tokens=msg.predicted_outstanding_tokens,
+            model=msg.model,
+            dtype=msg.dtype,
         )
 
 

@@ -325,6 +325,8 @@ class EngineStatus(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     LOADING_WEIGHTS_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     address: _builtins.str
     healthy: _builtins.bool
@@ -348,6 +350,9 @@ class EngineStatus(_message.Message):
     """Times the scheduler found it started anew (its Stats gave a new boot_id): each time it
     had it load the fleet's weights and forgot the outputs it had handed it.
     """
+    model: _builtins.str
+    """What it serves and computes in, as its Stats last said ("": not known yet, or not said)."""
+    dtype: _builtins.str
     def __init__(
         self,
         *,
@@ -364,10 +369,12 @@ class EngineStatus(_message.Message):
         weights_version: _builtins.int = ...,
         loading_weights: _builtins.bool = ...,
         restarts: _builtins.int = ...,
+        model: _builtins.str = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "loading_weights", b"loading_weights", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens", "restarts", b"restarts", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity_samples", b"capacity_samples", "dtype", b"dtype", "engine_id", b"engine_id", "healthy", b"healthy", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "last_error", b"last_error", "loading_weights", b"loading_weights", "model", b"model", "outstanding_tokens", b"outstanding_tokens", "predicted_outstanding_tokens", b"predicted_outstanding_tokens", "restarts", b"restarts", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1126,6 +1133,7 @@ class StatsResponse(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     TAKES_EARLIER_OUTPUTS_FIELD_NUMBER: _builtins.int
     BOOT_ID_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     model: _builtins.str
     max_model_len: _builtins.int
@@ -1168,6 +1176,11 @@ class StatsResponse(_message.Message):
     engine restarted (it serves the weights it was launched with and holds no outputs it was
     handed), even when it came back before a health probe failed. "": it does not say.
     """
+    dtype: _builtins.str
+    """The dtype its model computes in ("float32", "bfloat16", "float16"), as the engine
+    resolved its dtype setting: its logprobs are that precise. "": it does not say (a
+    simulated engine).
+    """
     @_builtins.property
     def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampleProgress]:
         """With ``with_progress``: every running sample, when it was read."""
@@ -1197,10 +1210,11 @@ class StatsResponse(_message.Message):
         progress: _abc.Iterable[Global___SampleProgress] | None = ...,
         takes_earlier_outputs: _builtins.bool = ...,
         boot_id: _builtins.str = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "takes_earlier_outputs", b"takes_earlier_outputs", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "dtype", b"dtype", "engine_id", b"engine_id", "eos_token_id", b"eos_token_id", "generation_tokens", b"generation_tokens", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "preemptions", b"preemptions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "progress", b"progress", "prompt_tokens", b"prompt_tokens", "running_requests", b"running_requests", "running_samples", b"running_samples", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "spec_drafts", b"spec_drafts", "takes_earlier_outputs", b"takes_earlier_outputs", "vocab_size", b"vocab_size", "weights_path", b"weights_path", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,7 @@ def render(status: SchedulerStatus, console: Console) -> None:
             Text(_state(engine)),
             f"{engine.inflight_groups:,}/{engine.inflight_samples:,}",
             f"{engine.capacity_samples:,}",
+            Text(engine.dtype),
             f"{engine.predicted_outstanding_tokens:,.0f}/{engine.outstanding_tokens:,}",
             Text(_weights(engine.weights_path, engine.weights_version, "launch")),
         )
@@ -87,11 +88,11 @@ def render(status: SchedulerStatus, console: Console) -> None:
             )
 
 
-_COLUMNS = ("engine", "address", "state", "running", "cap.", "left", "weights")
+_COLUMNS = ("engine", "address", "state", "running", "cap.", "dtype", "left", "weights")
 _NUMERIC = {"running", "cap.", "left"}
 _CAPTION = (
-    "running: groups/samples; cap.: most samples run at once; left: tokens still to make, "
-    "predicted/at most; weights: those it serves"
+    "running: groups/samples; cap.: most samples run at once; dtype: its model computes in "
+    "(blank: not said); left: tokens still to make, predicted/at most; weights: those it serves"
 )
 
 

@@ -138,6 +138,8 @@ class ModelInfo:
     shape: tuple[tuple[str, Any], ...] = ()
     # It drafts from earlier outputs of a prompt handed to it (add_earlier_outputs).
     takes_earlier_outputs: bool = False
+    # The dtype the model computes in ("float32", "bfloat16", ...); "": not said.
+    dtype: str = ""
 
 
 SHAPE_KEYS = (
@@ -287,6 +289,7 @@ class VllmBackend:
             kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * int(cache.block_size),
             shape=model_shape(llm.model_config.hf_config.to_dict()),
             takes_earlier_outputs=settings.spec_method == "rollout",
+            dtype=str(llm.model_config.dtype).removeprefix("torch."),
         )
         return cls(llm, info)
 
@@ -974,6 +977,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             progress=self._progress(backend) if request.with_progress else (),
             takes_earlier_outputs=info.takes_earlier_outputs,
             boot_id=self._boot_id,
+            dtype=info.dtype,
         )
 
     def _progress(self, backend: GenerationBackend) -> list[pb.SampleProgress]:

@@ -50,6 +50,7 @@ class EngineInfo:
     model: str
     kv_capacity_tokens: int = 0  # 0: the engine did not say
     takes_earlier_outputs: bool = False  # it drafts from a call's earlier_outputs
+    dtype: str = ""  # its model computes in ("": the engine did not say)
 
 
 _INT64 = 1 << 63
@@ -138,6 +139,7 @@ class EngineHandle:
             stats.model,
             stats.kv_capacity_tokens,
             stats.takes_earlier_outputs,
+            stats.dtype,
         )
         return anew
 

@@ -874,6 +874,8 @@ class SchedulerRuntime:
                     weights_version=e.weights[1],
                     loading_weights=e.loading_weights,
                     restarts=e.restarts,
+                    model="" if e.info is None else e.info.model,
+                    dtype="" if e.info is None else e.info.dtype,
                 )
                 for e in self._engines.values()
             ],
