@@ -347,7 +347,7 @@ async def test_stats(engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path) -> N
     assert stats.prefix_cache_queries >= stats.prefix_cache_hits > 0
     assert stats.preemptions >= 0
     # The dtype it resolved its "auto" to: float32 where the CPU emulates bfloat16 (the tiny
-    # checkpoint is float32); else vLLM's choice, bfloat16 on CPU.
+    # bfloat16 checkpoint upcast); else vLLM's choice, the checkpoint's bfloat16.
     resolved = resolve_dtype(EngineSettings(model=tiny_model_dir), "cpu")
     assert stats.dtype == (resolved if resolved != "auto" else "bfloat16")
 

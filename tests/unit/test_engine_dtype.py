@@ -1,6 +1,8 @@
-"""The engine's dtype resolution: ``auto`` keeps a float32 checkpoint in float32 on a CPU that
-emulates bfloat16, and leaves everything else to vLLM. The CPU is faked by /proc/cpuinfo text
-and the checkpoint by a config.json in a temporary folder; vLLM is not imported."""
+"""The engine's dtype resolution: ``auto`` runs the model in float32 on a CPU that emulates
+bfloat16 (a 16-bit checkpoint where its float32 weights fit), and leaves everything else to
+vLLM. The CPU is faked by /proc/cpuinfo text, the memory by a number or by /proc and cgroup
+files in a temporary folder, and the checkpoint by a config.json and a weight file of the
+right size; vLLM is not imported."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ from typing import Any
 
 import pytest
 from rollserve.engine.cpu_features import cpu_flags, cpu_model, emulates_bf16
+from rollserve.engine.host_memory import memory_limit_bytes
 from rollserve.engine.settings import (
+    UPCAST_MEMORY_SHARE,
     Device,
     EngineSettings,
     checkpoint_dtype,
+    checkpoint_weight_bytes,
     resolve_dtype,
 )
 
@@ -31,9 +36,17 @@ def cpuinfo(flags: str | None, model: str = "AMD EPYC") -> str:
     )
 
 
-def checkpoint(tmp_path: Path, **config: Any) -> Path:
+GIB = 1 << 30
+MEMORY = 64 * GIB  # the machine's, unless a test says otherwise
+
+
+def checkpoint(tmp_path: Path, weight_bytes: int = 1000, **config: Any) -> Path:
+    """A checkpoint folder: config.json with ``config``, and one weight file of
+    ``weight_bytes`` (sparse: nothing is written)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    with (tmp_path / "model.safetensors").open("wb") as f:
+        f.truncate(weight_bytes)
     return tmp_path
 
 
@@ -86,15 +99,105 @@ def test_an_unreadable_config_names_no_dtype(tmp_path: Path, text: str) -> None:
         (NATIVE, "float32", "cpu", "auto"),  # native bfloat16: vLLM's downcast pays
         (AMX, "float32", "cpu", "auto"),
         (None, "float32", "cpu", "auto"),  # flags unknown: no guess
-        (AVX2, "bfloat16", "cpu", "auto"),  # not upcast
+        (AVX2, "bfloat16", "cpu", "float32"),  # upcast: it fits
+        (AVX2, "float16", "cpu", "float32"),
+        (NATIVE, "bfloat16", "cpu", "auto"),
         (AVX2, "float32", "cuda", "auto"),
+        (AVX2, "bfloat16", "cuda", "auto"),
+        (AVX2, None, "cpu", "auto"),  # the checkpoint names no dtype: vLLM's to read
     ],
 )
-def test_auto_keeps_a_float32_checkpoint_where_bfloat16_is_emulated(
-    tmp_path: Path, flags: str | None, stored: str, device: Device, expected: str
+def test_auto_runs_float32_where_bfloat16_is_emulated(
+    tmp_path: Path, flags: str | None, stored: str | None, device: Device, expected: str
 ) -> None:
-    settings = EngineSettings(model=checkpoint(tmp_path, dtype=stored))
-    assert resolve_dtype(settings, device, cpuinfo(flags)) == expected
+    config: dict[str, Any] = {} if stored is None else {"dtype": stored}
+    settings = EngineSettings(model=checkpoint(tmp_path, **config))
+    assert resolve_dtype(settings, device, cpuinfo(flags), MEMORY) == expected
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_a_16_bit_checkpoint_is_upcast_only_where_its_float32_weights_and_kv_cache_fit(
+    tmp_path: Path, stored: str
+) -> None:
+    weights = 3 * GIB
+    settings = EngineSettings(
+        model=checkpoint(tmp_path, weight_bytes=weights, dtype=stored), kv_cache_space_gib=2
+    )
+    needed = 2 * weights + 2 * GIB  # 8 GiB: the weights twice their size, and the KV cache
+    at_most = int(needed / UPCAST_MEMORY_SHARE)
+    assert resolve_dtype(settings, "cpu", cpuinfo(AVX2), at_most) == "float32"
+    assert resolve_dtype(settings, "cpu", cpuinfo(AVX2), at_most - 1) == "auto"
+    assert resolve_dtype(settings, "cpu", cpuinfo(AVX2), 0) == "auto"  # memory unknown
+    # A float32 checkpoint takes no more memory in float32: it stays so whatever the memory.
+    float32 = EngineSettings(model=checkpoint(tmp_path / "f", weight_bytes=weights))
+    (tmp_path / "f" / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert resolve_dtype(float32, "cpu", cpuinfo(AVX2), 1) == "float32"
+
+
+def test_a_16_bit_checkpoint_without_weight_files_is_left_to_vllm(tmp_path: Path) -> None:
+    model = checkpoint(tmp_path, dtype="bfloat16")
+    (model / "model.safetensors").unlink()
+    assert checkpoint_weight_bytes(model) == 0
+    settings = EngineSettings(model=model)
+    assert resolve_dtype(settings, "cpu", cpuinfo(AVX2), MEMORY) == "auto"
+
+
+def test_weight_bytes_are_those_of_the_safetensors_files_else_the_pytorch_ones(
+    tmp_path: Path,
+) -> None:
+    for name, size in (("a.bin", 7), ("b.safetensors", 100), ("c.safetensors", 23)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert checkpoint_weight_bytes(tmp_path) == 123
+    for name in ("b.safetensors", "c.safetensors"):
+        (tmp_path / name).unlink()
+    assert checkpoint_weight_bytes(tmp_path) == 7
+    assert checkpoint_weight_bytes(tmp_path / "missing") == 0
+
+
+def host(tmp_path: Path, meminfo: str, cgroup: str, files: dict[str, str]) -> int:
+    """`memory_limit_bytes` of a machine made of files: /proc/meminfo, /proc/self/cgroup,
+    and cgroup files (path under the cgroup root: content)."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(meminfo)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for path, content in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(content)
+    return memory_limit_bytes(proc, root)
+
+
+MEMINFO = "MemTotal:       24683784 kB\nMemFree:        1000 kB\n"
+TOTAL = 24683784 * 1024
+UNLIMITED_V1 = "9223372036854771712\n"
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected"),
+    [
+        ("0::/\n", {}, TOTAL),  # no cgroup files: the machine's
+        ("0::/job\n", {"job/memory.max": "max\n"}, TOTAL),  # v2, no limit
+        ("0::/job\n", {"job/memory.max": "4294967296\n"}, 4 * GIB),  # v2, its own
+        ("0::/\n", {"memory.max": "8589934592\n"}, 8 * GIB),  # v2, namespaced: the root's
+        (  # v1 (as on this dev machine): its cgroup's file, else the root's
+            "4:memory:/box/1\n0::/\n",
+            {"memory/box/1/memory.limit_in_bytes": "2147483648\n"},
+            2 * GIB,
+        ),
+        ("4:memory:/box/1\n", {"memory/memory.limit_in_bytes": UNLIMITED_V1}, TOTAL),
+        ("3:cpu,memory:/b\n", {"memory/b/memory.limit_in_bytes": "1073741824"}, GIB),
+        ("0::/job\n", {"job/memory.max": "999999999999999999999\n"}, TOTAL),  # above it
+    ],
+)
+def test_the_memory_a_process_may_use_is_the_machines_or_its_cgroups_limit(
+    tmp_path: Path, cgroup: str, files: dict[str, str], expected: int
+) -> None:
+    assert host(tmp_path, MEMINFO, cgroup, files) == expected
+
+
+def test_the_memory_is_unknown_without_memtotal(tmp_path: Path) -> None:
+    assert host(tmp_path, "MemFree: 10 kB\n", "0::/\n", {"memory.max": "1024"}) == 0
+    assert memory_limit_bytes(tmp_path / "none", tmp_path / "none") == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -105,8 +208,10 @@ def test_a_dtype_given_is_passed_on_as_it_is(tmp_path: Path, dtype: Any) -> None
 
 
 def test_the_shipped_reasoner_is_a_float32_checkpoint() -> None:
-    """The resolution above is what makes it run in float32 on AVX2 machines; a checkpoint
-    re-saved in another dtype would silently lose that."""
+    """It was trained in float32, and engines that do not upcast (CPUs with native
+    bfloat16, GPUs) downcast from the trained weights themselves; a checkpoint re-saved in
+    16 bits would lose that precision for good, and on AVX2 machines it would run in float32
+    only where its upcast weights fit."""
     from rollserve.assets import reasoner_dir
 
     assert checkpoint_dtype(reasoner_dir()) == "float32"

@@ -1,8 +1,9 @@
 """``rollserve bench dtype``: the same engine in float32 and in bfloat16, side by side.
 
-vLLM's CPU backend downcasts a float32 checkpoint to bfloat16 under ``dtype auto``, and a CPU
-without AVX-512 BF16 or AMX emulates bfloat16; the engine service therefore keeps such a
-checkpoint in float32 there (``EngineSettings`` ``resolve_dtype``). This benchmark is the
+vLLM's CPU backend runs bfloat16 under ``dtype auto`` (it downcasts a float32 checkpoint,
+and keeps a bfloat16 one), and a CPU without AVX-512 BF16 or AMX emulates bfloat16; the
+engine service therefore runs the model in float32 there (``EngineSettings``
+``resolve_dtype``; a 16-bit checkpoint where its float32 weights fit). This benchmark is the
 measurement behind that rule, to run on any CPU: for each dtype a child process builds the
 engine exactly as the service does (``EngineSettings`` with that dtype, ``apply_environment``,
 ``build_engine_args``, vLLM's AsyncLLM), decodes batches of 1, 8 and 64 sequences of a fixed

@@ -15,17 +15,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
 from rollserve.engine.cpu_features import emulates_bf16
+from rollserve.engine.host_memory import host_memory_bytes
 
 __all__ = [
     "MAX_PROMPT_LOOKUP",
     "MAX_SPECULATIVE_TOKENS",
     "SPECULATIVE_FIELDS",
+    "UPCAST_MEMORY_SHARE",
     "Device",
     "Dtype",
     "EngineSettings",
     "SpecMethod",
     "apply_environment",
     "checkpoint_dtype",
+    "checkpoint_weight_bytes",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -58,6 +61,13 @@ _ROLLOUT_FIELDS = (
     "spec_history_tokens",
     "spec_history_per_prompt",
 )
+
+UPCAST_MEMORY_SHARE = 0.5
+"""`resolve_dtype` upcasts a 16-bit checkpoint to float32 only where its float32 weights and
+the KV cache space take at most this share of the memory the process may use: the rest is
+left to the process's other needs and to another engine on the machine."""
+_GIB = 1 << 30
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
@@ -113,8 +123,10 @@ class EngineSettings(BaseModel):
         description=(
             "Weight and activation dtype. auto is vLLM's choice (the checkpoint's, but a "
             "float32 one runs in bfloat16), except on an x86 CPU that emulates bfloat16 "
-            "(AVX2 without AVX-512 BF16 or AMX), where a float32 checkpoint stays float32: "
-            "the shipped reasoner decodes 2.3x faster so."
+            "(AVX2 without AVX-512 BF16 or AMX): there the model runs in float32, a 16-bit "
+            "checkpoint upcast where its float32 weights and the KV cache space take at most "
+            "half the memory (emulated bfloat16 decoded 64 sequences of the shipped reasoner "
+            "2.3x slower, and 8 of a 0.36B model 4.3x slower)."
         ),
     )
     enforce_eager: bool = Field(
@@ -334,21 +346,49 @@ def checkpoint_dtype(model: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def resolve_dtype(settings: EngineSettings, device: Device, cpuinfo: str | None = None) -> str:
+def checkpoint_weight_bytes(model: Path) -> int:
+    """Bytes of a checkpoint's weight files (safetensors, else PyTorch ones) at its top
+    level; 0 where it has none that can be read."""
+    for pattern in _WEIGHT_FILES:
+        try:
+            files = sorted(model.glob(pattern))
+            if files:
+                return sum(f.stat().st_size for f in files)
+        except OSError:
+            return 0
+    return 0
+
+
+def resolve_dtype(
+    settings: EngineSettings,
+    device: Device,
+    cpuinfo: str | None = None,
+    memory_bytes: int | None = None,
+) -> str:
     """The dtype vLLM is given for these settings: `settings.dtype` unless it is ``auto``.
 
     ``auto`` on a CPU that emulates bfloat16 (`emulates_bf16`; ``cpuinfo`` is /proc/cpuinfo's
-    text, read when None) with a float32 checkpoint is ``float32``: vLLM would downcast it to
-    bfloat16, which such a CPU runs several times slower (64 sequences of the shipped
-    reasoner: 14.7 ms a step in float32, 34.0 ms in bfloat16). Anything else stays ``auto``
-    for vLLM to resolve; a bfloat16 checkpoint is not upcast, as a model of real size reads
-    twice the memory a step in float32.
+    text, read when None) is ``float32``, where vLLM would run bfloat16 (it downcasts a
+    float32 checkpoint, and keeps a bfloat16 one): emulated bfloat16 was slower at every
+    batch measured on such a CPU, 2.3x at 64 sequences of the shipped reasoner, and 1.25x,
+    4.3x and 6.0x at 1, 8 and 32 sequences of a 0.36B model, whose float32 weights are read
+    twice the bytes a step (docs/calibration.md). A 16-bit checkpoint is upcast only where
+    its weights in float32 and the KV cache space take at most `UPCAST_MEMORY_SHARE` of
+    ``memory_bytes`` (`host_memory_bytes` when None: the machine's, or the container's
+    limit). Anything else stays ``auto`` for vLLM to resolve. The answer depends on files
+    and the machine alone, so every call in a process gives the same.
     """
     if settings.dtype != "auto" or device != "cpu":
         return settings.dtype
-    if checkpoint_dtype(settings.model) == "float32" and emulates_bf16(cpuinfo):
+    stored = checkpoint_dtype(settings.model)
+    if stored not in ("float32", "bfloat16", "float16") or not emulates_bf16(cpuinfo):
+        return "auto"
+    if stored == "float32":
         return "float32"
-    return "auto"
+    weights = checkpoint_weight_bytes(settings.model) * 2  # 16-bit weights in float32
+    memory = host_memory_bytes() if memory_bytes is None else memory_bytes
+    needed = weights + settings.kv_cache_space_gib * _GIB
+    return "float32" if weights and needed <= UPCAST_MEMORY_SHARE * memory else "auto"
 
 
 def apply_environment(settings: EngineSettings, device: Device) -> None:
