@@ -139,6 +139,9 @@ def test_16_groups_of_4_give_exactly_64_samples(
             assert s.num_prompt_tokens == len(PROMPT) + 1
     assert status.groups_delivered >= 16
     assert redis.Redis.from_url(scheduler_redis_url).xlen(stream_key(rid)) == 16
+    # What the engine serves, as its Stats said and the scheduler passes on.
+    [e0] = status.engines
+    assert e0.model and e0.dtype in ("float32", "bfloat16"), (e0.model, e0.dtype)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "rl"])
