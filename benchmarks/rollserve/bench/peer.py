@@ -522,6 +522,9 @@ def rollserve_round(
         batcher.ack(next(batcher))
         version += 1
         client.publish_version(version)
+    # What the engines compute in, as they say (the router's servers are given the same
+    # --dtype): settings.engine.dtype may be "auto", which does not tell.
+    run.settings["engine_dtypes"] = sorted({e.dtype for e in client.status().engines})
     core_before = engine_core_time(pids)
     run.start_at = time.time()
     start_s = previous = time.perf_counter()
