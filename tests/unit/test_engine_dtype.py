@@ -187,6 +187,16 @@ UNLIMITED_V1 = "9223372036854771712\n"
         ("4:memory:/box/1\n", {"memory/memory.limit_in_bytes": UNLIMITED_V1}, TOTAL),
         ("3:cpu,memory:/b\n", {"memory/b/memory.limit_in_bytes": "1073741824"}, GIB),
         ("0::/job\n", {"job/memory.max": "999999999999999999999\n"}, TOTAL),  # above it
+        (  # a parent's limit binds its children, whose own may be higher or unset
+            "0::/slice/job\n",
+            {"slice/memory.max": "3221225472\n", "slice/job/memory.max": "max\n"},
+            3 * GIB,
+        ),
+        (
+            "0::/slice/job\n",
+            {"slice/memory.max": "3221225472\n", "slice/job/memory.max": "1073741824\n"},
+            GIB,
+        ),
     ],
 )
 def test_the_memory_a_process_may_use_is_the_machines_or_its_cgroups_limit(

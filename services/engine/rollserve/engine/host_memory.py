@@ -19,7 +19,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def memory_limit_bytes(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> int:
     """MemTotal of ``proc``/meminfo, or this process's memory cgroup limit where lower
     (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``, of the cgroup that
-    ``proc``/self/cgroup names under ``cgroup_root``, else of the root one); 0 where
+    ``proc``/self/cgroup names under ``cgroup_root`` or of any ancestor of it); 0 where
     MemTotal cannot be read: the caller then assumes nothing."""
     total = _mem_total(proc)
     if not total:
@@ -49,25 +49,35 @@ def _mem_total(proc: Path) -> int:
 
 
 def _cgroup_limit(proc: Path, cgroup_root: Path) -> int:
-    """The limit of the first memory cgroup file found (0: none, unreadable or "max")."""
+    """The lowest limit of this process's memory cgroup and its ancestors (cgroup v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``; a parent's limit binds its children);
+    0 where none is set or readable."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
         lines = []
-    candidates: list[Path] = []
+    files: list[Path] = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        relative = path.strip().lstrip("/")
         if hierarchy == "0" and not controllers:  # v2, unified
-            candidates.append(cgroup_root / relative / "memory.max")
+            base, name = cgroup_root, "memory.max"
         elif "memory" in controllers.split(","):  # v1
-            candidates.append(cgroup_root / "memory" / relative / "memory.limit_in_bytes")
-    candidates += [cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"]
-    for candidate in candidates:
-        try:
-            value = candidate.read_text().strip()
-        except OSError:
+            base, name = cgroup_root / "memory", "memory.limit_in_bytes"
+        else:
             continue
-        return int(value) if value.isdigit() else 0
-    return 0
+        parts = Path(path.strip().lstrip("/")).parts
+        files += [base.joinpath(*parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    # Where /proc/self/cgroup says nothing: a namespaced container's own cgroup is the root.
+    files += [cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"]
+    limits = [limit for f in files if (limit := _limit_of(f))]
+    return min(limits) if limits else 0
+
+
+def _limit_of(path: Path) -> int:
+    """A cgroup limit file's bytes; 0 where it is missing, unreadable or "max"."""
+    try:
+        value = path.read_text().strip()
+    except OSError:
+        return 0
+    return int(value) if value.isdigit() else 0
