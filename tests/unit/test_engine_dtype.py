@@ -19,6 +19,7 @@ from rollserve.engine.settings import (
     EngineSettings,
     checkpoint_dtype,
     checkpoint_weight_bytes,
+    choose_dtype,
     resolve_dtype,
 )
 
@@ -134,12 +135,40 @@ def test_a_16_bit_checkpoint_is_upcast_only_where_its_float32_weights_and_kv_cac
     assert resolve_dtype(float32, "cpu", cpuinfo(AVX2), 1) == "float32"
 
 
+def test_the_choice_says_why_and_warns_where_vllm_will_emulate_bfloat16(tmp_path: Path) -> None:
+    """What the engine logs at start: a warning where the model will run slower than it
+    could, with the way out."""
+    avx2 = cpuinfo(AVX2)
+    bf16 = EngineSettings(model=checkpoint(tmp_path / "b", weight_bytes=GIB, dtype="bfloat16"))
+    upcast = choose_dtype(bf16, "cpu", avx2, MEMORY)
+    assert (upcast.dtype, upcast.slower) == ("float32", False)
+    assert "bfloat16 checkpoint is upcast" in upcast.why
+    assert "float32 (2.0 GiB)" in upcast.why and "50% of 64.0 GiB" in upcast.why
+    kept = choose_dtype(bf16, "cpu", avx2, 4 * GIB)  # 2 + 2 GiB > half of 4
+    assert (kept.dtype, kept.slower) == ("auto", True)
+    assert "would take more than 50% of 4.0 GiB" in kept.why and "--dtype float32" in kept.why
+    unknown = choose_dtype(bf16, "cpu", avx2, 0)
+    assert unknown.slower and "the memory is not known" in unknown.why
+    fp32 = EngineSettings(model=checkpoint(tmp_path / "f", dtype="float32"))
+    assert choose_dtype(fp32, "cpu", avx2).why.endswith("the float32 checkpoint is not downcast")
+    native = choose_dtype(fp32, "cpu", cpuinfo(NATIVE))
+    assert (native.dtype, native.slower) == ("auto", False)
+    assert choose_dtype(fp32, "cuda", avx2) == choose_dtype(fp32, "cuda", cpuinfo(NATIVE))
+    given = EngineSettings(model=fp32.model, dtype="bfloat16")
+    assert choose_dtype(given, "cpu", avx2) == choose_dtype(given, "cpu", cpuinfo(NATIVE))
+    assert choose_dtype(given, "cpu", avx2).why == "as set"
+
+
 def test_a_16_bit_checkpoint_without_weight_files_is_left_to_vllm(tmp_path: Path) -> None:
     model = checkpoint(tmp_path, dtype="bfloat16")
     (model / "model.safetensors").unlink()
     assert checkpoint_weight_bytes(model) == 0
     settings = EngineSettings(model=model)
     assert resolve_dtype(settings, "cpu", cpuinfo(AVX2), MEMORY) == "auto"
+    assert (
+        "the size of its weights is not known"
+        in choose_dtype(settings, "cpu", cpuinfo(AVX2), MEMORY).why
+    )
 
 
 def test_weight_bytes_are_those_of_the_safetensors_files_else_the_pytorch_ones(

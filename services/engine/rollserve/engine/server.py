@@ -38,7 +38,7 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from .cpu_priority import renice_threads
 from .service import SERVER_OPTIONS, EngineServicer, VllmBackend
-from .settings import EngineSettings, apply_environment, resolve_device, resolve_dtype
+from .settings import EngineSettings, apply_environment, choose_dtype, resolve_device
 
 __all__ = [
     "ENGINE_SERVICE",
@@ -100,13 +100,15 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     port = server.add_insecure_port(settings.address)
     await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    dtype = choose_dtype(settings, device)
     logger.info(
         "listening on %s; loading %s on %s (dtype %s)",
         settings.address,
         settings.model,
         device,
-        resolve_dtype(settings, device),
+        dtype.dtype,
     )
+    (logger.warning if dtype.slower else logger.info)("dtype %s: %s", dtype.dtype, dtype.why)
 
     backend: VllmBackend | None = None
     link: asyncio.Task[None] | None = None

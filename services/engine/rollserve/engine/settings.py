@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -24,11 +25,13 @@ __all__ = [
     "UPCAST_MEMORY_SHARE",
     "Device",
     "Dtype",
+    "DtypeChoice",
     "EngineSettings",
     "SpecMethod",
     "apply_environment",
     "checkpoint_dtype",
     "checkpoint_weight_bytes",
+    "choose_dtype",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -359,12 +362,31 @@ def checkpoint_weight_bytes(model: Path) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The dtype vLLM is given, and why, for the engine's log."""
+
+    dtype: str
+    why: str
+    slower: bool = False  # vLLM will emulate bfloat16 here: say it as a warning
+
+
 def resolve_dtype(
     settings: EngineSettings,
     device: Device,
     cpuinfo: str | None = None,
     memory_bytes: int | None = None,
 ) -> str:
+    """The dtype vLLM is given for these settings (`choose_dtype`'s)."""
+    return choose_dtype(settings, device, cpuinfo, memory_bytes).dtype
+
+
+def choose_dtype(
+    settings: EngineSettings,
+    device: Device,
+    cpuinfo: str | None = None,
+    memory_bytes: int | None = None,
+) -> DtypeChoice:
     """The dtype vLLM is given for these settings: `settings.dtype` unless it is ``auto``.
 
     ``auto`` on a CPU that emulates bfloat16 (`emulates_bf16`; ``cpuinfo`` is /proc/cpuinfo's
@@ -378,17 +400,51 @@ def resolve_dtype(
     limit). Anything else stays ``auto`` for vLLM to resolve. The answer depends on files
     and the machine alone, so every call in a process gives the same.
     """
-    if settings.dtype != "auto" or device != "cpu":
-        return settings.dtype
+    if settings.dtype != "auto":
+        return DtypeChoice(settings.dtype, "as set")
+    if device != "cpu":
+        return DtypeChoice("auto", f"vLLM's choice on {device}")
+    if not emulates_bf16(cpuinfo):
+        return DtypeChoice("auto", "vLLM's choice: bfloat16 is native here, or flags unknown")
     stored = checkpoint_dtype(settings.model)
-    if stored not in ("float32", "bfloat16", "float16") or not emulates_bf16(cpuinfo):
-        return "auto"
     if stored == "float32":
-        return "float32"
+        return DtypeChoice("float32", f"{_EMULATED}: the float32 checkpoint is not downcast")
+    if stored not in ("bfloat16", "float16"):
+        why = f"vLLM's choice: {_EMULATED}, and the checkpoint names no dtype"
+        return DtypeChoice("auto", why, slower=True)
+    return _upcast(settings, stored, memory_bytes)
+
+
+_EMULATED = "this CPU emulates bfloat16 (AVX2 without AVX-512 BF16 or AMX)"
+
+
+def _upcast(settings: EngineSettings, stored: str, memory_bytes: int | None) -> DtypeChoice:
+    """float32 for a 16-bit checkpoint on a CPU that emulates bfloat16, where it fits."""
     weights = checkpoint_weight_bytes(settings.model) * 2  # 16-bit weights in float32
     memory = host_memory_bytes() if memory_bytes is None else memory_bytes
     needed = weights + settings.kv_cache_space_gib * _GIB
-    return "float32" if weights and needed <= UPCAST_MEMORY_SHARE * memory else "auto"
+    sizes = (
+        f"its weights in float32 ({_size(weights)}) and the KV cache "
+        f"({settings.kv_cache_space_gib} GiB)"
+    )
+    share = f"{UPCAST_MEMORY_SHARE:.0%} of {_size(memory)}"
+    if weights and needed <= UPCAST_MEMORY_SHARE * memory:
+        return DtypeChoice(
+            "float32", f"{_EMULATED}: the {stored} checkpoint is upcast, {sizes} within {share}"
+        )
+    if not weights or not memory:
+        reason = f"the size of {'its weights' if not weights else 'the memory'} is not known"
+    else:
+        reason = f"{sizes} would take more than {share}"
+    why = (
+        f"vLLM's choice: {_EMULATED}, but {reason}, so the {stored} checkpoint is not "
+        "upcast (--dtype float32 upcasts it)"
+    )
+    return DtypeChoice("auto", why, slower=True)
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB" if n >= _GIB // 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def apply_environment(settings: EngineSettings, device: Device) -> None:
