@@ -30,4 +30,4 @@ def test_each_dtype_runs_as_asked_and_float32_logprobs_are_the_trainers(tmp_path
     # float32 in the engine is the trainer's float32, to rounding; bfloat16 is not
     assert fp32["logprob_vs_trainer"]["max"] < 1e-3
     assert bf16["logprob_vs_trainer"]["max"] > fp32["logprob_vs_trainer"]["max"]
-    assert data["auto"] in ("float32", "auto")
+    assert data["auto"] in ("float32", "auto") and data["auto_why"]

@@ -19,6 +19,7 @@ from rollserve.bench.dtype import (
     order_of_rounds,
     summarize,
 )
+from rollserve.engine.settings import DtypeChoice
 
 
 @pytest.mark.parametrize(
@@ -79,12 +80,13 @@ def test_the_summary_gives_each_dtypes_step_over_the_firsts() -> None:
         "float32": DtypeRun("float32", "float32", {1: [0.4], 64: [1.5]}, [0.0]),
         "bfloat16": DtypeRun("bfloat16", "bfloat16", {1: [0.5], 64: [3.45]}, [0.01, 0.03]),
     }
-    out = summarize(cfg, runs, auto="float32")
+    out = summarize(cfg, runs, DtypeChoice("float32", "the reason"))
     assert out["dtypes"]["float32"]["step_ms"] == {"1": pytest.approx(4.0), "64": 15.0}
     assert out["vs_float32"]["bfloat16"] == {"1": pytest.approx(1.25), "64": pytest.approx(2.3)}
     assert out["vs_float32"]["float32"] == {"1": 1.0, "64": 1.0}
     assert out["dtypes"]["bfloat16"]["logprob_vs_trainer"]["mean"] == pytest.approx(0.02)
-    assert out["auto"] == "float32" and out["settings"]["model"] == "m"
+    assert (out["auto"], out["auto_why"]) == ("float32", "the reason")
+    assert out["settings"]["model"] == "m"
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, get_args
 
 from rich.console import Console
 from rich.table import Table
-from rollserve.engine.settings import Dtype, EngineSettings
+from rollserve.engine.settings import Dtype, DtypeChoice, EngineSettings
 
 DTYPES = ("float32", "bfloat16")
 NAMED_DTYPES = tuple(name for name in get_args(Dtype) if name != "auto")
@@ -120,11 +120,15 @@ def agreement(diffs: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(cfg: DtypeConfig, runs: dict[str, DtypeRun], auto: str) -> dict[str, Any]:
+def summarize(cfg: DtypeConfig, runs: dict[str, DtypeRun], auto: DtypeChoice) -> dict[str, Any]:
     """The JSON of the benchmark: per dtype, each batch's median step and the agreement; per
-    batch, each dtype's step over the first dtype's."""
+    batch, each dtype's step over the first dtype's; what ``dtype auto`` gives here, and why."""
     first = cfg.dtypes[0]
-    out: dict[str, Any] = {"settings": {**asdict(cfg), "model": str(cfg.model)}, "auto": auto}
+    out: dict[str, Any] = {
+        "settings": {**asdict(cfg), "model": str(cfg.model)},
+        "auto": auto.dtype,
+        "auto_why": auto.why,
+    }
     out["dtypes"] = {
         name: {
             "resolved": run.resolved,
@@ -168,18 +172,18 @@ def print_table(cfg: DtypeConfig, result: dict[str, Any], console: Console) -> N
             f"trainer's float32 forward pass over {a['tokens']} sampled tokens: mean "
             f"|diff| {a['mean']:.5f}, p99 {a['p99']:.5f}, max {a['max']:.5f}"
         )
-    console.print(f"dtype auto resolves to {result['auto']} here (EngineSettings.resolve_dtype)")
+    console.print(f"the engine's dtype auto is {result['auto']} here: {result['auto_why']}")
 
 
 def run_dtype(cfg: DtypeConfig, console: Console | None = None) -> dict[str, Any]:
     """Runs the children and returns (and prints) the summary."""
     console = console or Console()
     from rollserve.assets import reasoner_dir
-    from rollserve.engine.settings import resolve_dtype
+    from rollserve.engine.settings import choose_dtype
 
     model = cfg.model or reasoner_dir()
     cfg = DtypeConfig(**{**asdict(cfg), "model": model})
-    auto = resolve_dtype(EngineSettings(model=model), "cpu")
+    auto = choose_dtype(EngineSettings(model=model), "cpu")
     runs: list[DtypeRun] = []
     for name in order_of_rounds(cfg.dtypes, cfg.rounds):
         console.print(f"running {name} …")
