@@ -70,6 +70,7 @@ def test_demo_runs_the_trained_model_and_reports_reward(tmp_path: Path) -> None:
     assert summary["output_tokens_per_s"] > 0
     assert 0.0 < summary["mean_reward"] < 1.0
     assert 0.0 <= summary["prefix_cache_hit_rate"] <= 1.0
+    assert summary["engine_dtypes"] in (["float32"], ["bfloat16"])  # as the engine said
 
 
 @pytest.mark.timeout(600)

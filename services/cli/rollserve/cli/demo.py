@@ -70,6 +70,7 @@ class DemoSummary:
     mixed_group_share: float  # groups with both right and wrong samples: GRPO's signal
     steps: int
     engines: int
+    engine_dtypes: tuple[str, ...] = ()  # what the engines said they compute in (Status)
     # The scheduler's length predictor over the run's delivered samples (Status).
     predictor_scored_samples: int = 0
     predictor_mae_tokens: float | None = None
@@ -137,6 +138,7 @@ def summarize(
         ),
         steps=steps,
         engines=engines,
+        engine_dtypes=tuple(sorted({e.dtype for e in status.engines if e.dtype})) if status else (),
         predictor_scored_samples=status.predictor_scored_samples if status else 0,
         predictor_mae_tokens=status.predictor_mae_tokens if status else None,
         predictor_tail_auc=status.predictor_tail_auc if status else None,
@@ -246,7 +248,8 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
     table = Table(title="rollserve demo", show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("engines", str(summary.engines))
+    dtypes = f" ({', '.join(summary.engine_dtypes)})" if summary.engine_dtypes else ""
+    table.add_row("engines", f"{summary.engines}{dtypes}")
     table.add_row("steps", str(summary.steps))
     table.add_row("groups", str(summary.groups))
     table.add_row("samples", str(summary.samples))
