@@ -79,3 +79,14 @@ def test_a_temperature_outside_vllms_range_is_refused() -> None:
     for hot in (2.5, math.inf, math.nan, -0.1):
         with pytest.raises(InvalidArgument, match=r"temperature \(.*\) must be in \[0, 2\]"):
             SamplingParams(temperature=hot)
+
+
+def test_the_status_lists_the_engines_dtypes_once_each_leaving_out_those_not_said() -> None:
+    from rollserve.client.types import SchedulerStatus
+    from rollserve.v1 import rollserve_pb2 as pb
+
+    said = ["float32", "bfloat16", "float32", ""]  # the last: a simulated engine's
+    engines = [pb.EngineStatus(engine_id=f"e{i}", dtype=d) for i, d in enumerate(said)]
+    status = SchedulerStatus.from_proto(pb.StatusResponse(engines=engines))
+    assert status.engine_dtypes == ("bfloat16", "float32")
+    assert SchedulerStatus.from_proto(pb.StatusResponse()).engine_dtypes == ()

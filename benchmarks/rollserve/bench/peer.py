@@ -524,7 +524,7 @@ def rollserve_round(
         client.publish_version(version)
     # What the engines compute in, as they say (the router's servers are given the same
     # --dtype): settings.engine.dtype may be "auto", which does not tell.
-    run.settings["engine_dtypes"] = sorted({e.dtype for e in client.status().engines})
+    run.settings["engine_dtypes"] = list(client.status().engine_dtypes)
     core_before = engine_core_time(pids)
     run.start_at = time.time()
     start_s = previous = time.perf_counter()

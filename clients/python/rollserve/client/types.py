@@ -326,6 +326,11 @@ class SchedulerStatus:
     def healthy_engines(self) -> int:
         return sum(e.healthy for e in self.engines)
 
+    @property
+    def engine_dtypes(self) -> tuple[str, ...]:
+        """The dtypes the engines said they compute in, each once, sorted (those that said)."""
+        return tuple(sorted({e.dtype for e in self.engines if e.dtype}))
+
 
 def submit_request(run_id: str, groups: Sequence[PromptGroup]) -> pb.SubmitRequest:
     """The Submit request of a batch; rejects a batch that repeats a group id."""

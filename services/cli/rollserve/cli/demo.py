@@ -138,7 +138,7 @@ def summarize(
         ),
         steps=steps,
         engines=engines,
-        engine_dtypes=tuple(sorted({e.dtype for e in status.engines if e.dtype})) if status else (),
+        engine_dtypes=status.engine_dtypes if status else (),
         predictor_scored_samples=status.predictor_scored_samples if status else 0,
         predictor_mae_tokens=status.predictor_mae_tokens if status else None,
         predictor_tail_auc=status.predictor_tail_auc if status else None,
