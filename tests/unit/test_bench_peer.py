@@ -123,6 +123,9 @@ def test_the_peer_servers_speculate_with_vllms_ngram_when_asked() -> None:
         "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, settings.max_num_seqs, 0]],
     }
     assert server_env(settings, omp_threads=1)["NUMBA_NUM_THREADS"] == "1"
+    # the servers share the machine's memory as the dev stack's engines do (dtype auto)
+    assert settings.engines_per_host == 1
+    assert router_engine_settings(reasoner_dir(), [], engines=2).engines_per_host == 2
     for args, message in (
         (["--spec-method=rollout"], "vLLM's own drafters (ngram), not rollout"),
         (

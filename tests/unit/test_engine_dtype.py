@@ -135,6 +135,49 @@ def test_a_16_bit_checkpoint_is_upcast_only_where_its_float32_weights_and_kv_cac
     assert resolve_dtype(float32, "cpu", cpuinfo(AVX2), 1) == "float32"
 
 
+def test_engines_sharing_the_machine_are_upcast_only_where_all_of_them_fit(
+    tmp_path: Path,
+) -> None:
+    """Each of N engines on one machine (the dev stack tells them N) counts N engines'
+    float32 weights and KV caches: with the memory one engine's upcast needs, none of two
+    is upcast, and with twice that both are. A float32 checkpoint is not counted."""
+    weights = GIB
+    model = checkpoint(tmp_path, weight_bytes=weights, dtype="bfloat16")
+    needed = 2 * weights + 2 * GIB  # one engine's: float32 weights and the default KV cache
+    alone = int(needed / UPCAST_MEMORY_SHARE)
+    avx2 = cpuinfo(AVX2)
+    one, two = (EngineSettings(model=model, engines_per_host=n) for n in (1, 2))
+    assert resolve_dtype(one, "cpu", avx2, alone) == "float32"
+    assert resolve_dtype(two, "cpu", avx2, alone) == "auto"
+    assert resolve_dtype(two, "cpu", avx2, 2 * alone - 1) == "auto"
+    assert resolve_dtype(two, "cpu", avx2, 2 * alone) == "float32"
+    kept = choose_dtype(two, "cpu", avx2, alone)
+    assert kept.slower
+    assert "(2 GiB), for each of 2 engines on this machine, would take more than" in kept.why
+    assert "for each of" not in choose_dtype(one, "cpu", avx2, alone).why
+    float32 = EngineSettings(
+        model=checkpoint(tmp_path / "f", dtype="float32"), engines_per_host=1024
+    )
+    assert resolve_dtype(float32, "cpu", avx2, 1) == "float32"
+
+
+def test_the_engine_takes_the_number_of_engines_on_its_machine_as_a_flag(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+    from rollserve.cli.stack import StackConfig, engine_flags
+    from rollserve.engine.server import parse_settings
+
+    model = checkpoint(tmp_path)
+    assert parse_settings([f"--model={model}"]).engines_per_host == 1
+    flags = engine_flags(StackConfig(model=model, engines=3, engine_args=("--seed", "7")))
+    settings = parse_settings([f"--model={model}", *flags])
+    assert (settings.engines_per_host, settings.seed) == (3, 7)
+    # what a user gives the stack's engines wins over the stack's own
+    flags = engine_flags(StackConfig(model=model, engines=3, engine_args=("--engines-per-host=5",)))
+    assert parse_settings([f"--model={model}", *flags]).engines_per_host == 5
+    with pytest.raises(ValidationError, match="engines_per_host"):
+        parse_settings([f"--model={model}", "--engines-per-host=0"])
+
+
 def test_the_choice_says_why_and_warns_where_vllm_will_emulate_bfloat16(tmp_path: Path) -> None:
     """What the engine logs at start: a warning where the model will run slower than it
     could, with the way out."""

@@ -267,10 +267,12 @@ def run_router_side(env: Environment, rep: int) -> SideRun:
             return router_round(env, servers, url, start=0)
 
 
-def router_engine_settings(model: Path, args: Sequence[str]) -> Any:
+def router_engine_settings(model: Path, args: Sequence[str], engines: int = 1) -> Any:
     """The vllm-router side's engine settings: the engine's defaults, with the speculative
     decoding flags ``args`` (``--spec-method ngram`` and its knobs; nothing else: the two
-    sides run the same engines otherwise). Raises ValueError naming what is refused."""
+    sides run the same engines otherwise), for ``engines`` servers on this machine (as the
+    dev stack tells its engines, so that both sides resolve the same dtype). Raises
+    ValueError naming what is refused."""
     from pydantic import ValidationError
     from rollserve.engine.server import parse_settings
     from rollserve.engine.settings import SPECULATIVE_FIELDS
@@ -292,7 +294,7 @@ def router_engine_settings(model: Path, args: Sequence[str]) -> Any:
             f"router engine args: the peer's servers run vLLM's own drafters (ngram), not "
             f"{settings.spec_method}"
         )
-    return settings
+    return settings.model_copy(update={"engines_per_host": engines})
 
 
 def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
@@ -305,7 +307,7 @@ def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
         f"{', ' + ' '.join(cfg.router_engine_args) if cfg.router_engine_args else ''}) …"
     )
     return (
-        router_engine_settings(env.model, cfg.router_engine_args),
+        router_engine_settings(env.model, cfg.router_engine_args, cfg.engines),
         cfg.engines,
         env.omp_threads,
         cfg.control_plane_nice,
@@ -939,7 +941,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         raise SystemExit("vllm-router is not installed: pip install vllm-router==0.1.17")
     model = cfg.model or reasoner_dir()
     threads = cfg.omp_threads or engine_threads(cfg.engines)
-    settings = EngineSettings(model=model)
+    settings = EngineSettings(model=model, engines_per_host=cfg.engines)
     stream = PromptStream(model, cfg.prompts, cfg.seed)
     offset = trial_offset(stream)
     in_flight = cfg.batch * (1 + cfg.oversample)

@@ -186,6 +186,19 @@ class StackConfig:
     run_dir: Path | None = None  # logs; a temp dir when None
 
 
+def engine_flags(config: StackConfig) -> tuple[str, ...]:
+    """The flags the stack gives each engine: its own first, so that ``engine_args`` can
+    override them. The engines share this machine's memory (``--engines-per-host``: each
+    resolves ``dtype auto`` knowing of the others)."""
+    return (
+        "--frontend-nice",
+        str(config.control_plane_nice),
+        "--engines-per-host",
+        str(config.engines),
+        *config.engine_args,
+    )
+
+
 @dataclass
 class DevStack:
     """Starts and stops the whole stack; use as a context manager."""
@@ -238,8 +251,7 @@ class DevStack:
                     cfg.model,
                     f"engine-{i}",
                     self.log_dir,
-                    # the stack's niceness first, so that engine_args can override it
-                    ("--frontend-nice", str(cfg.control_plane_nice), *cfg.engine_args),
+                    engine_flags(cfg),
                     env={"OMP_NUM_THREADS": str(threads)},
                 )
             )

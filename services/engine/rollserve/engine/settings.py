@@ -67,8 +67,9 @@ _ROLLOUT_FIELDS = (
 
 UPCAST_MEMORY_SHARE = 0.5
 """`resolve_dtype` upcasts a 16-bit checkpoint to float32 only where its float32 weights and
-the KV cache space take at most this share of the memory the process may use: the rest is
-left to the process's other needs and to another engine on the machine."""
+the KV cache space, for each of the machine's engines (``engines_per_host``), take at most
+this share of the memory the process may use: the rest is left to the processes' other
+needs (activations, the runtime, the scheduler and Redis beside them)."""
 _GIB = 1 << 30
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
@@ -107,6 +108,16 @@ class EngineSettings(BaseModel):
     kv_cache_space_gib: int = Field(
         2, ge=1, le=4096, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."
     )
+    engines_per_host: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Engines like this one that share this machine's memory (rollserve up sets it): "
+            "dtype auto upcasts a 16-bit checkpoint only where all their float32 weights and "
+            "KV caches fit in half the memory."
+        ),
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of GPU memory vLLM may use (GPU only)."
     )
@@ -127,9 +138,10 @@ class EngineSettings(BaseModel):
             "Weight and activation dtype. auto is vLLM's choice (the checkpoint's, but a "
             "float32 one runs in bfloat16), except on an x86 CPU that emulates bfloat16 "
             "(AVX2 without AVX-512 BF16 or AMX): there the model runs in float32, a 16-bit "
-            "checkpoint upcast where its float32 weights and the KV cache space take at most "
-            "half the memory (emulated bfloat16 decoded 64 sequences of the shipped reasoner "
-            "2.3x slower, and 8 of a 0.36B model 4.3x slower)."
+            "checkpoint upcast where its float32 weights and the KV cache space, times "
+            "engines_per_host, take at most half the memory (emulated bfloat16 decoded 64 "
+            "sequences of the shipped reasoner 2.3x slower, and 8 of a 0.36B model 4.3x "
+            "slower)."
         ),
     )
     enforce_eager: bool = Field(
@@ -395,7 +407,8 @@ def choose_dtype(
     batch measured on such a CPU, 2.3x at 64 sequences of the shipped reasoner, and 1.25x,
     4.3x and 6.0x at 1, 8 and 32 sequences of a 0.36B model, whose float32 weights are read
     twice the bytes a step (docs/calibration.md). A 16-bit checkpoint is upcast only where
-    its weights in float32 and the KV cache space take at most `UPCAST_MEMORY_SHARE` of
+    its weights in float32 and the KV cache space, times ``engines_per_host`` (the engines
+    sharing the machine, each choosing the same), take at most `UPCAST_MEMORY_SHARE` of
     ``memory_bytes`` (`host_memory_bytes` when None: the machine's, or the container's
     limit). Anything else stays ``auto`` for vLLM to resolve. The answer depends on files
     and the machine alone, so every call in a process gives the same.
@@ -422,10 +435,12 @@ def _upcast(settings: EngineSettings, stored: str, memory_bytes: int | None) -> 
     """float32 for a 16-bit checkpoint on a CPU that emulates bfloat16, where it fits."""
     weights = checkpoint_weight_bytes(settings.model) * 2  # 16-bit weights in float32
     memory = host_memory_bytes() if memory_bytes is None else memory_bytes
-    needed = weights + settings.kv_cache_space_gib * _GIB
+    engines = settings.engines_per_host
+    needed = (weights + settings.kv_cache_space_gib * _GIB) * engines
     sizes = (
         f"its weights in float32 ({_size(weights)}) and the KV cache "
         f"({settings.kv_cache_space_gib} GiB)"
+        f"{f', for each of {engines} engines on this machine,' if engines > 1 else ''}"
     )
     share = f"{UPCAST_MEMORY_SHARE:.0%} of {_size(memory)}"
     if weights and needed <= UPCAST_MEMORY_SHARE * memory:

@@ -701,8 +701,10 @@ async def _worker_main(
     model: Path,
     frontend_nice: int,
     seed: int,
+    *,
     spec_method: str | None = None,
     spec_tokens: int = 4,
+    engines_per_host: int = 1,
 ) -> None:
     """One engine: builds it, then runs every phase the parent sends on stdin. With
     ``spec_method`` it speculates in every step (``spec_tokens`` drafts a sequence), as the
@@ -718,6 +720,7 @@ async def _worker_main(
 
     settings = EngineSettings(  # the engine service's defaults
         model=model,
+        engines_per_host=engines_per_host,
         **(
             {}
             if spec_method is None
@@ -1018,8 +1021,11 @@ class CalibrationWorker:
         omp: int,
         nice: int,
         log_dir: Path,
+        engines: int,
         extra_args: Sequence[str] = (),
     ) -> None:
+        """``engines``: how many calibration engines share the machine (see
+        EngineSettings.engines_per_host: it bounds the dtype ``auto`` resolves to)."""
         self.index = index
         self.log_path = log_dir / f"calibrate-engine-{index}.log"
         self._log = self.log_path.open("wb")
@@ -1034,6 +1040,8 @@ class CalibrationWorker:
                 str(nice),
                 "--seed",
                 str(seed),
+                "--engines-per-host",
+                str(engines),
                 *extra_args,
             ],
             stdin=subprocess.PIPE,
@@ -1244,6 +1252,7 @@ def measure(cfg: CalibrateConfig, console: Any) -> Measurement:
                         omp=omp,
                         nice=CONTROL_PLANE_NICE,
                         log_dir=Path(tmp),
+                        engines=cfg.engines,
                     )
                 )
             ready = [w.receive()["ready"] for w in workers]
@@ -1649,11 +1658,19 @@ def worker_main() -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frontend-nice", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines-per-host", type=int, default=1)
     parser.add_argument("--spec-method", help="speculate in every step with this method")
     parser.add_argument("--spec-tokens", type=int, default=4)
     args = parser.parse_args()
     asyncio.run(
-        _worker_main(args.model, args.frontend_nice, args.seed, args.spec_method, args.spec_tokens)
+        _worker_main(
+            args.model,
+            args.frontend_nice,
+            args.seed,
+            spec_method=args.spec_method,
+            spec_tokens=args.spec_tokens,
+            engines_per_host=args.engines_per_host,
+        )
     )
     return 0
 

@@ -372,6 +372,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
                     omp=omp,
                     nice=CONTROL_PLANE_NICE,
                     log_dir=Path(tmp),
+                    engines=2,  # both stay up
                     extra_args=extra,
                 )
                 workers[name].receive()  # ready
