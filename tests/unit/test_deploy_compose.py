@@ -1,6 +1,7 @@
 """deploy/docker-compose.yml, checked as a file (no Docker engine runs here): every service's
 command parses with the parser of the service it runs, the scheduler dials the engines the
-file defines, and engines sharing the host count each other's memory.
+file defines and publishes its ports, and engines sharing the host count each other's
+memory.
 
 Faked: the engines' model folder (the file mounts it at /models; a local checkpoint stands
 in, since the engine's settings check that the folder is one)."""
@@ -60,6 +61,11 @@ def test_the_scheduler_dials_every_engine_at_the_address_it_advertises(
     dialled = {e.engine_id: e.address for e in settings.engines}
     assert dialled == {e.engine_id: e.advertised_address(e.port) for e in engines.values()}
     assert set(scheduler["depends_on"]) >= set(engines)
+    # its ports are published: gRPC, and the Prometheus endpoint where it serves one
+    published = {str(p).rsplit(":", 1)[-1] for p in scheduler["ports"]}
+    assert str(settings.port) in published
+    if settings.metrics_port is not None:
+        assert str(settings.metrics_port) in published
 
 
 def test_engines_without_a_memory_limit_count_each_other(

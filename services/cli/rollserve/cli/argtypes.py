@@ -23,6 +23,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port to listen on, 1 to 65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1 to 65535)")
+    return value
+
+
 def host_port(text: str) -> str:
     """HOST:PORT, a port of 1 to 65535."""
     if not is_host_port(text):

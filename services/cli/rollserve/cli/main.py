@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from rich.console import Console
-from rollserve.cli.argtypes import host_port, positive_float, positive_int
+from rollserve.cli.argtypes import host_port, port_number, positive_float, positive_int
 from rollserve.cli.paths import output_dir, output_file
 
 
@@ -28,6 +28,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         scheduler_port=args.scheduler_port,
         engine_args=tuple(args.engine_arg),
+        scheduler_args=()
+        if args.metrics_port is None
+        else ("--metrics-port", str(args.metrics_port)),
         run_dir=args.run_dir,
     )
     console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
@@ -37,6 +40,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if stack.scheduler is not None:
             console.print(
                 f"  its state: rollserve status --scheduler {stack.scheduler.address}",
+                markup=False,
+                highlight=False,
+            )
+        if args.metrics_port is not None:
+            console.print(
+                f"  its metrics: http://127.0.0.1:{args.metrics_port}/metrics (Prometheus)",
                 markup=False,
                 highlight=False,
             )
@@ -243,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", type=Path, help="model dir (default: the shipped trained reasoner)")
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
+    up.add_argument(
+        "--metrics-port",
+        type=port_number,
+        help="the scheduler serves Prometheus metrics on this port (GET /metrics); default none",
+    )
     up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
     up.add_argument(
         "--engine-arg",

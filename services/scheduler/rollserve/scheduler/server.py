@@ -17,7 +17,7 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.client.address import is_host_port
+from rollserve.client.address import is_host_port, join_host_port
 from rollserve.client.wire import (
     MAX_POLICY_VERSION,
     MAX_WEIGHTS_PATH_LEN,
@@ -29,6 +29,7 @@ from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
+from rollserve.scheduler.metrics import MetricsServer
 from rollserve.scheduler.runtime import (
     FleetFull,
     QueueFull,
@@ -219,6 +220,7 @@ async def serve(
     except (LeaseHeld, LeaseLost) as exc:
         raise SystemExit(f"rollserve scheduler: {exc}") from exc
 
+    metrics = await _serve_metrics(settings, runtime)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(runtime), server)
     health_servicer = health_aio.HealthServicer()
@@ -228,6 +230,8 @@ async def serve(
     )
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
+        if metrics is not None:
+            await metrics.stop()
         await runtime.stop()
         raise SystemExit(f"could not bind {settings.host}:{settings.port}")
     await server.start()
@@ -252,6 +256,8 @@ async def serve(
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(settings.shutdown_grace_s)
+        if metrics is not None:
+            await metrics.stop()
         await runtime.stop()
     if runtime.lost is not None:
         raise SystemExit(f"rollserve scheduler: stopped: {runtime.lost}")
@@ -259,10 +265,34 @@ async def serve(
         raise SystemExit("the scheduler stopped after an internal error (see the log)")
 
 
+async def _serve_metrics(
+    settings: SchedulerSettings, runtime: SchedulerRuntime
+) -> MetricsServer | None:
+    """The Prometheus endpoint of ``settings.metrics_port``, serving; None without one."""
+    if settings.metrics_port is None:
+        return None
+    metrics = MetricsServer(runtime.status, settings.host, settings.metrics_port)
+    try:
+        port = await metrics.start()
+    except OSError as exc:
+        await runtime.stop()
+        raise SystemExit(
+            f"metrics_port {settings.metrics_port}: could not bind {settings.host}: {exc}"
+        ) from exc
+    url = f"http://{join_host_port(settings.host, port)}/metrics"
+    print(f"rollserve-scheduler metrics={url}", flush=True)
+    return metrics
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollserve scheduler", description="Run the scheduler.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics (GET /metrics) on this port of --host (0: a free one)",
+    )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(
         "--engine",
@@ -430,6 +460,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
     return SchedulerSettings(
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,

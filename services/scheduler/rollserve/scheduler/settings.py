@@ -27,6 +27,13 @@ class SchedulerSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="address the gRPC server binds")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="port of the Prometheus endpoint (HTTP GET /metrics) on host; 0 picks a "
+        "free one; None serves none",
+    )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
         (), description="engines known at start; more may register over gRPC"

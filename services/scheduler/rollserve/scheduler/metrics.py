@@ -1,0 +1,170 @@
+"""The scheduler's Prometheus endpoint: ``GET /metrics`` over HTTP (``--metrics-port``).
+
+It serves the figures of the Status RPC in Prometheus's text format, read from the runtime
+at each scrape on the scheduler's event loop, as Status reads them (nothing is kept between
+scrapes). Names start with ``rollserve_``; the counters (``_total``) count since the
+scheduler process started, as Status's do. Per engine, the series carry the label
+``engine`` (its id); ``rollserve_engine_info`` is 1 with the engine's address, model and
+dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
+unset (too few samples scored).
+
+Other paths answer 404, other methods 405 (aiohttp's answers); the server reads nothing
+from a request but its method and path.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from rollserve.v1 import rollserve_pb2 as pb
+
+__all__ = ["MetricsServer", "status_metrics"]
+
+PREFIX = "rollserve_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class _Figure:
+    field: str  # of StatusResponse or EngineStatus
+    counter: bool
+    help: str
+    name: str = ""  # the metric's name after the prefix, when not the field's
+
+    @property
+    def metric_name(self) -> str:
+        return PREFIX + (self.name or self.field)
+
+
+_SCHEDULER = (
+    _Figure("queue_depth", False, "Groups waiting for an engine."),
+    _Figure("inflight_groups", False, "Groups placed on engines and not finished."),
+    _Figure("inflight_samples", False, "Samples placed on engines and not finished."),
+    _Figure("groups_delivered", True, "Groups written to their run's stream."),
+    _Figure("samples_delivered", True, "Samples of the groups delivered."),
+    _Figure("tokens_generated", True, "Output tokens of the groups delivered."),
+    _Figure("groups_failed", True, "Groups reported failed, with a reason, in the stream."),
+    _Figure("groups_cancelled", True, "Groups cancelled by their callers."),
+    _Figure("engine_failures", True, "Times an engine was marked unhealthy."),
+    _Figure("samples_preempted", True, "Times a running sample was stopped, its tokens kept."),
+    _Figure("predictor_keys", False, "Prompt keys with length history."),
+    _Figure("predictor_epoch", False, "The length predictor's newest epoch."),
+    _Figure("predictor_scored_samples", False, "Samples the predictor's error is taken over."),
+    _Figure("fleet_weights_version", False, "Version of the fleet's published weights."),
+    _Figure(
+        "publishes_awaiting_counts",
+        False,
+        "Publishes without weights still waiting for engines' token counts.",
+    ),
+    _Figure("earlier_outputs_sent", True, "Earlier outputs carried by Generate calls."),
+    _Figure("earlier_outputs_pushed", True, "Outputs of finished samples pushed to engines."),
+    _Figure("stream_entries_trimmed", True, "Stream entries removed once every group acked."),
+)
+# unset while undefined
+_MAE = _Figure("predictor_mae_tokens", False, "Mean absolute error of predicted lengths, tokens.")
+_AUC = _Figure(
+    "predictor_tail_auc", False, "ROC AUC of predicted lengths for the longest 10% of samples."
+)
+_ENGINE = (
+    _Figure("healthy", False, "1 while the engine serves, 0 while out of service."),
+    _Figure("inflight_groups", False, "Groups running on the engine."),
+    _Figure("inflight_samples", False, "Samples running on the engine."),
+    _Figure("outstanding_tokens", False, "Most tokens its running samples may still make."),
+    _Figure(
+        "predicted_outstanding_tokens", False, "Tokens its running samples are predicted to make."
+    ),
+    _Figure("capacity_samples", False, "Most samples the scheduler runs on it at once."),
+    _Figure("weights_version", False, "Version of the weights it serves (0: its launch ones)."),
+    _Figure("loading_weights", False, "1 while it loads the fleet's weights."),
+    _Figure("restarts", True, "Times the scheduler found it started anew."),
+)
+
+
+def status_metrics(status: pb.StatusResponse) -> Iterator[Metric]:
+    """The Status figures as Prometheus metric families (see the module's docstring)."""
+    for figure in _SCHEDULER:
+        yield _family(figure, [((), float(getattr(status, figure.field)))])
+    if status.HasField("predictor_mae_tokens"):
+        yield _family(_MAE, [((), status.predictor_mae_tokens)])
+    if status.HasField("predictor_tail_auc"):
+        yield _family(_AUC, [((), status.predictor_tail_auc)])
+    engines = list(status.engines)
+    for figure in _ENGINE:
+        engine_figure = _Figure(figure.field, figure.counter, figure.help, "engine_" + figure.field)
+        yield _family(
+            engine_figure,
+            [((e.engine_id,), float(getattr(e, figure.field))) for e in engines],
+            ("engine",),
+        )
+    info = GaugeMetricFamily(
+        PREFIX + "engine_info",
+        "1 for each engine, with what it serves as labels.",
+        labels=("engine", "address", "model", "dtype"),
+    )
+    for e in engines:
+        info.add_metric((e.engine_id, e.address, e.model, e.dtype), 1.0)
+    yield info
+
+
+def _family(
+    figure: _Figure, samples: list[tuple[tuple[str, ...], float]], labels: tuple[str, ...] = ()
+) -> Metric:
+    family: CounterMetricFamily | GaugeMetricFamily
+    if figure.counter:
+        family = CounterMetricFamily(figure.metric_name, figure.help, labels=labels)
+    else:
+        family = GaugeMetricFamily(figure.metric_name, figure.help, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
+
+
+class _StatusCollector(Collector):
+    def __init__(self, status: Callable[[], pb.StatusResponse]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        return status_metrics(self._status())
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape from
+    ``status()``; run it on the event loop that owns what ``status`` reads."""
+
+    def __init__(self, status: Callable[[], pb.StatusResponse], host: str, port: int) -> None:
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_StatusCollector(status))
+        self._host = host
+        self._port = port
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self.port = 0  # the bound port, once started
+
+    async def start(self) -> int:
+        """Binds and serves; returns the port. Raises OSError when the port cannot be bound."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.create_server((self._host, self._port), family=family)
+        sock.setblocking(False)
+        self.port = int(sock.getsockname()[1])
+        await self._runner.setup()
+        try:
+            await web.SockSite(self._runner, sock).start()
+        except BaseException:
+            sock.close()
+            await self._runner.cleanup()
+            raise
+        return self.port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

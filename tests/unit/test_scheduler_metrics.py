@@ -1,0 +1,234 @@
+"""The scheduler's Prometheus endpoint (``rollserve.scheduler.metrics``).
+
+The Status figures as metric families, from built StatusResponses; the HTTP server over a
+status function the test changes between scrapes; and a real scheduler (``serve``, on the
+session's Redis, with no engine: what it is given stays queued) scraped as Prometheus
+would, over HTTP. Nothing is faked but the status function of the server tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import Iterator
+
+import aiohttp
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from rollserve.scheduler.metrics import MetricsServer, status_metrics
+from rollserve.scheduler.server import serve
+from rollserve.scheduler.settings import SchedulerSettings
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+TIMEOUT_S = 30.0
+
+
+def status(**fields: object) -> pb.StatusResponse:
+    engines = [
+        pb.EngineStatus(
+            engine_id="engine-0",
+            address="127.0.0.1:7001",
+            healthy=True,
+            inflight_groups=2,
+            inflight_samples=16,
+            outstanding_tokens=4096,
+            predicted_outstanding_tokens=1500.5,
+            capacity_samples=64,
+            weights_version=3,
+            restarts=1,
+            model="/models/reasoner",
+            dtype="float32",
+        ),
+        pb.EngineStatus(engine_id="engine-1", address="127.0.0.1:7002", healthy=False),
+    ]
+    return pb.StatusResponse(engines=engines, **fields)  # type: ignore[arg-type]
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Each sample of Prometheus's text format: (name, sorted labels) -> value; also checks
+    that the text parses as Prometheus parses it."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def exposition(response: pb.StatusResponse) -> str:
+    class Once(Collector):
+        def collect(self) -> Iterator[object]:  # type: ignore[override]
+            return status_metrics(response)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Once())
+    return generate_latest(registry).decode()
+
+
+def test_the_status_figures_are_gauges_and_counters_with_the_engine_as_a_label() -> None:
+    samples = scrape(
+        exposition(
+            status(
+                queue_depth=7,
+                inflight_groups=2,
+                groups_delivered=40,
+                tokens_generated=123_456,
+                samples_preempted=5,
+                fleet_weights_version=3,
+                stream_entries_trimmed=9,
+            )
+        )
+    )
+    assert samples[("rollserve_queue_depth", ())] == 7
+    assert samples[("rollserve_inflight_groups", ())] == 2
+    assert samples[("rollserve_groups_delivered_total", ())] == 40
+    assert samples[("rollserve_tokens_generated_total", ())] == 123_456
+    assert samples[("rollserve_samples_preempted_total", ())] == 5
+    assert samples[("rollserve_fleet_weights_version", ())] == 3
+    assert samples[("rollserve_stream_entries_trimmed_total", ())] == 9
+    assert samples[("rollserve_groups_failed_total", ())] == 0
+    zero, one = (("engine", "engine-0"),), (("engine", "engine-1"),)
+    assert samples[("rollserve_engine_healthy", zero)] == 1
+    assert samples[("rollserve_engine_healthy", one)] == 0
+    assert samples[("rollserve_engine_inflight_samples", zero)] == 16
+    assert samples[("rollserve_engine_outstanding_tokens", zero)] == 4096
+    assert samples[("rollserve_engine_predicted_outstanding_tokens", zero)] == 1500.5
+    assert samples[("rollserve_engine_capacity_samples", zero)] == 64
+    assert samples[("rollserve_engine_weights_version", zero)] == 3
+    assert samples[("rollserve_engine_restarts_total", zero)] == 1
+    info = (
+        ("address", "127.0.0.1:7001"),
+        ("dtype", "float32"),
+        ("engine", "engine-0"),
+        ("model", "/models/reasoner"),
+    )
+    assert samples[("rollserve_engine_info", info)] == 1
+    # the predictor's error is left out while Status leaves it unset
+    assert not any(name.startswith("rollserve_predictor_mae") for name, _ in samples)
+    assert not any(name.startswith("rollserve_predictor_tail_auc") for name, _ in samples)
+
+
+def test_the_predictors_error_is_there_once_status_has_it() -> None:
+    samples = scrape(
+        exposition(
+            status(predictor_scored_samples=500, predictor_mae_tokens=45.5, predictor_tail_auc=0.8)
+        )
+    )
+    assert samples[("rollserve_predictor_scored_samples", ())] == 500
+    assert samples[("rollserve_predictor_mae_tokens", ())] == 45.5
+    assert samples[("rollserve_predictor_tail_auc", ())] == 0.8
+
+
+def test_a_fleet_without_engines_has_no_engine_series() -> None:
+    samples = scrape(exposition(pb.StatusResponse(queue_depth=1)))
+    assert samples[("rollserve_queue_depth", ())] == 1
+    assert not any(dict(labels).get("engine") for _, labels in samples)
+
+
+async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused() -> None:
+    current = [status(queue_depth=1)]
+    server = MetricsServer(lambda: current[0], "127.0.0.1", 0)
+    port = await server.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/metrics") as reply:
+                assert reply.status == 200
+                assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                assert scrape(await reply.text())[("rollserve_queue_depth", ())] == 1
+            current[0] = status(queue_depth=5)
+            async with http.get(f"{url}/metrics") as reply:
+                assert scrape(await reply.text())[("rollserve_queue_depth", ())] == 5
+            async with http.get(f"{url}/") as reply:
+                assert reply.status == 404
+            async with http.post(f"{url}/metrics", data=b"x") as reply:
+                assert reply.status == 405
+        # a request that is not HTTP gets a 400, and the server goes on serving
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x00\xffnot http at all\r\n\r\n")
+        await writer.drain()
+        first_line = await asyncio.wait_for(reader.readline(), TIMEOUT_S)
+        assert first_line.startswith(b"HTTP/1.") and b" 400 " in first_line
+        writer.close()
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as reply:
+            assert reply.status == 200
+    finally:
+        await server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def settings(redis_url: str, metrics_port: int) -> SchedulerSettings:
+    return SchedulerSettings(
+        port=0,
+        metrics_port=metrics_port,
+        redis_url=redis_url,
+        predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
+        shutdown_grace_s=0.0,
+    )
+
+
+async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) -> None:
+    metrics_port = free_port()
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        serve(settings(other_redis_url, metrics_port), ready=port.set_result, stop=stop)
+    )
+    try:
+        bound = await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
+            stub = pb_grpc.SchedulerStub(channel)
+            groups = [
+                pb.PromptGroup(
+                    group_id=f"g{i}",
+                    prompt_token_ids=[5, 6, 7],
+                    n=2,
+                    sampling=pb.SamplingParams(max_tokens=8),
+                )
+                for i in range(3)
+            ]
+            request = pb.SubmitRequest(run_id="metrics", groups=groups)
+            await stub.Submit(request, timeout=TIMEOUT_S)
+            grpc_status = await stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S)
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as reply:
+            samples = scrape(await reply.text())
+        assert grpc_status.queue_depth == 3  # no engine: they wait
+        assert samples[("rollserve_queue_depth", ())] == grpc_status.queue_depth
+        assert samples[("rollserve_groups_delivered_total", ())] == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
+    with pytest.raises(aiohttp.ClientConnectionError):  # stopped with the scheduler
+        async with aiohttp.ClientSession() as http, http.get(url) as reply:
+            pass
+
+
+async def test_a_metrics_port_taken_stops_the_scheduler_naming_it(other_redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # (awaited here: a SystemExit out of a task of its own would leave the event loop)
+        with pytest.raises(SystemExit, match=f"metrics_port {port}: could not bind 127.0.0.1"):
+            await serve(settings(other_redis_url, port))
+    # it let go of its lease: another scheduler starts on the same database
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        serve(settings(other_redis_url, 0), ready=ready.set_result, stop=stop)
+    )
+    try:
+        await asyncio.wait_for(asyncio.shield(ready), TIMEOUT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
