@@ -124,6 +124,12 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
     assert runtime.counters.groups_delivered == 5
     assert runtime.counters.samples_delivered == 15
     assert runtime._outputs is not None and len(runtime._outputs) == 0  # no engine drafts
+    # the metrics endpoint's distributions: a latency per group, a length per sample
+    latency, lengths = runtime.histograms
+    assert latency.count == 5
+    assert latency.sum == pytest.approx(sum(r.latency_s for r in results))
+    assert (lengths.count, lengths.sum) == (15, 15 * 6)
+    assert dict(lengths.cumulative())["16.0"] == 15  # 6 tokens each: the first bucket
 
 
 async def test_a_probe_answered_before_a_failure_does_not_put_the_engine_back(

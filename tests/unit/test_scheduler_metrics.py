@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import aiohttp
 import grpc
@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, Histogram
 from rollserve.scheduler.metrics import MetricsServer, status_metrics
 from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import SchedulerSettings
@@ -58,10 +59,10 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def exposition(response: pb.StatusResponse) -> str:
+def exposition(response: pb.StatusResponse, histograms: Sequence[Histogram] = ()) -> str:
     class Once(Collector):
         def collect(self) -> Iterator[object]:  # type: ignore[override]
-            return status_metrics(response)
+            return status_metrics(response, histograms)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Once())
@@ -120,6 +121,30 @@ def test_the_predictors_error_is_there_once_status_has_it() -> None:
     assert samples[("rollserve_predictor_scored_samples", ())] == 500
     assert samples[("rollserve_predictor_mae_tokens", ())] == 45.5
     assert samples[("rollserve_predictor_tail_auc", ())] == 0.8
+
+
+def test_a_histogram_counts_each_value_in_the_first_bucket_it_fits_as_prometheus_does() -> None:
+    h = Histogram("x", "x", (1, 10, 100))
+    for value in (0.5, 1, 1.5, 10, 99, 100, 101, 5000):
+        h.observe(value)
+    assert h.cumulative() == [("1.0", 2), ("10.0", 4), ("100.0", 6), ("+Inf", 8)]
+    assert (h.count, h.sum) == (8, 5313.0)
+    with pytest.raises(ValueError, match="must rise strictly"):
+        Histogram("x", "x", (1, 1, 2))
+
+
+def test_the_delivered_groups_histograms_are_prometheus_histograms() -> None:
+    latency = Histogram("group_latency_seconds", "latency", GROUP_LATENCY_BOUNDS_S)
+    for seconds in (0.4, 3.0, 3.5, 9000.0):
+        latency.observe(seconds)
+    samples = scrape(exposition(pb.StatusResponse(), (latency,)))
+    name = "rollserve_group_latency_seconds"
+    assert samples[(name + "_bucket", (("le", "1.0"),))] == 1
+    assert samples[(name + "_bucket", (("le", "5.0"),))] == 3
+    assert samples[(name + "_bucket", (("le", "7200.0"),))] == 3
+    assert samples[(name + "_bucket", (("le", "+Inf"),))] == 4
+    assert samples[(name + "_count", ())] == 4
+    assert samples[(name + "_sum", ())] == 9006.9
 
 
 def test_a_fleet_without_engines_has_no_engine_series() -> None:
@@ -205,6 +230,8 @@ async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) ->
         assert grpc_status.queue_depth == 3  # no engine: they wait
         assert samples[("rollserve_queue_depth", ())] == grpc_status.queue_depth
         assert samples[("rollserve_groups_delivered_total", ())] == 0
+        assert samples[("rollserve_group_latency_seconds_count", ())] == 0  # (none delivered)
+        assert samples[("rollserve_sample_output_tokens_bucket", (("le", "+Inf"),))] == 0
     finally:
         stop.set()
         await asyncio.wait_for(task, TIMEOUT_S)

@@ -2,26 +2,36 @@
 
 It serves the figures of the Status RPC in Prometheus's text format, read from the runtime
 at each scrape on the scheduler's event loop, as Status reads them (nothing is kept between
-scrapes). Names start with ``rollserve_``; the counters (``_total``) count since the
-scheduler process started, as Status's do. Per engine, the series carry the label
+scrapes), and two histograms of the groups delivered since start that Status does not have
+(``rollserve.scheduler.histogram``): ``rollserve_group_latency_seconds``, Submit to stream
+entry, and ``rollserve_sample_output_tokens``, each sample's length.
+
+Names start with ``rollserve_``; the counters (``_total``) and histograms count since the
+scheduler process started, as Status's counters do. Per engine, the series carry the label
 ``engine`` (its id); ``rollserve_engine_info`` is 1 with the engine's address, model and
 dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
 unset (too few samples scored).
 
-Other paths answer 404, other methods 405 (aiohttp's answers); the server reads nothing
-from a request but its method and path.
+Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
+server reads nothing from a request but its method and path.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from rollserve.scheduler.histogram import Histogram
 from rollserve.v1 import rollserve_pb2 as pb
 
 __all__ = ["MetricsServer", "status_metrics"]
@@ -86,8 +96,11 @@ _ENGINE = (
 )
 
 
-def status_metrics(status: pb.StatusResponse) -> Iterator[Metric]:
-    """The Status figures as Prometheus metric families (see the module's docstring)."""
+def status_metrics(
+    status: pb.StatusResponse, histograms: Sequence[Histogram] = ()
+) -> Iterator[Metric]:
+    """The Status figures and ``histograms`` as Prometheus metric families (see the
+    module's docstring)."""
     for figure in _SCHEDULER:
         yield _family(figure, [((), float(getattr(status, figure.field)))])
     if status.HasField("predictor_mae_tokens"):
@@ -110,6 +123,13 @@ def status_metrics(status: pb.StatusResponse) -> Iterator[Metric]:
     for e in engines:
         info.add_metric((e.engine_id, e.address, e.model, e.dtype), 1.0)
     yield info
+    for histogram in histograms:
+        yield HistogramMetricFamily(
+            PREFIX + histogram.name,
+            histogram.help,
+            buckets=histogram.cumulative(),
+            sum_value=histogram.sum,
+        )
 
 
 def _family(
@@ -126,20 +146,31 @@ def _family(
 
 
 class _StatusCollector(Collector):
-    def __init__(self, status: Callable[[], pb.StatusResponse]) -> None:
+    def __init__(
+        self,
+        status: Callable[[], pb.StatusResponse],
+        histograms: Callable[[], Sequence[Histogram]],
+    ) -> None:
         self._status = status
+        self._histograms = histograms
 
     def collect(self) -> Iterator[Metric]:
-        return status_metrics(self._status())
+        return status_metrics(self._status(), self._histograms())
 
 
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape from
-    ``status()``; run it on the event loop that owns what ``status`` reads."""
+    ``status()`` and ``histograms()``; run it on the event loop that owns what they read."""
 
-    def __init__(self, status: Callable[[], pb.StatusResponse], host: str, port: int) -> None:
+    def __init__(
+        self,
+        status: Callable[[], pb.StatusResponse],
+        host: str,
+        port: int,
+        histograms: Callable[[], Sequence[Histogram]] = tuple,
+    ) -> None:
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_StatusCollector(status))
+        self._registry.register(_StatusCollector(status, histograms))
         self._host = host
         self._port = port
         app = web.Application()

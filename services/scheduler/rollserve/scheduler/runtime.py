@@ -95,6 +95,7 @@ from rollserve.scheduler.core.snapshot import (
     Snapshot,
 )
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
+from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, OUTPUT_TOKENS_BOUNDS, Histogram
 from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
@@ -278,6 +279,17 @@ class SchedulerRuntime:
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
         self.counters = Counters()
+        # What was delivered since start, as distributions (the metrics endpoint's)
+        self.group_latency = Histogram(
+            "group_latency_seconds",
+            "Seconds from a group's Submit to its stream entry, of the groups delivered.",
+            GROUP_LATENCY_BOUNDS_S,
+        )
+        self.output_tokens = Histogram(
+            "sample_output_tokens",
+            "Tokens each sample of the groups delivered made.",
+            OUTPUT_TOKENS_BOUNDS,
+        )
         # Finished outputs by prompt, for engines that draft from those they did not make.
         self._outputs = (
             EarlierOutputs(
@@ -838,6 +850,11 @@ class SchedulerRuntime:
             return False
         engine.heartbeat()
         return True
+
+    @property
+    def histograms(self) -> tuple[Histogram, ...]:
+        """The distributions of what was delivered since start (not in Status)."""
+        return (self.group_latency, self.output_tokens)
 
     def status(self) -> pb.StatusResponse:
         loads = self._loads()
@@ -1608,6 +1625,9 @@ class SchedulerRuntime:
         self.counters.groups_delivered += 1
         self.counters.samples_delivered += spec.n
         self.counters.tokens_generated += result.num_output_tokens
+        self.group_latency.observe(max(0.0, result.latency_s))
+        for sample in result.samples:
+            self.output_tokens.observe(len(sample.token_ids))
         self._learn(record)
         await self._save_history()
 

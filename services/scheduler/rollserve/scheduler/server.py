@@ -271,7 +271,9 @@ async def _serve_metrics(
     """The Prometheus endpoint of ``settings.metrics_port``, serving; None without one."""
     if settings.metrics_port is None:
         return None
-    metrics = MetricsServer(runtime.status, settings.host, settings.metrics_port)
+    metrics = MetricsServer(
+        runtime.status, settings.host, settings.metrics_port, lambda: runtime.histograms
+    )
     try:
         port = await metrics.start()
     except OSError as exc:

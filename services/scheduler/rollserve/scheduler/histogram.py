@@ -1,0 +1,57 @@
+"""Distributions the scheduler keeps of what it delivers, for its Prometheus endpoint: how
+long a group took from Submit to its stream entry, and how many tokens each sample made
+(the long tail of an RL step, as it happens). Pure: observed by the runtime, read by
+``rollserve.scheduler.metrics``."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+__all__ = ["GROUP_LATENCY_BOUNDS_S", "OUTPUT_TOKENS_BOUNDS", "Histogram"]
+
+GROUP_LATENCY_BOUNDS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+"""Upper bounds of the group latency buckets, seconds: a step of an RL run takes seconds on
+small models and up to hours for long reasoning."""
+OUTPUT_TOKENS_BOUNDS = tuple(2**k for k in range(4, 18))  # 16 .. 131,072
+"""Upper bounds of the sample length buckets, tokens: powers of two, as lengths spread."""
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Observations counted in buckets of upper ``bounds`` (a value equal to a bound counts
+    in its bucket, as Prometheus's ``le``), with one bucket above the last bound, and their
+    sum."""
+
+    name: str  # its metric's name after the rollserve_ prefix
+    help: str
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)  # per bucket, not cumulative; the last is +Inf
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"bounds {self.bounds} must rise strictly")
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, observations at most le) per bucket, the last ``+Inf``: Prometheus's form."""
+        les = [_le(bound) for bound in self.bounds] + ["+Inf"]
+        running = 0
+        buckets = []
+        for le, count in zip(les, self.counts, strict=True):
+            running += count
+            buckets.append((le, running))
+        return buckets
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))
