@@ -14,7 +14,7 @@ import pytest
 from rollserve.engine.tiny_model import make_tiny_model
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
-from tests.integration.engine_proc import EngineProcess, start_engine_process
+from tests.integration.engine_proc import EngineProcess, free_port, start_engine_process
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +24,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def engine_metrics_port() -> int:
+    """The port the session's engine serves its Prometheus metrics on."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
 def engine_process(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, engine_metrics_port: int
 ) -> Iterator[EngineProcess]:
     """One engine for the session; stopped with SIGTERM, its process group reaped.
 
@@ -34,7 +40,7 @@ def engine_process(
     engine = start_engine_process(
         tiny_model_dir,
         "engine-it",
-        ["--flush-interval-ms", "100"],
+        ["--flush-interval-ms", "100", "--metrics-port", str(engine_metrics_port)],
         log_dir=tmp_path_factory.mktemp("engine-logs"),
     )
     try:

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, cast
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from rollserve.assets import reasoner_dir
 from rollserve.cli.stack import launch_engine
 from rollserve.engine.server import ENGINE_DIED_EXIT_CODE
@@ -350,6 +352,26 @@ async def test_stats(engine: pb_grpc.EngineAsyncStub, tiny_model_dir: Path) -> N
     # bfloat16 checkpoint upcast); else vLLM's choice, the checkpoint's bfloat16.
     resolved = resolve_dtype(EngineSettings(model=tiny_model_dir), "cpu")
     assert stats.dtype == (resolved if resolved != "auto" else "bfloat16")
+
+
+async def test_vllms_metrics_are_served_for_prometheus(
+    engine: pb_grpc.EngineAsyncStub, engine_metrics_port: int
+) -> None:
+    """``--metrics-port`` serves the engine process's registry over HTTP: vLLM's own
+    metrics, as its OpenAI server serves them, which Stats reads its counts from."""
+    await generate(engine, request("for-metrics", n=2, max_tokens=8))
+    stats = await wait_idle(engine)
+    url = f"http://127.0.0.1:{engine_metrics_port}/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url) as reply:
+        assert reply.status == 200
+        text = await reply.text()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    assert values["vllm:generation_tokens_total"] == stats.generation_tokens > 0
+    assert values["vllm:prompt_tokens_total"] == stats.prompt_tokens
+    assert "vllm:num_requests_running" in values  # what a dashboard of vLLM shows
 
 
 class FakeScheduler(pb_grpc.SchedulerServicer):

@@ -161,23 +161,6 @@ def test_engines_sharing_the_machine_are_upcast_only_where_all_of_them_fit(
     assert resolve_dtype(float32, "cpu", avx2, 1) == "float32"
 
 
-def test_the_engine_takes_the_number_of_engines_on_its_machine_as_a_flag(tmp_path: Path) -> None:
-    from pydantic import ValidationError
-    from rollserve.cli.stack import StackConfig, engine_flags
-    from rollserve.engine.server import parse_settings
-
-    model = checkpoint(tmp_path)
-    assert parse_settings([f"--model={model}"]).engines_per_host == 1
-    flags = engine_flags(StackConfig(model=model, engines=3, engine_args=("--seed", "7")))
-    settings = parse_settings([f"--model={model}", *flags])
-    assert (settings.engines_per_host, settings.seed) == (3, 7)
-    # what a user gives the stack's engines wins over the stack's own
-    flags = engine_flags(StackConfig(model=model, engines=3, engine_args=("--engines-per-host=5",)))
-    assert parse_settings([f"--model={model}", *flags]).engines_per_host == 5
-    with pytest.raises(ValidationError, match="engines_per_host"):
-        parse_settings([f"--model={model}", "--engines-per-host=0"])
-
-
 def test_the_choice_says_why_and_warns_where_vllm_will_emulate_bfloat16(tmp_path: Path) -> None:
     """What the engine logs at start: a warning where the model will run slower than it
     could, with the way out."""

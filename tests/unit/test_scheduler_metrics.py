@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import aiohttp
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
+from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, Histogram
-from rollserve.scheduler.metrics import MetricsServer, status_metrics
+from rollserve.scheduler.metrics import scheduler_registry
 from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
@@ -60,13 +60,7 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def exposition(response: pb.StatusResponse, histograms: Sequence[Histogram] = ()) -> str:
-    class Once(Collector):
-        def collect(self) -> Iterator[object]:  # type: ignore[override]
-            return status_metrics(response, histograms)
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Once())
-    return generate_latest(registry).decode()
+    return generate_latest(scheduler_registry(lambda: response, lambda: histograms)).decode()
 
 
 def test_the_status_figures_are_gauges_and_counters_with_the_engine_as_a_label() -> None:
@@ -155,7 +149,7 @@ def test_a_fleet_without_engines_has_no_engine_series() -> None:
 
 async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused() -> None:
     current = [status(queue_depth=1)]
-    server = MetricsServer(lambda: current[0], "127.0.0.1", 0)
+    server = MetricsServer(scheduler_registry(lambda: current[0]), "127.0.0.1", 0)
     port = await server.start()
     url = f"http://127.0.0.1:{port}"
     try:

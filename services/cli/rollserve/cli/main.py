@@ -15,7 +15,7 @@ from rollserve.cli.paths import output_dir, output_file
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from rollserve.assets import reasoner_dir
-    from rollserve.cli.stack import DevStack, StackConfig
+    from rollserve.cli.stack import DevStack, StackConfig, engine_metrics_port
 
     console = Console()
     model = args.model or reasoner_dir()
@@ -28,9 +28,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         scheduler_port=args.scheduler_port,
         engine_args=tuple(args.engine_arg),
-        scheduler_args=()
-        if args.metrics_port is None
-        else ("--metrics-port", str(args.metrics_port)),
+        metrics_port=args.metrics_port,
         run_dir=args.run_dir,
     )
     console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
@@ -44,8 +42,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 highlight=False,
             )
         if args.metrics_port is not None:
+            engines = range(args.engines)
+            last = engine_metrics_port(config, args.engines - 1)
             console.print(
-                f"  its metrics: http://127.0.0.1:{args.metrics_port}/metrics (Prometheus)",
+                f"  metrics (Prometheus): http://127.0.0.1:{args.metrics_port}/metrics, the "
+                f"engines' on {engine_metrics_port(config, 0)}"
+                f"{f'-{last}' if len(engines) > 1 else ''}",
                 markup=False,
                 highlight=False,
             )
@@ -255,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--metrics-port",
         type=port_number,
-        help="the scheduler serves Prometheus metrics on this port (GET /metrics); default none",
+        help="the scheduler serves Prometheus metrics on this port (GET /metrics), engine i "
+        "on the port + 1 + i; default none",
     )
     up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
     up.add_argument(

@@ -178,6 +178,8 @@ class StackConfig:
     scheduler_port: int = 0  # 0 picks a free port
     engine_args: tuple[str, ...] = ()  # extra flags for every engine (they win over the stack's)
     scheduler_args: tuple[str, ...] = ()
+    # Prometheus endpoints: the scheduler's on this port, engine i's on the port + 1 + i
+    metrics_port: int | None = None
     omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
     # Niceness of the control plane (engine frontends, scheduler, embedded Redis): on one
     # machine with CPU engines, the engine cores' model threads go first (see
@@ -186,17 +188,29 @@ class StackConfig:
     run_dir: Path | None = None  # logs; a temp dir when None
 
 
-def engine_flags(config: StackConfig) -> tuple[str, ...]:
-    """The flags the stack gives each engine: its own first, so that ``engine_args`` can
-    override them. The engines share this machine's memory (``--engines-per-host``: each
+def engine_flags(config: StackConfig, index: int) -> tuple[str, ...]:
+    """The flags the stack gives engine ``index``: its own first, so that ``engine_args``
+    can override them. The engines share this machine's memory (``--engines-per-host``: each
     resolves ``dtype auto`` knowing of the others)."""
+    metrics = (
+        ()
+        if config.metrics_port is None
+        else ("--metrics-port", str(engine_metrics_port(config, index)))
+    )
     return (
         "--frontend-nice",
         str(config.control_plane_nice),
         "--engines-per-host",
         str(config.engines),
+        *metrics,
         *config.engine_args,
     )
+
+
+def engine_metrics_port(config: StackConfig, index: int) -> int:
+    """The port of engine ``index``'s Prometheus endpoint (``config.metrics_port`` set)."""
+    assert config.metrics_port is not None
+    return config.metrics_port + 1 + index
 
 
 @dataclass
@@ -251,7 +265,7 @@ class DevStack:
                     cfg.model,
                     f"engine-{i}",
                     self.log_dir,
-                    engine_flags(cfg),
+                    engine_flags(cfg, i),
                     env={"OMP_NUM_THREADS": str(threads)},
                 )
             )
@@ -278,6 +292,7 @@ class DevStack:
                 *engine_flags,
                 "--nice",
                 str(cfg.control_plane_nice),
+                *(() if cfg.metrics_port is None else ("--metrics-port", str(cfg.metrics_port))),
                 *cfg.scheduler_args,
             ],
             self.log_dir,

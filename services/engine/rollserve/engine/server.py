@@ -33,6 +33,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
+from rollserve.client.address import join_host_port
+from rollserve.common.metrics_http import MetricsServer
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -99,6 +101,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     )
     port = server.add_insecure_port(settings.address)
     await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    metrics = await serve_metrics(settings)
     await server.start()
     dtype = choose_dtype(settings, device)
     logger.info(
@@ -165,6 +168,8 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
             # (whatever it ended with, the engine still stops its server and its vLLM)
             await asyncio.gather(link, return_exceptions=True)
         await server.stop(settings.shutdown_grace_s)
+        if metrics is not None:
+            await metrics.stop()
         engine_servicer.detach()
         if backend is not None:
             backend.shutdown()
@@ -174,6 +179,26 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         logger.info("stopped")
     if died:
         raise SystemExit(ENGINE_DIED_EXIT_CODE)
+
+
+async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
+    """The Prometheus endpoint of ``settings.metrics_port``, serving this process's registry
+    (where vLLM's stat logger keeps its ``vllm:`` metrics once the engine is built); None
+    without one. A port that cannot be bound stops the engine, naming it."""
+    if settings.metrics_port is None:
+        return None
+    from prometheus_client import REGISTRY
+
+    metrics = MetricsServer(REGISTRY, settings.host, settings.metrics_port)
+    try:
+        port = await metrics.start()
+    except OSError as exc:
+        raise SystemExit(
+            f"metrics_port {settings.metrics_port}: could not bind {settings.host}: {exc}"
+        ) from exc
+    url = f"http://{join_host_port(settings.host, port)}/metrics"
+    logger.info("Prometheus metrics at %s", url)
+    return metrics
 
 
 class LoadInterrupted(BaseException):

@@ -91,6 +91,15 @@ class EngineSettings(BaseModel):
         "127.0.0.1", min_length=1, description="Interface the gRPC server listens on."
     )
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the Prometheus endpoint (HTTP GET /metrics: vLLM's own metrics, as its "
+            "OpenAI server serves them) on host; 0 picks a free one; unset serves none."
+        ),
+    )
     advertise_host: str | None = Field(
         None,
         min_length=1,

@@ -12,18 +12,15 @@ scheduler process started, as Status's counters do. Per engine, the series carry
 dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
 unset (too few samples scored).
 
-Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
-server reads nothing from a request but its method and path.
+Served by ``rollserve.common.metrics_http.MetricsServer``.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -34,10 +31,9 @@ from prometheus_client.registry import Collector
 from rollserve.scheduler.histogram import Histogram
 from rollserve.v1 import rollserve_pb2 as pb
 
-__all__ = ["MetricsServer", "status_metrics"]
+__all__ = ["scheduler_registry", "status_metrics"]
 
 PREFIX = "rollserve_"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(frozen=True)
@@ -158,44 +154,11 @@ class _StatusCollector(Collector):
         return status_metrics(self._status(), self._histograms())
 
 
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape from
-    ``status()`` and ``histograms()``; run it on the event loop that owns what they read."""
-
-    def __init__(
-        self,
-        status: Callable[[], pb.StatusResponse],
-        host: str,
-        port: int,
-        histograms: Callable[[], Sequence[Histogram]] = tuple,
-    ) -> None:
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_StatusCollector(status, histograms))
-        self._host = host
-        self._port = port
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        self.port = 0  # the bound port, once started
-
-    async def start(self) -> int:
-        """Binds and serves; returns the port. Raises OSError when the port cannot be bound."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.create_server((self._host, self._port), family=family)
-        sock.setblocking(False)
-        self.port = int(sock.getsockname()[1])
-        await self._runner.setup()
-        try:
-            await web.SockSite(self._runner, sock).start()
-        except BaseException:
-            sock.close()
-            await self._runner.cleanup()
-            raise
-        return self.port
-
-    async def stop(self) -> None:
-        await self._runner.cleanup()
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+def scheduler_registry(
+    status: Callable[[], pb.StatusResponse], histograms: Callable[[], Sequence[Histogram]] = tuple
+) -> CollectorRegistry:
+    """A registry whose every collection reads ``status()`` and ``histograms()`` anew (serve
+    it with ``rollserve.common.metrics_http.MetricsServer`` on the loop that owns them)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatusCollector(status, histograms))
+    return registry

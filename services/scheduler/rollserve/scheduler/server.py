@@ -25,11 +25,12 @@ from rollserve.client.wire import (
     status_details,
     stream_key,
 )
+from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
-from rollserve.scheduler.metrics import MetricsServer
+from rollserve.scheduler.metrics import scheduler_registry
 from rollserve.scheduler.runtime import (
     FleetFull,
     QueueFull,
@@ -271,9 +272,8 @@ async def _serve_metrics(
     """The Prometheus endpoint of ``settings.metrics_port``, serving; None without one."""
     if settings.metrics_port is None:
         return None
-    metrics = MetricsServer(
-        runtime.status, settings.host, settings.metrics_port, lambda: runtime.histograms
-    )
+    registry = scheduler_registry(runtime.status, lambda: runtime.histograms)
+    metrics = MetricsServer(registry, settings.host, settings.metrics_port)
     try:
         port = await metrics.start()
     except OSError as exc:

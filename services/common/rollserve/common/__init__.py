@@ -1,0 +1,1 @@
+"""Pieces the rollserve services share (the scheduler and the engine)."""

@@ -1,0 +1,54 @@
+"""A Prometheus endpoint for a service: ``GET /metrics`` over HTTP (aiohttp), on the event
+loop of the service that owns it, serving a registry in Prometheus's text format.
+
+Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
+server reads nothing from a request but its method and path. The scheduler serves its
+Status figures this way (``rollserve.scheduler.metrics``), the engine vLLM's own metrics.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+__all__ = ["CONTENT_TYPE", "MetricsServer"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape collecting
+    ``registry`` anew on this event loop (a collector may read the service's state)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._registry = registry
+        self._host = host
+        self._port = port
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self.port = 0  # the bound port, once started
+
+    async def start(self) -> int:
+        """Binds and serves; returns the port. Raises OSError when the port cannot be bound."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.create_server((self._host, self._port), family=family)
+        sock.setblocking(False)
+        self.port = int(sock.getsockname()[1])
+        await self._runner.setup()
+        try:
+            await web.SockSite(self._runner, sock).start()
+        except BaseException:
+            sock.close()
+            await self._runner.cleanup()
+            raise
+        return self.port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,45 @@
+"""The flags the dev stack (``rollserve up``, the demo, the benchmarks) gives its engines and
+its scheduler, parsed by the services' own parsers. Nothing is started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from rollserve.cli.stack import StackConfig, engine_flags
+from rollserve.engine.server import parse_settings
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return tmp_path
+
+
+def test_each_engine_is_told_how_many_engines_share_its_machine(model: Path) -> None:
+    assert parse_settings([f"--model={model}"]).engines_per_host == 1
+    settings = parse_settings(
+        [f"--model={model}", *engine_flags(StackConfig(model=model, engines=3), 2)]
+    )
+    assert settings.engines_per_host == 3
+    with pytest.raises(ValidationError, match="engines_per_host"):
+        parse_settings([f"--model={model}", "--engines-per-host=0"])
+
+
+def test_what_a_user_gives_the_engines_wins_over_the_stacks_own(model: Path) -> None:
+    config = StackConfig(model=model, engines=3, engine_args=("--engines-per-host=5", "--seed=7"))
+    settings = parse_settings([f"--model={model}", *engine_flags(config, 0)])
+    assert (settings.engines_per_host, settings.seed) == (5, 7)
+
+
+def test_engines_serve_metrics_on_the_ports_after_the_schedulers(model: Path) -> None:
+    config = StackConfig(model=model, engines=3, metrics_port=9464)
+    ports = [
+        parse_settings([f"--model={model}", *engine_flags(config, i)]).metrics_port
+        for i in range(3)
+    ]
+    assert ports == [9465, 9466, 9467]
+    plain = StackConfig(model=model, engines=2)
+    assert parse_settings([f"--model={model}", *engine_flags(plain, 1)]).metrics_port is None
