@@ -125,11 +125,12 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
     assert runtime.counters.samples_delivered == 15
     assert runtime._outputs is not None and len(runtime._outputs) == 0  # no engine drafts
     # the metrics endpoint's distributions: a latency per group, a length per sample
-    latency, lengths = runtime.histograms
+    latency, lengths, staleness = runtime.histograms
     assert latency.count == 5
     assert latency.sum == pytest.approx(sum(r.latency_s for r in results))
     assert (lengths.count, lengths.sum) == (15, 15 * 6)
     assert dict(lengths.cumulative())["16.0"] == 15  # 6 tokens each: the first bucket
+    assert (staleness.count, staleness.sum) == (15 * 6, 0)  # no publish: all on-policy
 
 
 async def test_a_probe_answered_before_a_failure_does_not_put_the_engine_back(
@@ -1549,6 +1550,10 @@ async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) ->
     first, second = result.samples
     assert [(v.version, v.length) for v in first.versions] == [(6, 5), (7, 1)]
     assert [(v.version, v.length) for v in second.versions] == [(6, 5), (8, 1)]
+    # delivered at version 8: 10 tokens 2 versions old, one 1 old, one on-policy
+    staleness = runtime.histograms[2]
+    assert staleness.cumulative()[:3] == [("0.0", 1), ("1.0", 2), ("2.0", 12)]
+    assert (staleness.count, staleness.sum) == (12, 21)
 
 
 async def test_a_trainer_that_publishes_faster_than_engines_count_is_held_back(

@@ -1,20 +1,23 @@
 """Distributions the scheduler keeps of what it delivers, for its Prometheus endpoint: how
-long a group took from Submit to its stream entry, and how many tokens each sample made
-(the long tail of an RL step, as it happens). Pure: observed by the runtime, read by
-``rollserve.scheduler.metrics``."""
+long a group took from Submit to its stream entry, how many tokens each sample made (the
+long tail of an RL step, as it happens), and how stale the tokens were (off-policy). Pure:
+observed by the runtime, read by ``rollserve.scheduler.metrics``."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-__all__ = ["GROUP_LATENCY_BOUNDS_S", "OUTPUT_TOKENS_BOUNDS", "Histogram"]
+__all__ = ["GROUP_LATENCY_BOUNDS_S", "OUTPUT_TOKENS_BOUNDS", "STALENESS_BOUNDS", "Histogram"]
 
 GROUP_LATENCY_BOUNDS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 """Upper bounds of the group latency buckets, seconds: a step of an RL run takes seconds on
 small models and up to hours for long reasoning."""
 OUTPUT_TOKENS_BOUNDS = tuple(2**k for k in range(4, 18))  # 16 .. 131,072
 """Upper bounds of the sample length buckets, tokens: powers of two, as lengths spread."""
+STALENESS_BOUNDS = (0, 1, 2, 3, 4, 8, 16)
+"""Upper bounds of the staleness buckets, policy versions: 0 is on-policy, tail deferral
+keeps most tokens within a version or two."""
 
 
 @dataclass(slots=True)
@@ -34,9 +37,10 @@ class Histogram:
             raise ValueError(f"bounds {self.bounds} must rise strictly")
         self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """Counts ``value`` ``times`` times (a run of tokens of one staleness, say)."""
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
 
     @property
     def count(self) -> int:

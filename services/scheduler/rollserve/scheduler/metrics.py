@@ -2,9 +2,11 @@
 
 It serves the figures of the Status RPC in Prometheus's text format, read from the runtime
 at each scrape on the scheduler's event loop, as Status reads them (nothing is kept between
-scrapes), and two histograms of the groups delivered since start that Status does not have
+scrapes), and histograms of the groups delivered since start that Status does not have
 (``rollserve.scheduler.histogram``): ``rollserve_group_latency_seconds``, Submit to stream
-entry, and ``rollserve_sample_output_tokens``, each sample's length.
+entry, ``rollserve_sample_output_tokens``, each sample's length, and
+``rollserve_token_staleness_versions``, output tokens by how far behind their run's version
+at delivery they were made.
 
 Names start with ``rollserve_``; the counters (``_total``) and histograms count since the
 scheduler process started, as Status's counters do. Per engine, the series carry the label

@@ -95,7 +95,12 @@ from rollserve.scheduler.core.snapshot import (
     Snapshot,
 )
 from rollserve.scheduler.engines import EngineHandle, EngineLoad
-from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, OUTPUT_TOKENS_BOUNDS, Histogram
+from rollserve.scheduler.histogram import (
+    GROUP_LATENCY_BOUNDS_S,
+    OUTPUT_TOKENS_BOUNDS,
+    STALENESS_BOUNDS,
+    Histogram,
+)
 from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
@@ -289,6 +294,12 @@ class SchedulerRuntime:
             "sample_output_tokens",
             "Tokens each sample of the groups delivered made.",
             OUTPUT_TOKENS_BOUNDS,
+        )
+        self.token_staleness = Histogram(
+            "token_staleness_versions",
+            "Output tokens of the groups delivered, by how many policy versions the run's "
+            "version at delivery is ahead of the one they were made under (0: on-policy).",
+            STALENESS_BOUNDS,
         )
         # Finished outputs by prompt, for engines that draft from those they did not make.
         self._outputs = (
@@ -854,7 +865,7 @@ class SchedulerRuntime:
     @property
     def histograms(self) -> tuple[Histogram, ...]:
         """The distributions of what was delivered since start (not in Status)."""
-        return (self.group_latency, self.output_tokens)
+        return (self.group_latency, self.output_tokens, self.token_staleness)
 
     def status(self) -> pb.StatusResponse:
         loads = self._loads()
@@ -1626,8 +1637,11 @@ class SchedulerRuntime:
         self.counters.samples_delivered += spec.n
         self.counters.tokens_generated += result.num_output_tokens
         self.group_latency.observe(max(0.0, result.latency_s))
+        version = self.policy_version(spec.run_id)
         for sample in result.samples:
             self.output_tokens.observe(len(sample.token_ids))
+            for segment in sample.versions:
+                self.token_staleness.observe(max(0, version - segment.version), segment.length)
         self._learn(record)
         await self._save_history()
 
