@@ -8,14 +8,33 @@ Status figures this way (``rollserve.scheduler.metrics``), the engine vLLM's own
 
 from __future__ import annotations
 
+import logging
 import socket
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 
 __all__ = ["CONTENT_TYPE", "MetricsServer"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger(__name__)
+
+
+class _ClientErrorsAtDebug(logging.Filter):
+    """aiohttp logs a request it cannot parse with its traceback at ERROR, though it is the
+    client's fault (answered 400) and a scanner sends thousands: those go at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return log.isEnabledFor(logging.DEBUG)
+
+
+log.addFilter(_ClientErrorsAtDebug())
 
 
 class MetricsServer:
@@ -28,7 +47,7 @@ class MetricsServer:
         self._port = port
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=log)
         self.port = 0  # the bound port, once started
 
     async def start(self) -> int:
