@@ -78,3 +78,28 @@ def test_engines_without_a_memory_limit_count_each_other(
     unlimited = [name for name in engines if "mem_limit" not in compose[name]]
     for name in unlimited:
         assert engines[name].engines_per_host == len(unlimited), name
+
+
+def test_prometheus_scrapes_every_metrics_endpoint_the_services_serve(
+    engines: dict[str, EngineSettings],
+) -> None:
+    """deploy/prometheus.yml's targets are the scheduler's and each engine's --metrics-port,
+    by service name (the compose network's host names), and the file it mounts is there."""
+    compose = services()
+    (scheduler_name,) = (n for n, s in compose.items() if s.get("command", [""])[0] == "scheduler")
+    scheduler = settings_from_args(
+        build_parser().parse_args(compose[scheduler_name]["command"][1:])
+    )
+    served = {f"{scheduler_name}:{scheduler.metrics_port}"} | {
+        f"{name}:{e.metrics_port}" for name, e in engines.items() if e.metrics_port is not None
+    }
+    mount = compose["prometheus"]["volumes"][0].split(":")[0]
+    config = yaml.safe_load((COMPOSE.parent / mount).read_text())
+    scraped = {
+        target
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert scraped == served
+    assert len(served) == len(engines) + 1
