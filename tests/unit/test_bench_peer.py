@@ -34,6 +34,7 @@ from rollserve.bench.peer import (
     _stack_config,
     _variant_report,
     delivered_group,
+    engines_on_host,
     offpolicy_over_rounds,
     pooled_interval,
     pooled_ratios,
@@ -389,7 +390,9 @@ def test_the_variant_row_gets_its_own_stack_settings(tmp_path: Path) -> None:
     main = _stack_config(env, ROLLSERVE, ROLLSERVE)
     b = _stack_config(env, ROLLSERVE_B, ROLLSERVE_B)
     assert main.scheduler_args == ("--policy", "least_outstanding", "--max-attempts", "4")
-    assert (main.engine_args, main.control_plane_nice) == ((), cfg.control_plane_nice)
+    # not interleaved: one side's engines up at a time
+    own = ("--engines-per-host", "2")
+    assert (main.engine_args, main.control_plane_nice) == (own, cfg.control_plane_nice)
     # The variant's flags come after the main row's, so that they win where both set one.
     assert b.scheduler_args == (
         "--policy",
@@ -399,11 +402,20 @@ def test_the_variant_row_gets_its_own_stack_settings(tmp_path: Path) -> None:
         "--capacity-factor",
         "2",
     )
-    assert (b.engine_args, b.control_plane_nice) == (("--flush-interval-ms", "100"), 5)
+    assert (b.engine_args, b.control_plane_nice) == ((*own, "--flush-interval-ms", "100"), 5)
     assert b.run_dir != main.run_dir
     assert variant.describe() == (
         "rl, scheduler --capacity-factor 2, engines --flush-interval-ms 100, nice 5"
     )
+
+
+def test_engines_count_every_side_up_at_once_on_the_machine() -> None:
+    """Interleaved, the router's servers and each rollserve stack stay up together: each
+    engine resolves dtype auto counting all of them, and both sides resolve alike."""
+    assert engines_on_host(PeerConfig(engines=2)) == 2
+    assert engines_on_host(PeerConfig(engines=2, interleave=True)) == 4
+    assert engines_on_host(PeerConfig(engines=2, interleave=True, variant=Variant("rl"))) == 6
+    assert engines_on_host(PeerConfig(engines=3, variant=Variant("rl"))) == 3
 
 
 def test_the_variant_is_compared_with_rollserve_round_by_round_and_pooled() -> None:

@@ -34,6 +34,12 @@ def with_model(command: list[str], model: Path) -> list[str]:
     return args
 
 
+def memory_limit(service: dict[str, Any]) -> object:
+    """The service's memory limit, in either way compose takes one; None without."""
+    limits = service.get("deploy", {}).get("resources", {}).get("limits", {})
+    return service.get("mem_limit") or limits.get("memory")
+
+
 @pytest.fixture
 def engines(tmp_path: Path) -> dict[str, EngineSettings]:
     """Each engine service's settings, as its command gives them."""
@@ -75,7 +81,7 @@ def test_engines_without_a_memory_limit_count_each_other(
     must know how many share it (dtype auto's upcast rule), or N of them could each take
     the half of it that the rule leaves for one."""
     compose = services()
-    unlimited = [name for name in engines if "mem_limit" not in compose[name]]
+    unlimited = [name for name in engines if not memory_limit(compose[name])]
     for name in unlimited:
         assert engines[name].engines_per_host == len(unlimited), name
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import uuid
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from rollserve.cli.stack import free_port
 from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, Histogram
 from rollserve.scheduler.metrics import scheduler_registry
@@ -124,8 +126,13 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_it_fits_as_prometheus
         h.observe(value)
     assert h.cumulative() == [("1.0", 2), ("10.0", 4), ("100.0", 6), ("+Inf", 8)]
     assert (h.count, h.sum) == (8, 5313.0)
-    with pytest.raises(ValueError, match="must rise strictly"):
+    with pytest.raises(ValueError, match="must be finite and rise strictly"):
         Histogram("x", "x", (1, 1, 2))
+    with pytest.raises(ValueError, match="must be finite and rise strictly"):
+        Histogram("x", "x", (1, math.inf))  # (+Inf is always the last bucket)
+    with pytest.raises(ValueError, match="NaN"):
+        h.observe(math.nan)
+    assert (h.count, h.sum) == (8, 5313.0)
 
 
 def test_the_delivered_groups_histograms_are_prometheus_histograms() -> None:
@@ -134,6 +141,7 @@ def test_the_delivered_groups_histograms_are_prometheus_histograms() -> None:
         latency.observe(seconds)
     samples = scrape(exposition(pb.StatusResponse(), (latency,)))
     name = "rollserve_group_latency_seconds"
+    assert samples[(name + "_bucket", (("le", "0.5"),))] == 1
     assert samples[(name + "_bucket", (("le", "1.0"),))] == 1
     assert samples[(name + "_bucket", (("le", "5.0"),))] == 3
     assert samples[(name + "_bucket", (("le", "7200.0"),))] == 3
@@ -182,13 +190,6 @@ async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused(
             assert reply.status == 200
     finally:
         await server.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def settings(redis_url: str, metrics_port: int) -> SchedulerSettings:
@@ -259,3 +260,57 @@ async def test_a_metrics_port_taken_stops_the_scheduler_naming_it(other_redis_ur
     finally:
         stop.set()
         await asyncio.wait_for(task, TIMEOUT_S)
+
+
+async def test_a_grpc_port_taken_stops_the_scheduler_and_serves_no_metrics(
+    other_redis_url: str,
+) -> None:
+    metrics_port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        given = settings(other_redis_url, metrics_port).model_copy(update={"port": port})
+        with pytest.raises(SystemExit, match=f"port {port}: could not bind 127.0.0.1:{port}"):
+            await serve(given)
+    with pytest.raises(aiohttp.ClientConnectionError):  # never started
+        async with aiohttp.ClientSession() as http:
+            await http.get(f"http://127.0.0.1:{metrics_port}/metrics")
+    # it let go of its lease: another scheduler starts on the same database
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        serve(settings(other_redis_url, 0), ready=ready.set_result, stop=stop)
+    )
+    try:
+        await asyncio.wait_for(asyncio.shield(ready), TIMEOUT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
+
+
+def test_the_metrics_port_may_not_be_the_grpc_port() -> None:
+    with pytest.raises(ValueError, match=r"metrics_port \(9000\) is the gRPC port"):
+        SchedulerSettings(redis_url="redis://x", port=9000, metrics_port=9000)
+    SchedulerSettings(redis_url="redis://x", port=0, metrics_port=0)  # (both picked free)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+async def test_an_ipv6_host_bracketed_or_not_serves(host: str) -> None:
+    server = MetricsServer(scheduler_registry(lambda: status(queue_depth=2)), host, 0)
+    port = await server.start()
+    try:
+        async with aiohttp.ClientSession() as http, http.get(f"http://[::1]:{port}/metrics") as r:
+            assert scrape(await r.text())[("rollserve_queue_depth", ())] == 2
+    finally:
+        await server.stop()

@@ -294,7 +294,8 @@ def router_engine_settings(model: Path, args: Sequence[str], engines: int = 1) -
             f"router engine args: the peer's servers run vLLM's own drafters (ngram), not "
             f"{settings.spec_method}"
         )
-    return settings.model_copy(update={"engines_per_host": engines})
+    values = settings.model_dump(exclude_unset=True) | {"engines_per_host": engines}
+    return type(settings).model_validate(values)
 
 
 def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
@@ -307,7 +308,7 @@ def _server_args(env: Environment, name: str) -> tuple[Any, ...]:
         f"{', ' + ' '.join(cfg.router_engine_args) if cfg.router_engine_args else ''}) …"
     )
     return (
-        router_engine_settings(env.model, cfg.router_engine_args, cfg.engines),
+        router_engine_settings(env.model, cfg.router_engine_args, engines_on_host(cfg)),
         cfg.engines,
         env.omp_threads,
         cfg.control_plane_nice,
@@ -446,6 +447,16 @@ def delivered_group(
     )
 
 
+def engines_on_host(cfg: PeerConfig) -> int:
+    """The vLLM engines up at once on this machine: one side's, or with ``interleave`` the
+    router's servers and every rollserve stack's together. They share its memory, and each
+    resolves ``dtype auto`` counting them all (``--engines-per-host``), so both sides still
+    resolve the same dtype."""
+    if not cfg.interleave:
+        return cfg.engines
+    return cfg.engines * (2 + (cfg.variant is not None))
+
+
 def _stack_config(env: Environment, row: str, name: str) -> StackConfig:
     """The dev stack of a rollserve row: the variant's settings for "rollserve B", the main
     ones for the others; ``name`` names its log folder."""
@@ -453,11 +464,12 @@ def _stack_config(env: Environment, row: str, name: str) -> StackConfig:
     variant = cfg.variant if row == ROLLSERVE_B else None
     policy = cfg.policy if variant is None or variant.policy is None else variant.policy
     scheduler_args = ("--policy", policy, *cfg.scheduler_args)
-    engine_args: tuple[str, ...] = ()
+    # (the stack would say its own engines; the variant's flags may still say otherwise)
+    engine_args: tuple[str, ...] = ("--engines-per-host", str(engines_on_host(cfg)))
     nice = cfg.control_plane_nice
     if variant is not None:
         scheduler_args += variant.scheduler_args
-        engine_args = variant.engine_args
+        engine_args += variant.engine_args
         nice = nice if variant.control_plane_nice is None else variant.control_plane_nice
     env.console.print(
         f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
@@ -941,7 +953,7 @@ def run_peer(cfg: PeerConfig, console: Console | None = None) -> dict[str, Any]:
         raise SystemExit("vllm-router is not installed: pip install vllm-router==0.1.17")
     model = cfg.model or reasoner_dir()
     threads = cfg.omp_threads or engine_threads(cfg.engines)
-    settings = EngineSettings(model=model, engines_per_host=cfg.engines)
+    settings = EngineSettings(model=model, engines_per_host=engines_on_host(cfg))
     stream = PromptStream(model, cfg.prompts, cfg.seed)
     offset = trial_offset(stream)
     in_flight = cfg.batch * (1 + cfg.oversample)

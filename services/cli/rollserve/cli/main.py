@@ -22,15 +22,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    config = StackConfig(
-        model=model,
-        engines=args.engines,
-        redis_url=args.redis_url,
-        scheduler_port=args.scheduler_port,
-        engine_args=tuple(args.engine_arg),
-        metrics_port=args.metrics_port,
-        run_dir=args.run_dir,
-    )
+    try:
+        config = StackConfig(
+            model=model,
+            engines=args.engines,
+            redis_url=args.redis_url,
+            scheduler_port=args.scheduler_port,
+            engine_args=tuple(args.engine_arg),
+            metrics_port=args.metrics_port,
+            run_dir=args.run_dir,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"rollserve up: {exc}") from None
     console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
     with DevStack(config) as stack:
         for name, where in stack.describe():
@@ -42,12 +45,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 highlight=False,
             )
         if args.metrics_port is not None:
-            engines = range(args.engines)
             last = engine_metrics_port(config, args.engines - 1)
             console.print(
                 f"  metrics (Prometheus): http://127.0.0.1:{args.metrics_port}/metrics, the "
                 f"engines' on {engine_metrics_port(config, 0)}"
-                f"{f'-{last}' if len(engines) > 1 else ''}",
+                f"{f'-{last}' if args.engines > 1 else ''}",
                 markup=False,
                 highlight=False,
             )

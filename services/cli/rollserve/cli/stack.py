@@ -187,6 +187,22 @@ class StackConfig:
     control_plane_nice: int = CONTROL_PLANE_NICE
     run_dir: Path | None = None  # logs; a temp dir when None
 
+    def __post_init__(self) -> None:
+        if self.metrics_port is None:
+            return
+        last = self.metrics_port + self.engines
+        if last > 65535:
+            raise ValueError(
+                f"metrics_port {self.metrics_port}: the engines' would take ports up to {last}, "
+                "past 65535; give a lower one"
+            )
+        if self.metrics_port <= self.scheduler_port <= last:
+            raise ValueError(
+                f"metrics_port {self.metrics_port}: the scheduler's and the engines' take ports "
+                f"{self.metrics_port}-{last}, which hold the scheduler's gRPC port "
+                f"{self.scheduler_port}; give another"
+            )
+
 
 def engine_flags(config: StackConfig, index: int) -> tuple[str, ...]:
     """The flags the stack gives engine ``index``: its own first, so that ``engine_args``
@@ -276,7 +292,7 @@ class DevStack:
     def start_scheduler(self) -> None:
         cfg = self.config
         port = cfg.scheduler_port or free_port()
-        engine_flags = [f"--engine={p.name}={p.address}" for p in self.engines]
+        endpoints = [f"--engine={p.name}={p.address}" for p in self.engines]
         self.scheduler = ManagedProcess.start(
             "scheduler",
             [
@@ -289,7 +305,7 @@ class DevStack:
                 self.redis_url,
                 "--tokenizer",
                 str(cfg.model),
-                *engine_flags,
+                *endpoints,
                 "--nice",
                 str(cfg.control_plane_nice),
                 *(() if cfg.metrics_port is None else ("--metrics-port", str(cfg.metrics_port))),

@@ -14,8 +14,9 @@ import socket
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
+from rollserve.client.address import join_host_port
 
-__all__ = ["CONTENT_TYPE", "MetricsServer"]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "start_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -51,12 +52,20 @@ class MetricsServer:
         self.port = 0  # the bound port, once started
 
     async def start(self) -> int:
-        """Binds and serves; returns the port. Raises OSError when the port cannot be bound."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.create_server((self._host, self._port), family=family)
+        """Binds and serves; returns the port. Raises OSError when the port cannot be bound.
+        ``host`` may be an IPv6 address, bracketed or not; ``::`` takes IPv4 too where the
+        system can (as gRPC's ``[::]`` does)."""
+        host = self._host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        await self._runner.setup()
+        try:
+            sock = socket.create_server((host, self._port), family=family, dualstack_ipv6=dualstack)
+        except BaseException:
+            await self._runner.cleanup()
+            raise
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
-        await self._runner.setup()
         try:
             await web.SockSite(self._runner, sock).start()
         except BaseException:
@@ -71,3 +80,17 @@ class MetricsServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def start_metrics(
+    registry: CollectorRegistry, host: str, port: int, service: str
+) -> MetricsServer:
+    """A MetricsServer for ``registry`` on ``host:port``, serving; its URL logged. A port
+    that cannot be bound is a SystemExit naming ``metrics_port`` (the settings field)."""
+    server = MetricsServer(registry, host, port)
+    try:
+        bound = await server.start()
+    except OSError as exc:
+        raise SystemExit(f"metrics_port {port}: could not bind {host}: {exc}") from exc
+    log.info("%s: Prometheus metrics at http://%s/metrics", service, join_host_port(host, bound))
+    return server

@@ -33,8 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
-from rollserve.client.address import join_host_port
-from rollserve.common.metrics_http import MetricsServer
+from rollserve.common.metrics_http import MetricsServer, start_metrics
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -99,9 +98,11 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     reflection.enable_server_reflection(
         (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(settings.address)
+    try:
+        port = server.add_insecure_port(settings.address)
+    except RuntimeError as exc:  # grpcio raises where it cannot bind
+        raise SystemExit(f"port {settings.port}: could not bind {settings.address}: {exc}") from exc
     await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    metrics = await serve_metrics(settings)
     await server.start()
     dtype = choose_dtype(settings, device)
     logger.info(
@@ -117,7 +118,9 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     link: asyncio.Task[None] | None = None
     died = False
     children_exit_s = CHILD_EXIT_TIMEOUT_S
+    metrics: MetricsServer | None = None
     try:
+        metrics = await serve_metrics(settings)
         # The import takes seconds and needs no event loop; model loading must run on this
         # thread (vLLM starts its engine-core child from the calling thread and binds its
         # output handler to the running loop), so it blocks the loop while it runs.
@@ -189,16 +192,7 @@ async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
         return None
     from prometheus_client import REGISTRY
 
-    metrics = MetricsServer(REGISTRY, settings.host, settings.metrics_port)
-    try:
-        port = await metrics.start()
-    except OSError as exc:
-        raise SystemExit(
-            f"metrics_port {settings.metrics_port}: could not bind {settings.host}: {exc}"
-        ) from exc
-    url = f"http://{join_host_port(settings.host, port)}/metrics"
-    logger.info("Prometheus metrics at %s", url)
-    return metrics
+    return await start_metrics(REGISTRY, settings.host, settings.metrics_port, "engine")
 
 
 class LoadInterrupted(BaseException):

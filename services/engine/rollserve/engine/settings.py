@@ -305,6 +305,14 @@ class EngineSettings(BaseModel):
         return value.resolve()
 
     @model_validator(mode="after")
+    def _metrics_port_is_not_the_grpc_port(self) -> EngineSettings:
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(
+                f"metrics_port ({self.metrics_port}) is the gRPC port; give it another"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _speculative_settings_agree(self) -> EngineSettings:
         if self.spec_method is None:
             given = [name for name in SPECULATIVE_FIELDS if name in self.model_fields_set]

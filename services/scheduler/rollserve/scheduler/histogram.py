@@ -5,14 +5,17 @@ observed by the runtime, read by ``rollserve.scheduler.metrics``."""
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 __all__ = ["GROUP_LATENCY_BOUNDS_S", "OUTPUT_TOKENS_BOUNDS", "STALENESS_BOUNDS", "Histogram"]
 
-GROUP_LATENCY_BOUNDS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
-"""Upper bounds of the group latency buckets, seconds: a step of an RL run takes seconds on
-small models and up to hours for long reasoning."""
+GROUP_LATENCY_BOUNDS_S = (
+    0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200
+)  # fmt: skip
+"""Upper bounds of the group latency buckets, seconds: a group of a small model on a CPU
+takes under a second, an RL step of long reasoning up to hours."""
 OUTPUT_TOKENS_BOUNDS = tuple(2**k for k in range(4, 18))  # 16 .. 131,072
 """Upper bounds of the sample length buckets, tokens: powers of two, as lengths spread."""
 STALENESS_BOUNDS = (0, 1, 2, 3, 4, 8, 16)
@@ -33,12 +36,16 @@ class Histogram:
     sum: float = 0.0
 
     def __post_init__(self) -> None:
-        if list(self.bounds) != sorted(set(self.bounds)):
-            raise ValueError(f"bounds {self.bounds} must rise strictly")
+        if list(self.bounds) != sorted(set(self.bounds)) or not all(
+            math.isfinite(b) for b in self.bounds
+        ):
+            raise ValueError(f"bounds {self.bounds} must be finite and rise strictly")
         self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float, times: int = 1) -> None:
         """Counts ``value`` ``times`` times (a run of tokens of one staleness, say)."""
+        if math.isnan(value):
+            raise ValueError("a histogram cannot count NaN")
         self.counts[bisect_left(self.bounds, value)] += times
         self.sum += value * times
 

@@ -17,7 +17,7 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.client.address import is_host_port, join_host_port
+from rollserve.client.address import is_host_port
 from rollserve.client.wire import (
     MAX_POLICY_VERSION,
     MAX_WEIGHTS_PATH_LEN,
@@ -25,7 +25,7 @@ from rollserve.client.wire import (
     status_details,
     stream_key,
 )
-from rollserve.common.metrics_http import MetricsServer
+from rollserve.common.metrics_http import MetricsServer, start_metrics
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
@@ -221,7 +221,6 @@ async def serve(
     except (LeaseHeld, LeaseLost) as exc:
         raise SystemExit(f"rollserve scheduler: {exc}") from exc
 
-    metrics = await _serve_metrics(settings, runtime)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(runtime), server)
     health_servicer = health_aio.HealthServicer()
@@ -229,12 +228,17 @@ async def serve(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        if metrics is not None:
-            await metrics.stop()
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises where it cannot bind
         await runtime.stop()
-        raise SystemExit(f"could not bind {settings.host}:{settings.port}")
+        raise SystemExit(f"port {settings.port}: could not bind {address}: {exc}") from exc
+    try:
+        metrics = await _serve_metrics(settings, runtime)
+    except BaseException:
+        await runtime.stop()
+        raise
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -273,17 +277,7 @@ async def _serve_metrics(
     if settings.metrics_port is None:
         return None
     registry = scheduler_registry(runtime.status, lambda: runtime.histograms)
-    metrics = MetricsServer(registry, settings.host, settings.metrics_port)
-    try:
-        port = await metrics.start()
-    except OSError as exc:
-        await runtime.stop()
-        raise SystemExit(
-            f"metrics_port {settings.metrics_port}: could not bind {settings.host}: {exc}"
-        ) from exc
-    url = f"http://{join_host_port(settings.host, port)}/metrics"
-    print(f"rollserve-scheduler metrics={url}", flush=True)
-    return metrics
+    return await start_metrics(registry, settings.host, settings.metrics_port, "scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -232,6 +232,14 @@ class SchedulerSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _metrics_port_is_not_the_grpc_port(self) -> SchedulerSettings:
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(
+                f"metrics_port ({self.metrics_port}) is the gRPC port; give it another"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lease_outwaits_a_crash(self) -> SchedulerSettings:
         # A scheduler restarted at once after a crash finds the dead one's lease for up to a
         # ttl: a wait shorter than that (but not none) would fail such a restart by chance.

@@ -359,12 +359,11 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
         workers: dict[str, CalibrationWorker] = {}
         try:
             # One after the other: two engines starting at once on two cores time out.
-            for index, (name, extra) in enumerate(
-                (
-                    ("plain", ()),
-                    ("spec", ("--spec-method", cfg.method, "--spec-tokens", str(cfg.k))),
-                )
-            ):
+            kinds: tuple[tuple[str, tuple[str, ...]], ...] = (
+                ("plain", ()),
+                ("spec", ("--spec-method", cfg.method, "--spec-tokens", str(cfg.k))),
+            )
+            for index, (name, extra) in enumerate(kinds):
                 workers[name] = CalibrationWorker(
                     index,
                     model=model,
@@ -372,7 +371,7 @@ def _measure(cfg: SpecCalibrateConfig, console: Any) -> dict[str, Any]:
                     omp=omp,
                     nice=CONTROL_PLANE_NICE,
                     log_dir=Path(tmp),
-                    engines=2,  # both stay up
+                    engines=len(kinds),  # all stay up
                     extra_args=extra,
                 )
                 workers[name].receive()  # ready
