@@ -12,7 +12,8 @@ import logging
 import math
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import aiohttp
 import grpc
@@ -202,15 +203,22 @@ def settings(redis_url: str, metrics_port: int) -> SchedulerSettings:
     )
 
 
-async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) -> None:
-    metrics_port = free_port()
+@asynccontextmanager
+async def serving(given: SchedulerSettings) -> AsyncIterator[int]:
+    """A scheduler served as ``rollserve scheduler`` serves it; yields its gRPC port."""
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        serve(settings(other_redis_url, metrics_port), ready=port.set_result, stop=stop)
-    )
+    task = asyncio.create_task(serve(given, ready=port.set_result, stop=stop))
     try:
-        bound = await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
+        yield await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
+
+
+async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) -> None:
+    metrics_port = free_port()
+    async with serving(settings(other_redis_url, metrics_port)) as bound:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
             stub = pb_grpc.SchedulerStub(channel)
             groups = [
@@ -233,9 +241,6 @@ async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) ->
         assert samples[("rollserve_groups_delivered_total", ())] == 0
         assert samples[("rollserve_group_latency_seconds_count", ())] == 0  # (none delivered)
         assert samples[("rollserve_sample_output_tokens_bucket", (("le", "+Inf"),))] == 0
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
     with pytest.raises(aiohttp.ClientConnectionError):  # stopped with the scheduler
         async with aiohttp.ClientSession() as http, http.get(url) as reply:
             pass
@@ -249,17 +254,8 @@ async def test_a_metrics_port_taken_stops_the_scheduler_naming_it(other_redis_ur
         # (awaited here: a SystemExit out of a task of its own would leave the event loop)
         with pytest.raises(SystemExit, match=f"metrics_port {port}: could not bind 127.0.0.1"):
             await serve(settings(other_redis_url, port))
-    # it let go of its lease: another scheduler starts on the same database
-    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        serve(settings(other_redis_url, 0), ready=ready.set_result, stop=stop)
-    )
-    try:
-        await asyncio.wait_for(asyncio.shield(ready), TIMEOUT_S)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+    async with serving(settings(other_redis_url, 0)):  # it let go of its lease
+        pass
 
 
 async def test_a_grpc_port_taken_stops_the_scheduler_and_serves_no_metrics(
@@ -276,17 +272,8 @@ async def test_a_grpc_port_taken_stops_the_scheduler_and_serves_no_metrics(
     with pytest.raises(aiohttp.ClientConnectionError):  # never started
         async with aiohttp.ClientSession() as http:
             await http.get(f"http://127.0.0.1:{metrics_port}/metrics")
-    # it let go of its lease: another scheduler starts on the same database
-    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        serve(settings(other_redis_url, 0), ready=ready.set_result, stop=stop)
-    )
-    try:
-        await asyncio.wait_for(asyncio.shield(ready), TIMEOUT_S)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+    async with serving(settings(other_redis_url, 0)):  # it let go of its lease
+        pass
 
 
 def test_the_metrics_port_may_not_be_the_grpc_port() -> None:
