@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollserve.cli.stack import free_port
 from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, Histogram
-from rollserve.scheduler.metrics import scheduler_registry
+from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
@@ -64,7 +64,7 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def exposition(response: pb.StatusResponse, histograms: Sequence[Histogram] = ()) -> str:
-    return generate_latest(scheduler_registry(lambda: response, lambda: histograms)).decode()
+    return generate_latest(status_registry(response, histograms)).decode()
 
 
 def test_the_status_figures_are_gauges_and_counters_with_the_engine_as_a_label() -> None:
@@ -136,6 +136,16 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_it_fits_as_prometheus
     assert (h.count, h.sum) == (8, 5313.0)
 
 
+def test_a_histograms_copy_is_what_it_was_when_copied() -> None:
+    """A scrape formats copies on another thread while the runtime goes on observing."""
+    h = Histogram("x", "x", (1, 10))
+    h.observe(5)
+    copied = h.copy()
+    h.observe(50)
+    assert (copied.cumulative(), copied.sum) == ([("1.0", 0), ("10.0", 1), ("+Inf", 1)], 5)
+    assert h.count == 2
+
+
 def test_the_delivered_groups_histograms_are_prometheus_histograms() -> None:
     latency = Histogram("group_latency_seconds", "latency", GROUP_LATENCY_BOUNDS_S)
     for seconds in (0.4, 3.0, 3.5, 9000.0):
@@ -161,7 +171,7 @@ async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     current = [status(queue_depth=1)]
-    server = MetricsServer(scheduler_registry(lambda: current[0]), "127.0.0.1", 0)
+    server = MetricsServer(lambda: status_registry(current[0]), "127.0.0.1", 0)
     port = await server.start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -294,7 +304,7 @@ def ipv6_loopback() -> bool:
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 async def test_an_ipv6_host_bracketed_or_not_serves(host: str) -> None:
-    server = MetricsServer(scheduler_registry(lambda: status(queue_depth=2)), host, 0)
+    server = MetricsServer(lambda: status_registry(status(queue_depth=2)), host, 0)
     port = await server.start()
     try:
         async with aiohttp.ClientSession() as http, http.get(f"http://[::1]:{port}/metrics") as r:

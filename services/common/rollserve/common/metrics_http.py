@@ -1,5 +1,8 @@
 """A Prometheus endpoint for a service: ``GET /metrics`` over HTTP (aiohttp), on the event
-loop of the service that owns it, serving a registry in Prometheus's text format.
+loop of the service that owns it. Each scrape takes a registry on that loop (a snapshot of
+the service's state, or a registry safe to read from any thread) and formats it in
+Prometheus's text format on a worker thread: at 512 engines the scheduler's formatting took
+28 ms, which the loop does not wait for.
 
 Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
 server reads nothing from a request but its method and path. The scheduler serves its
@@ -8,15 +11,17 @@ Status figures this way (``rollserve.scheduler.metrics``), the engine vLLM's own
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 from rollserve.client.address import join_host_port
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "start_metrics"]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "Snapshot", "start_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,12 +43,17 @@ class _ClientErrorsAtDebug(logging.Filter):
 log.addFilter(_ClientErrorsAtDebug())
 
 
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape collecting
-    ``registry`` anew on this event loop (a collector may read the service's state)."""
+Snapshot = Callable[[], CollectorRegistry]
+"""Called on the event loop at each scrape; what it returns is formatted on another thread,
+so it must not read the service's live state then."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._registry = registry
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape formatting what
+    ``snapshot()`` returns (see `Snapshot`)."""
+
+    def __init__(self, snapshot: Snapshot, host: str, port: int) -> None:
+        self._snapshot = snapshot
         self._host = host
         self._port = port
         app = web.Application()
@@ -78,16 +88,14 @@ class MetricsServer:
         await self._runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._registry)
+        body = await asyncio.to_thread(generate_latest, self._snapshot())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def start_metrics(
-    registry: CollectorRegistry, host: str, port: int, service: str
-) -> MetricsServer:
-    """A MetricsServer for ``registry`` on ``host:port``, serving; its URL logged. A port
+async def start_metrics(snapshot: Snapshot, host: str, port: int, service: str) -> MetricsServer:
+    """A MetricsServer of ``snapshot`` on ``host:port``, serving; its URL logged. A port
     that cannot be bound is a SystemExit naming ``metrics_port`` (the settings field)."""
-    server = MetricsServer(registry, host, port)
+    server = MetricsServer(snapshot, host, port)
     try:
         bound = await server.start()
     except OSError as exc:

@@ -192,7 +192,8 @@ async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
         return None
     from prometheus_client import REGISTRY
 
-    return await start_metrics(REGISTRY, settings.host, settings.metrics_port, "engine")
+    # (vLLM's metrics are prometheus_client's own, safe to read from the formatting thread)
+    return await start_metrics(lambda: REGISTRY, settings.host, settings.metrics_port, "engine")
 
 
 class LoadInterrupted(BaseException):

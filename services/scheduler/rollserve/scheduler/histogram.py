@@ -49,6 +49,13 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += times
         self.sum += value * times
 
+    def copy(self) -> Histogram:
+        """A copy that observations into this one do not change."""
+        copied = Histogram(self.name, self.help, self.bounds)
+        copied.counts = list(self.counts)
+        copied.sum = self.sum
+        return copied
+
     @property
     def count(self) -> int:
         return sum(self.counts)

@@ -14,12 +14,13 @@ scheduler process started, as Status's counters do. Per engine, the series carry
 dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
 unset (too few samples scored).
 
-Served by ``rollserve.common.metrics_http.MetricsServer``.
+Served by ``rollserve.common.metrics_http.MetricsServer``: each scrape reads the Status and
+copies the histograms on the event loop, and formats them on a worker thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -33,7 +34,7 @@ from prometheus_client.registry import Collector
 from rollserve.scheduler.histogram import Histogram
 from rollserve.v1 import rollserve_pb2 as pb
 
-__all__ = ["scheduler_registry", "status_metrics"]
+__all__ = ["status_metrics", "status_registry"]
 
 PREFIX = "rollserve_"
 
@@ -144,23 +145,19 @@ def _family(
 
 
 class _StatusCollector(Collector):
-    def __init__(
-        self,
-        status: Callable[[], pb.StatusResponse],
-        histograms: Callable[[], Sequence[Histogram]],
-    ) -> None:
+    def __init__(self, status: pb.StatusResponse, histograms: Sequence[Histogram]) -> None:
         self._status = status
         self._histograms = histograms
 
     def collect(self) -> Iterator[Metric]:
-        return status_metrics(self._status(), self._histograms())
+        return status_metrics(self._status, self._histograms)
 
 
-def scheduler_registry(
-    status: Callable[[], pb.StatusResponse], histograms: Callable[[], Sequence[Histogram]] = tuple
+def status_registry(
+    status: pb.StatusResponse, histograms: Sequence[Histogram] = ()
 ) -> CollectorRegistry:
-    """A registry whose every collection reads ``status()`` and ``histograms()`` anew (serve
-    it with ``rollserve.common.metrics_http.MetricsServer`` on the loop that owns them)."""
+    """A registry of these figures, which the caller no longer changes (a Status built for
+    it, copies of the histograms): it may be formatted on any thread."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatusCollector(status, histograms))
     return registry

@@ -17,6 +17,7 @@ import redis.exceptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 from rollserve.client.address import is_host_port
 from rollserve.client.wire import (
     MAX_POLICY_VERSION,
@@ -30,7 +31,7 @@ from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
-from rollserve.scheduler.metrics import scheduler_registry
+from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.runtime import (
     FleetFull,
     QueueFull,
@@ -276,8 +277,11 @@ async def _serve_metrics(
     """The Prometheus endpoint of ``settings.metrics_port``, serving; None without one."""
     if settings.metrics_port is None:
         return None
-    registry = scheduler_registry(runtime.status, lambda: runtime.histograms)
-    return await start_metrics(registry, settings.host, settings.metrics_port, "scheduler")
+
+    def snapshot() -> CollectorRegistry:  # (on the loop: the runtime's state as it is now)
+        return status_registry(runtime.status(), [h.copy() for h in runtime.histograms])
+
+    return await start_metrics(snapshot, settings.host, settings.metrics_port, "scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:
