@@ -390,9 +390,9 @@ def test_the_variant_row_gets_its_own_stack_settings(tmp_path: Path) -> None:
     main = _stack_config(env, ROLLSERVE, ROLLSERVE)
     b = _stack_config(env, ROLLSERVE_B, ROLLSERVE_B)
     assert main.scheduler_args == ("--policy", "least_outstanding", "--max-attempts", "4")
+    assert (main.engine_args, main.control_plane_nice) == ((), cfg.control_plane_nice)
     # not interleaved: one side's engines up at a time
-    own = ("--engines-per-host", "2")
-    assert (main.engine_args, main.control_plane_nice) == (own, cfg.control_plane_nice)
+    assert main.engines_per_host == b.engines_per_host == 2
     # The variant's flags come after the main row's, so that they win where both set one.
     assert b.scheduler_args == (
         "--policy",
@@ -402,7 +402,7 @@ def test_the_variant_row_gets_its_own_stack_settings(tmp_path: Path) -> None:
         "--capacity-factor",
         "2",
     )
-    assert (b.engine_args, b.control_plane_nice) == ((*own, "--flush-interval-ms", "100"), 5)
+    assert (b.engine_args, b.control_plane_nice) == (("--flush-interval-ms", "100"), 5)
     assert b.run_dir != main.run_dir
     assert variant.describe() == (
         "rl, scheduler --capacity-factor 2, engines --flush-interval-ms 100, nice 5"

@@ -24,6 +24,9 @@ def test_each_engine_is_told_how_many_engines_share_its_machine(model: Path) -> 
         [f"--model={model}", *engine_flags(StackConfig(model=model, engines=3), 2)]
     )
     assert settings.engines_per_host == 3
+    # a stack beside other engines (bench peer's interleaved sides) counts them too
+    beside = StackConfig(model=model, engines=2, engines_per_host=6)
+    assert parse_settings([f"--model={model}", *engine_flags(beside, 0)]).engines_per_host == 6
     with pytest.raises(ValidationError, match="engines_per_host"):
         parse_settings([f"--model={model}", "--engines-per-host=0"])
 

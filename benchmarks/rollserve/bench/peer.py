@@ -464,12 +464,11 @@ def _stack_config(env: Environment, row: str, name: str) -> StackConfig:
     variant = cfg.variant if row == ROLLSERVE_B else None
     policy = cfg.policy if variant is None or variant.policy is None else variant.policy
     scheduler_args = ("--policy", policy, *cfg.scheduler_args)
-    # (the stack would say its own engines; the variant's flags may still say otherwise)
-    engine_args: tuple[str, ...] = ("--engines-per-host", str(engines_on_host(cfg)))
+    engine_args: tuple[str, ...] = ()
     nice = cfg.control_plane_nice
     if variant is not None:
         scheduler_args += variant.scheduler_args
-        engine_args += variant.engine_args
+        engine_args = variant.engine_args
         nice = nice if variant.control_plane_nice is None else variant.control_plane_nice
     env.console.print(
         f"[bold]{name}[/bold]: starting the dev stack (Redis, {cfg.engines} engines, scheduler "
@@ -479,6 +478,7 @@ def _stack_config(env: Environment, row: str, name: str) -> StackConfig:
     return StackConfig(
         model=env.model,
         engines=cfg.engines,
+        engines_per_host=engines_on_host(cfg),
         omp_threads=env.omp_threads,
         engine_args=engine_args,
         scheduler_args=scheduler_args,

@@ -180,6 +180,9 @@ class StackConfig:
     scheduler_args: tuple[str, ...] = ()
     # Prometheus endpoints: the scheduler's on this port, engine i's on the port + 1 + i
     metrics_port: int | None = None
+    # vLLM engines on this machine, the stack's included (its engines resolve dtype auto
+    # counting them: --engines-per-host); 0: the stack's own
+    engines_per_host: int = 0
     omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
     # Niceness of the control plane (engine frontends, scheduler, embedded Redis): on one
     # machine with CPU engines, the engine cores' model threads go first (see
@@ -217,7 +220,7 @@ def engine_flags(config: StackConfig, index: int) -> tuple[str, ...]:
         "--frontend-nice",
         str(config.control_plane_nice),
         "--engines-per-host",
-        str(config.engines),
+        str(config.engines_per_host or config.engines),
         *metrics,
         *config.engine_args,
     )

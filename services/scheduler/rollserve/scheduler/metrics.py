@@ -80,18 +80,23 @@ _MAE = _Figure("predictor_mae_tokens", False, "Mean absolute error of predicted 
 _AUC = _Figure(
     "predictor_tail_auc", False, "ROC AUC of predicted lengths for the longest 10% of samples."
 )
-_ENGINE = (
-    _Figure("healthy", False, "1 while the engine serves, 0 while out of service."),
-    _Figure("inflight_groups", False, "Groups running on the engine."),
-    _Figure("inflight_samples", False, "Samples running on the engine."),
-    _Figure("outstanding_tokens", False, "Most tokens its running samples may still make."),
-    _Figure(
-        "predicted_outstanding_tokens", False, "Tokens its running samples are predicted to make."
-    ),
-    _Figure("capacity_samples", False, "Most samples the scheduler runs on it at once."),
-    _Figure("weights_version", False, "Version of the weights it serves (0: its launch ones)."),
-    _Figure("loading_weights", False, "1 while it loads the fleet's weights."),
-    _Figure("restarts", True, "Times the scheduler found it started anew."),
+_ENGINE = tuple(  # named rollserve_engine_<field>, labelled engine
+    _Figure(f.field, f.counter, f.help, "engine_" + f.field)
+    for f in (
+        _Figure("healthy", False, "1 while the engine serves, 0 while out of service."),
+        _Figure("inflight_groups", False, "Groups running on the engine."),
+        _Figure("inflight_samples", False, "Samples running on the engine."),
+        _Figure("outstanding_tokens", False, "Most tokens its running samples may still make."),
+        _Figure(
+            "predicted_outstanding_tokens",
+            False,
+            "Tokens its running samples are predicted to make.",
+        ),
+        _Figure("capacity_samples", False, "Most samples the scheduler runs on it at once."),
+        _Figure("weights_version", False, "Version of the weights it serves (0: its launch ones)."),
+        _Figure("loading_weights", False, "1 while it loads the fleet's weights."),
+        _Figure("restarts", True, "Times the scheduler found it started anew."),
+    )
 )
 
 
@@ -108,9 +113,8 @@ def status_metrics(
         yield _family(_AUC, [((), status.predictor_tail_auc)])
     engines = list(status.engines)
     for figure in _ENGINE:
-        engine_figure = _Figure(figure.field, figure.counter, figure.help, "engine_" + figure.field)
         yield _family(
-            engine_figure,
+            figure,
             [((e.engine_id,), float(getattr(e, figure.field))) for e in engines],
             ("engine",),
         )
