@@ -8,6 +8,7 @@ fuzzed without a change here. Seeded: a failure names the seed and the changes, 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -440,3 +442,121 @@ def _is_map(field: Field) -> bool:
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------- JSON bodies (an HTTP API)
+
+# Values a JSON body may hold where the message wants another: every JSON type, numbers
+# past every proto type's range, strings that look like numbers, nesting.
+_JSON_EDGES: tuple[object, ...] = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    -0.0,
+    2**31,
+    2**63,
+    2**64,
+    10**30,
+    1e308,
+    "",
+    "1",
+    "1e3",
+    "NaN",
+    "Infinity",
+    "0x10",
+    " 7 ",
+    "x" * 200,
+    [],
+    [None],
+    [[1, 2]],
+    {},
+    {"x": 1},
+    {"": None},
+)
+# Bodies that are no JSON object of the message: not JSON at all, or JSON of another shape.
+_RAW_BODIES: tuple[bytes, ...] = (
+    b"",
+    b" ",
+    b"{",
+    b"}",
+    b"nul",
+    b"[]",
+    b"[1, 2]",
+    b'"text"',
+    b"3",
+    b"null",
+    b"true",
+    b"\xff\xfe\x00",
+    b'{"groups": [}',
+    b'{"a": 1,}',
+    b"NaN",
+    b'{"groups": NaN}',
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+    b'{"groups": [{"n": 2}]}' + b" " * 10,
+    '{"groups": [{"group_id": "é\\ud800"}]}'.encode(),
+)
+
+
+def json_bodies(valid: Message, rng: random.Random, count: int) -> Iterator[tuple[bytes, str]]:
+    """``count`` HTTP bodies made from ``valid`` in proto3's JSON mapping, with what was
+    done to each: a request of ``requests`` as JSON, a value of the JSON changed to one of
+    another type or out of range, a field added or left out, or a raw body that is no JSON
+    object (one in ten)."""
+    for _ in range(count):
+        roll = rng.random()
+        if roll < 0.1:
+            raw = rng.choice(_RAW_BODIES)
+            yield raw, f"raw body {_show(raw)}"
+            continue
+        if roll < 0.4:
+            request, changes = next(requests(valid, rng, 1))
+            document = _as_json(request)
+            what = "; ".join(map(str, changes))
+        else:
+            document, what = _as_json(valid), ""
+        if roll >= 0.3:
+            what = f"{what}; {_json_change(document, rng)}".strip("; ")
+        yield json.dumps(document, allow_nan=True).encode(), what
+
+
+def _as_json(message: Message) -> Any:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _json_change(document: Any, rng: random.Random) -> str:
+    """Changes one place of ``document`` (a dict or list tree) in place; says what."""
+    places: list[tuple[Any, Any, str]] = []  # (container, key, path)
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                places.append((node, key, f"{path}.{key}"))
+                walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                places.append((node, i, f"{path}[{i}]"))
+                walk(value, f"{path}[{i}]")
+
+    walk(document, "")
+    dicts = [node for node, _, _ in places if isinstance(node, dict)] or [document]
+    kind = rng.random()
+    if kind < 0.15 and isinstance(document, dict):
+        target = rng.choice(dicts)
+        name = rng.choice(("nope", "runId", "run_id", "groupId", "N", "sampling", "__proto__"))
+        value = rng.choice(_JSON_EDGES)
+        target[name] = value
+        return f"added {name}={_show(value)}"
+    if kind < 0.25 and places:
+        node, key, path = rng.choice(places)
+        del node[key]
+        return f"{path} left out"
+    if not places:
+        return "unchanged"
+    node, key, path = rng.choice(places)
+    value = rng.choice(_JSON_EDGES)
+    node[key] = value
+    return f"{path}={_show(value)}"

@@ -38,7 +38,7 @@ def test_what_a_user_gives_the_engines_wins_over_the_stacks_own(model: Path) -> 
 
 
 def test_engines_serve_metrics_on_the_ports_after_the_schedulers(model: Path) -> None:
-    config = StackConfig(model=model, engines=3, metrics_port=9464)
+    config = StackConfig(model=model, engines=3, http_port=9464)
     ports = [
         parse_settings([f"--model={model}", *engine_flags(config, i)]).metrics_port
         for i in range(3)
@@ -52,9 +52,9 @@ def test_metrics_ports_past_the_last_port_or_over_the_schedulers_are_refused(
     model: Path,
 ) -> None:
     with pytest.raises(ValueError, match="would take ports up to 65537, past 65535"):
-        StackConfig(model=model, engines=2, metrics_port=65535)
+        StackConfig(model=model, engines=2, http_port=65535)
     with pytest.raises(ValueError, match="hold the scheduler's gRPC port 50051"):
-        StackConfig(model=model, engines=2, scheduler_port=50051, metrics_port=50050)
-    StackConfig(model=model, engines=2, scheduler_port=50051, metrics_port=9464)
+        StackConfig(model=model, engines=2, scheduler_port=50051, http_port=50050)
+    StackConfig(model=model, engines=2, scheduler_port=50051, http_port=9464)
     with pytest.raises(ValidationError, match=r"metrics_port \(7001\) is the gRPC port"):
         parse_settings([f"--model={model}", "--port=7001", "--metrics-port=7001"])

@@ -67,11 +67,11 @@ def test_the_scheduler_dials_every_engine_at_the_address_it_advertises(
     dialled = {e.engine_id: e.address for e in settings.engines}
     assert dialled == {e.engine_id: e.advertised_address(e.port) for e in engines.values()}
     assert set(scheduler["depends_on"]) >= set(engines)
-    # its ports are published: gRPC, and the Prometheus endpoint where it serves one
+    # its ports are published: gRPC, and HTTP (its API and metrics) where it serves one
     published = {str(p).rsplit(":", 1)[-1] for p in scheduler["ports"]}
     assert str(settings.port) in published
-    if settings.metrics_port is not None:
-        assert str(settings.metrics_port) in published
+    if settings.http_port is not None:
+        assert str(settings.http_port) in published
 
 
 def test_engines_without_a_memory_limit_count_each_other(
@@ -89,14 +89,15 @@ def test_engines_without_a_memory_limit_count_each_other(
 def test_prometheus_scrapes_every_metrics_endpoint_the_services_serve(
     engines: dict[str, EngineSettings],
 ) -> None:
-    """deploy/prometheus.yml's targets are the scheduler's and each engine's --metrics-port,
-    by service name (the compose network's host names), and the file it mounts is there."""
+    """deploy/prometheus.yml's targets are the scheduler's --http-port and each engine's
+    --metrics-port, by service name (the compose network's host names), and the file it
+    mounts is there."""
     compose = services()
     (scheduler_name,) = (n for n, s in compose.items() if s.get("command", [""])[0] == "scheduler")
     scheduler = settings_from_args(
         build_parser().parse_args(compose[scheduler_name]["command"][1:])
     )
-    served = {f"{scheduler_name}:{scheduler.metrics_port}"} | {
+    served = {f"{scheduler_name}:{scheduler.http_port}"} | {
         f"{name}:{e.metrics_port}" for name, e in engines.items() if e.metrics_port is not None
     }
     mount = compose["prometheus"]["volumes"][0].split(":")[0]

@@ -203,10 +203,10 @@ async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused(
         await server.stop()
 
 
-def settings(redis_url: str, metrics_port: int) -> SchedulerSettings:
+def settings(redis_url: str, http_port: int) -> SchedulerSettings:
     return SchedulerSettings(
         port=0,
-        metrics_port=metrics_port,
+        http_port=http_port,
         redis_url=redis_url,
         predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
         shutdown_grace_s=0.0,
@@ -256,13 +256,13 @@ async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) ->
             pass
 
 
-async def test_a_metrics_port_taken_stops_the_scheduler_naming_it(other_redis_url: str) -> None:
+async def test_an_http_port_taken_stops_the_scheduler_naming_it(other_redis_url: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         # (awaited here: a SystemExit out of a task of its own would leave the event loop)
-        with pytest.raises(SystemExit, match=f"metrics_port {port}: could not bind 127.0.0.1"):
+        with pytest.raises(SystemExit, match=f"http_port {port}: could not bind 127.0.0.1"):
             await serve(settings(other_redis_url, port))
     async with serving(settings(other_redis_url, 0)):  # it let go of its lease
         pass
@@ -286,10 +286,10 @@ async def test_a_grpc_port_taken_stops_the_scheduler_and_serves_no_metrics(
         pass
 
 
-def test_the_metrics_port_may_not_be_the_grpc_port() -> None:
-    with pytest.raises(ValueError, match=r"metrics_port \(9000\) is the gRPC port"):
-        SchedulerSettings(redis_url="redis://x", port=9000, metrics_port=9000)
-    SchedulerSettings(redis_url="redis://x", port=0, metrics_port=0)  # (both picked free)
+def test_the_http_port_may_not_be_the_grpc_port() -> None:
+    with pytest.raises(ValueError, match=r"http_port \(9000\) is the gRPC port"):
+        SchedulerSettings(redis_url="redis://x", port=9000, http_port=9000)
+    SchedulerSettings(redis_url="redis://x", port=0, http_port=0)  # (both picked free)
 
 
 def ipv6_loopback() -> bool:

@@ -1,13 +1,13 @@
-"""The status each refusal of the scheduler's gRPC edge gets (nothing faked: the mapping)."""
+"""The status each refusal of the scheduler's API gets (nothing faked: the mapping)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 import redis.exceptions
+from rollserve.scheduler.api import REFUSALS, refused
 from rollserve.scheduler.lease import LeaseLost
 from rollserve.scheduler.runtime import QueueFull, VersionBehind, WeightsNotLoaded
-from rollserve.scheduler.server import _REFUSALS, _refusal
 from rollserve.scheduler.store import DuplicateGroup
 from rollserve.scheduler.validation import ValidationError
 
@@ -31,6 +31,6 @@ from rollserve.scheduler.validation import ValidationError
 def test_each_refusal_gets_its_status_and_keeps_its_message(
     exc: Exception, code: grpc.StatusCode, words: str
 ) -> None:
-    assert isinstance(exc, _REFUSALS)
-    got_code, message = _refusal(exc)
-    assert got_code == code and words in message
+    assert isinstance(exc, REFUSALS)
+    got = refused(exc)
+    assert got.code == code and words in got.message

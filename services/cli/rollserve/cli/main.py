@@ -29,7 +29,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             scheduler_port=args.scheduler_port,
             engine_args=tuple(args.engine_arg),
-            metrics_port=args.metrics_port,
+            http_port=args.http_port,
             run_dir=args.run_dir,
         )
     except ValueError as exc:
@@ -44,11 +44,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 markup=False,
                 highlight=False,
             )
-        if args.metrics_port is not None:
+        if args.http_port is not None:
             last = engine_metrics_port(config, args.engines - 1)
             console.print(
-                f"  metrics (Prometheus): http://127.0.0.1:{args.metrics_port}/metrics, the "
-                f"engines' on {engine_metrics_port(config, 0)}"
+                f"  HTTP API: http://127.0.0.1:{args.http_port}/v1/status; metrics (Prometheus): "
+                f"http://127.0.0.1:{args.http_port}/metrics, the engines' on "
+                f"{engine_metrics_port(config, 0)}"
                 f"{f'-{last}' if args.engines > 1 else ''}",
                 markup=False,
                 highlight=False,
@@ -257,10 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
     up.add_argument("--scheduler-port", type=int, default=50051)
     up.add_argument(
+        "--http-port",
         "--metrics-port",
         type=port_number,
-        help="the scheduler serves Prometheus metrics on this port (GET /metrics), engine i "
-        "on the port + 1 + i; default none",
+        help="the scheduler serves its HTTP API (/v1/...) and Prometheus metrics (GET "
+        "/metrics) on this port, engine i its metrics on the port + 1 + i; default none",
     )
     up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
     up.add_argument(

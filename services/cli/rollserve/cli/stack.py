@@ -178,8 +178,8 @@ class StackConfig:
     scheduler_port: int = 0  # 0 picks a free port
     engine_args: tuple[str, ...] = ()  # extra flags for every engine (they win over the stack's)
     scheduler_args: tuple[str, ...] = ()
-    # Prometheus endpoints: the scheduler's on this port, engine i's on the port + 1 + i
-    metrics_port: int | None = None
+    # HTTP: the scheduler's API and metrics on this port, engine i's metrics on port + 1 + i
+    http_port: int | None = None
     # vLLM engines on this machine, the stack's included (its engines resolve dtype auto
     # counting them: --engines-per-host); 0: the stack's own
     engines_per_host: int = 0
@@ -191,18 +191,18 @@ class StackConfig:
     run_dir: Path | None = None  # logs; a temp dir when None
 
     def __post_init__(self) -> None:
-        if self.metrics_port is None:
+        if self.http_port is None:
             return
-        last = self.metrics_port + self.engines
+        last = self.http_port + self.engines
         if last > 65535:
             raise ValueError(
-                f"metrics_port {self.metrics_port}: the engines' would take ports up to {last}, "
-                "past 65535; give a lower one"
+                f"http_port {self.http_port}: the engines' metrics would take ports up to "
+                f"{last}, past 65535; give a lower one"
             )
-        if self.metrics_port <= self.scheduler_port <= last:
+        if self.http_port <= self.scheduler_port <= last:
             raise ValueError(
-                f"metrics_port {self.metrics_port}: the scheduler's and the engines' take ports "
-                f"{self.metrics_port}-{last}, which hold the scheduler's gRPC port "
+                f"http_port {self.http_port}: the scheduler's and the engines' take ports "
+                f"{self.http_port}-{last}, which hold the scheduler's gRPC port "
                 f"{self.scheduler_port}; give another"
             )
 
@@ -213,7 +213,7 @@ def engine_flags(config: StackConfig, index: int) -> tuple[str, ...]:
     resolves ``dtype auto`` knowing of the others)."""
     metrics = (
         ()
-        if config.metrics_port is None
+        if config.http_port is None
         else ("--metrics-port", str(engine_metrics_port(config, index)))
     )
     return (
@@ -227,9 +227,9 @@ def engine_flags(config: StackConfig, index: int) -> tuple[str, ...]:
 
 
 def engine_metrics_port(config: StackConfig, index: int) -> int:
-    """The port of engine ``index``'s Prometheus endpoint (``config.metrics_port`` set)."""
-    assert config.metrics_port is not None
-    return config.metrics_port + 1 + index
+    """The port of engine ``index``'s Prometheus endpoint (``config.http_port`` set)."""
+    assert config.http_port is not None
+    return config.http_port + 1 + index
 
 
 @dataclass
@@ -311,7 +311,7 @@ class DevStack:
                 *endpoints,
                 "--nice",
                 str(cfg.control_plane_nice),
-                *(() if cfg.metrics_port is None else ("--metrics-port", str(cfg.metrics_port))),
+                *(() if cfg.http_port is None else ("--http-port", str(cfg.http_port))),
                 *cfg.scheduler_args,
             ],
             self.log_dir,

@@ -5,8 +5,9 @@ Prometheus's text format on a worker thread: at 512 engines the scheduler's form
 28 ms, which the loop does not wait for.
 
 Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
-server reads nothing from a request but its method and path. The scheduler serves its
-Status figures this way (``rollserve.scheduler.metrics``), the engine vLLM's own metrics.
+metrics route reads nothing from a request but its method and path. The scheduler serves its
+Status figures this way (``rollserve.scheduler.metrics``) and its HTTP API on the same
+server (routes given to it, ``rollserve.scheduler.rest``); the engine vLLM's own metrics.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, generate_latest
 from rollserve.client.address import join_host_port
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "Snapshot", "start_metrics"]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "Middleware", "Snapshot", "start_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -50,14 +52,25 @@ so it must not read the service's live state then."""
 
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape formatting what
-    ``snapshot()`` returns (see `Snapshot`)."""
+    ``snapshot()`` returns (see `Snapshot`); and ``routes`` besides, through ``middlewares``,
+    which read bodies of ``max_body_bytes`` at most (larger ones answer 413)."""
 
-    def __init__(self, snapshot: Snapshot, host: str, port: int) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        host: str,
+        port: int,
+        *,
+        routes: Sequence[web.RouteDef] = (),
+        middlewares: Sequence[Middleware] = (),
+        max_body_bytes: int = 1024**2,
+    ) -> None:
         self._snapshot = snapshot
-        self._host = host
-        self._port = port
-        app = web.Application()
+        self.host = host
+        self.wanted_port = port  # (0: a free one)
+        app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_routes(routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=log)
         self.port = 0  # the bound port, once started
 
@@ -65,12 +78,14 @@ class MetricsServer:
         """Binds and serves; returns the port. Raises OSError when the port cannot be bound.
         ``host`` may be an IPv6 address, bracketed or not; ``::`` takes IPv4 too where the
         system can (as gRPC's ``[::]`` does)."""
-        host = self._host.strip("[]")
+        host = self.host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         dualstack = host == "::" and socket.has_dualstack_ipv6()
         await self._runner.setup()
         try:
-            sock = socket.create_server((host, self._port), family=family, dualstack_ipv6=dualstack)
+            sock = socket.create_server(
+                (host, self.wanted_port), family=family, dualstack_ipv6=dualstack
+            )
         except BaseException:
             await self._runner.cleanup()
             raise
@@ -92,13 +107,17 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def start_metrics(snapshot: Snapshot, host: str, port: int, service: str) -> MetricsServer:
-    """A MetricsServer of ``snapshot`` on ``host:port``, serving; its URL logged. A port
-    that cannot be bound is a SystemExit naming ``metrics_port`` (the settings field)."""
-    server = MetricsServer(snapshot, host, port)
+async def start_metrics(
+    server: MetricsServer, service: str, field: str = "metrics_port"
+) -> MetricsServer:
+    """``server`` serving; its URL logged. A port that cannot be bound is a SystemExit naming
+    ``field`` (the settings field that gave the port)."""
     try:
         bound = await server.start()
     except OSError as exc:
-        raise SystemExit(f"metrics_port {port}: could not bind {host}: {exc}") from exc
-    log.info("%s: Prometheus metrics at http://%s/metrics", service, join_host_port(host, bound))
+        raise SystemExit(
+            f"{field} {server.wanted_port}: could not bind {server.host}: {exc}"
+        ) from exc
+    url = f"http://{join_host_port(server.host, bound)}"
+    log.info("%s: Prometheus metrics at %s/metrics", service, url)
     return server

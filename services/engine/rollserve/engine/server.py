@@ -193,7 +193,8 @@ async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
     from prometheus_client import REGISTRY
 
     # (vLLM's metrics are prometheus_client's own, safe to read from the formatting thread)
-    return await start_metrics(lambda: REGISTRY, settings.host, settings.metrics_port, "engine")
+    server = MetricsServer(lambda: REGISTRY, settings.host, settings.metrics_port)
+    return await start_metrics(server, "engine")
 
 
 class LoadInterrupted(BaseException):

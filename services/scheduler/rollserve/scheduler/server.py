@@ -8,9 +8,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import redis.exceptions
@@ -18,170 +18,70 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
-from rollserve.client.address import is_host_port
-from rollserve.client.wire import (
-    MAX_POLICY_VERSION,
-    MAX_WEIGHTS_PATH_LEN,
-    quoted,
-    status_details,
-    stream_key,
-)
 from rollserve.common.metrics_http import MetricsServer, start_metrics
+from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
 from rollserve.scheduler.metrics import status_registry
-from rollserve.scheduler.runtime import (
-    FleetFull,
-    QueueFull,
-    SchedulerRuntime,
-    VersionBehind,
-    WeightsNotLoaded,
-)
+from rollserve.scheduler.rest import RestApi, json_errors
+from rollserve.scheduler.runtime import SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
-from rollserve.scheduler.store import DuplicateGroup, Store
-from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
+from rollserve.scheduler.store import Store
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
-_MAX_ENGINE_ID_LEN = 128
 _PREDICTOR_DEFAULTS = PredictorSettings()
 Context = grpc.aio.ServicerContext[Any, Any]
+_Response = TypeVar("_Response")
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, runtime: SchedulerRuntime) -> None:
-        self._runtime = runtime
+    """The ``Scheduler`` service over gRPC: each call is `SchedulerApi`'s, a refusal the
+    abort of its status code."""
+
+    def __init__(self, api: SchedulerApi) -> None:
+        self._api = api
 
     async def Submit(self, request: pb.SubmitRequest, context: Context) -> pb.SubmitResponse:
-        try:
-            specs = validate_submit(request, self._runtime.limits(), self._runtime.tokenize)
-            await self._runtime.submit(request.run_id, specs)
-        except _REFUSALS as exc:
-            await context.abort(*_refusal(exc))
-        return pb.SubmitResponse(accepted=len(specs), stream=stream_key(request.run_id))
+        return await _answer(context, self._api.submit(request))
 
     async def Cancel(self, request: pb.CancelRequest, context: Context) -> pb.CancelResponse:
-        try:
-            validate_run_id(request.run_id)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(exc)))
-        if not request.group_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
-        if any(not g for g in request.group_ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
-        try:
-            cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
-        except _REFUSALS as exc:
-            await context.abort(*_refusal(exc))
-        return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
+        return await _answer(context, self._api.cancel(request))
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
-        return self._runtime.status()
+        return self._api.status()
 
     async def PublishVersion(
         self, request: pb.PublishVersionRequest, context: Context
     ) -> pb.PublishVersionResponse:
-        try:
-            validate_run_id(request.run_id)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(exc)))
-        if not 0 <= request.version <= MAX_POLICY_VERSION:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                status_details(f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}"),
-            )
-        if len(request.weights_path) > MAX_WEIGHTS_PATH_LEN:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                status_details(
-                    f"weights_path is {len(request.weights_path)} characters; "
-                    f"the limit is {MAX_WEIGHTS_PATH_LEN}"
-                ),
-            )
-        try:
-            published = await self._runtime.publish_version(
-                request.run_id, request.version, request.weights_path
-            )
-        except _REFUSALS as exc:
-            await context.abort(*_refusal(exc))
-        return pb.PublishVersionResponse(
-            version=published.version,
-            engines_updated=published.engines_updated,
-            engines_failed=published.engines_failed,
-        )
+        return await _answer(context, self._api.publish_version(request))
 
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: Context
     ) -> pb.RegisterEngineResponse:
-        if not request.engine_id or len(request.engine_id) > _MAX_ENGINE_ID_LEN:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                status_details(f"engine_id must be 1 to {_MAX_ENGINE_ID_LEN} characters"),
-            )
-        if not is_host_port(request.address):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                status_details(
-                    f"address {quoted(request.address)} is not host:port with a port in 1..65535"
-                ),
-            )
-        try:
-            await self._runtime.register_engine(request.engine_id, request.address)
-        except _REFUSALS as exc:
-            await context.abort(*_refusal(exc))
-        return pb.RegisterEngineResponse(
-            heartbeat_interval_ms=self._runtime.heartbeat_interval_ms()
-        )
+        return await _answer(context, self._api.register_engine(request))
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: Context
     ) -> pb.HeartbeatResponse:
-        if not self._runtime.heartbeat(request.engine_id):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                status_details(
-                    f"engine_id {quoted(request.engine_id)} is unknown: call RegisterEngine first"
-                ),
-            )
-        return pb.HeartbeatResponse(heartbeat_interval_ms=self._runtime.heartbeat_interval_ms())
+        try:
+            return self._api.heartbeat(request)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # (abort raises; this keeps the type checker told)
 
 
-# What the runtime raises for a call it refuses (or cannot carry out now), and the status each
-# gets; nothing of the call was done.
-_REFUSALS = (
-    ValidationError,
-    FleetFull,
-    DuplicateGroup,
-    VersionBehind,
-    QueueFull,
-    WeightsNotLoaded,
-    LeaseLost,
-    redis.exceptions.ConnectionError,
-)
-
-
-def _refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    code, message = _refusal_status(exc)
-    return code, status_details(message)
-
-
-def _refusal_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, (QueueFull, FleetFull)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, WeightsNotLoaded):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, LeaseLost):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, redis.exceptions.ConnectionError):
-        return grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}"
-    if isinstance(exc, DuplicateGroup):  # (a retry of a Submit whose answer was lost, often)
-        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
-    return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+async def _answer(context: Context, call: Awaitable[_Response]) -> _Response:
+    try:
+        return await call
+    except Refused as exc:
+        await context.abort(exc.code, exc.message)
+        raise  # (abort raises; this keeps the type checker told)
 
 
 def load_tokenizer(model_dir: str) -> Callable[[str], list[int]]:
@@ -223,7 +123,8 @@ async def serve(
         raise SystemExit(f"rollserve scheduler: {exc}") from exc
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(runtime), server)
+    api = SchedulerApi(runtime)
+    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(api), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -235,8 +136,9 @@ async def serve(
     except RuntimeError as exc:  # grpcio raises where it cannot bind
         await runtime.stop()
         raise SystemExit(f"port {settings.port}: could not bind {address}: {exc}") from exc
+    rest = RestApi(api)
     try:
-        metrics = await _serve_metrics(settings, runtime)
+        http = await _serve_http(settings, runtime, rest)
     except BaseException:
         await runtime.stop()
         raise
@@ -259,11 +161,12 @@ async def serve(
     finally:
         stopped.cancel()
         failed.cancel()
+        rest.serving = False
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(settings.shutdown_grace_s)
-        if metrics is not None:
-            await metrics.stop()
+        if http is not None:
+            await http.stop()
         await runtime.stop()
     if runtime.lost is not None:
         raise SystemExit(f"rollserve scheduler: stopped: {runtime.lost}")
@@ -271,17 +174,26 @@ async def serve(
         raise SystemExit("the scheduler stopped after an internal error (see the log)")
 
 
-async def _serve_metrics(
-    settings: SchedulerSettings, runtime: SchedulerRuntime
+async def _serve_http(
+    settings: SchedulerSettings, runtime: SchedulerRuntime, rest: RestApi
 ) -> MetricsServer | None:
-    """The Prometheus endpoint of ``settings.metrics_port``, serving; None without one."""
-    if settings.metrics_port is None:
+    """The HTTP API and the Prometheus endpoint on ``settings.http_port``, serving; None
+    without one."""
+    if settings.http_port is None:
         return None
 
     def snapshot() -> CollectorRegistry:  # (on the loop: the runtime's state as it is now)
         return status_registry(runtime.status(), [h.copy() for h in runtime.histograms])
 
-    return await start_metrics(snapshot, settings.host, settings.metrics_port, "scheduler")
+    server = MetricsServer(
+        snapshot,
+        settings.host,
+        settings.http_port,
+        routes=rest.routes(),
+        middlewares=(json_errors,),
+        max_body_bytes=settings.max_http_body_bytes,
+    )
+    return await start_metrics(server, "scheduler", "http_port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,9 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument(
+        "--http-port",
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics (GET /metrics) on this port of --host (0: a free one)",
+        help="serve the HTTP API (JSON, /v1/...) and Prometheus metrics (GET /metrics) on "
+        "this port of --host (0: a free one)",
+    )
+    p.add_argument(
+        "--max-http-body-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="largest request body the HTTP API reads (larger: 413)",
     )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(
@@ -460,7 +380,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
     return SchedulerSettings(
         host=args.host,
         port=args.port,
-        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        max_http_body_bytes=args.max_http_body_bytes,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,

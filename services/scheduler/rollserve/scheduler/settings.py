@@ -27,12 +27,19 @@ class SchedulerSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="address the gRPC server binds")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
-    metrics_port: int | None = Field(
+    http_port: int | None = Field(
         None,
         ge=0,
         le=65535,
-        description="port of the Prometheus endpoint (HTTP GET /metrics) on host; 0 picks a "
-        "free one; None serves none",
+        description="port on host of the HTTP API (JSON, /v1/...) and the Prometheus endpoint "
+        "(GET /metrics); 0 picks a free one; None serves none",
+    )
+    max_http_body_bytes: int = Field(
+        64 * 2**20,
+        ge=1024,
+        le=2**31,
+        description="largest request body the HTTP API reads (a larger one is answered 413); "
+        "a Submit's JSON takes about 7 bytes a prompt token",
     )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
@@ -232,11 +239,9 @@ class SchedulerSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _metrics_port_is_not_the_grpc_port(self) -> SchedulerSettings:
-        if self.metrics_port and self.metrics_port == self.port:
-            raise ValueError(
-                f"metrics_port ({self.metrics_port}) is the gRPC port; give it another"
-            )
+    def _http_port_is_not_the_grpc_port(self) -> SchedulerSettings:
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port ({self.http_port}) is the gRPC port; give it another")
         return self
 
     @model_validator(mode="after")

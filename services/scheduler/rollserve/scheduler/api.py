@@ -1,0 +1,159 @@
+"""The scheduler's calls, as its gRPC and HTTP edges both carry them out: each validates its
+request, asks the runtime, and answers with the proto response or raises `Refused` with the
+gRPC status code and a message that names the field and the limit. Nothing of a refused call
+was done. The edges only translate: gRPC aborts with the code, HTTP answers the status that
+``rest.HTTP_STATUS`` gives it."""
+
+from __future__ import annotations
+
+import grpc
+import redis.exceptions
+from rollserve.client.address import is_host_port
+from rollserve.client.wire import (
+    MAX_POLICY_VERSION,
+    MAX_WEIGHTS_PATH_LEN,
+    quoted,
+    status_details,
+    stream_key,
+)
+from rollserve.scheduler.lease import LeaseLost
+from rollserve.scheduler.runtime import (
+    FleetFull,
+    QueueFull,
+    SchedulerRuntime,
+    VersionBehind,
+    WeightsNotLoaded,
+)
+from rollserve.scheduler.store import DuplicateGroup
+from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
+from rollserve.v1 import rollserve_pb2 as pb
+
+MAX_ENGINE_ID_LEN = 128
+
+
+class Refused(Exception):
+    """A call refused (or that cannot be carried out now): ``code`` is its gRPC status,
+    ``message`` (already cut to ``status_details``'s length) says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = status_details(message)
+
+
+class SchedulerApi:
+    """The calls of the ``Scheduler`` service, on a runtime."""
+
+    def __init__(self, runtime: SchedulerRuntime) -> None:
+        self._runtime = runtime
+
+    async def submit(self, request: pb.SubmitRequest) -> pb.SubmitResponse:
+        try:
+            specs = validate_submit(request, self._runtime.limits(), self._runtime.tokenize)
+            await self._runtime.submit(request.run_id, specs)
+        except REFUSALS as exc:
+            raise refused(exc) from exc
+        return pb.SubmitResponse(accepted=len(specs), stream=stream_key(request.run_id))
+
+    async def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
+        _check_run_id(request.run_id)
+        if not request.group_ids:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
+        if any(not g for g in request.group_ids):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
+        try:
+            cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
+        except REFUSALS as exc:
+            raise refused(exc) from exc
+        return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
+
+    def status(self) -> pb.StatusResponse:
+        return self._runtime.status()
+
+    async def publish_version(self, request: pb.PublishVersionRequest) -> pb.PublishVersionResponse:
+        _check_run_id(request.run_id)
+        if not 0 <= request.version <= MAX_POLICY_VERSION:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version ({request.version}) must be in 0..{MAX_POLICY_VERSION}",
+            )
+        if len(request.weights_path) > MAX_WEIGHTS_PATH_LEN:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"weights_path is {len(request.weights_path)} characters; "
+                f"the limit is {MAX_WEIGHTS_PATH_LEN}",
+            )
+        try:
+            published = await self._runtime.publish_version(
+                request.run_id, request.version, request.weights_path
+            )
+        except REFUSALS as exc:
+            raise refused(exc) from exc
+        return pb.PublishVersionResponse(
+            version=published.version,
+            engines_updated=published.engines_updated,
+            engines_failed=published.engines_failed,
+        )
+
+    async def register_engine(self, request: pb.RegisterEngineRequest) -> pb.RegisterEngineResponse:
+        if not request.engine_id or len(request.engine_id) > MAX_ENGINE_ID_LEN:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine_id must be 1 to {MAX_ENGINE_ID_LEN} characters",
+            )
+        if not is_host_port(request.address):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address {quoted(request.address)} is not host:port with a port in 1..65535",
+            )
+        try:
+            await self._runtime.register_engine(request.engine_id, request.address)
+        except REFUSALS as exc:
+            raise refused(exc) from exc
+        return pb.RegisterEngineResponse(
+            heartbeat_interval_ms=self._runtime.heartbeat_interval_ms()
+        )
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        if not self._runtime.heartbeat(request.engine_id):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine_id {quoted(request.engine_id)} is unknown: call RegisterEngine first",
+            )
+        return pb.HeartbeatResponse(heartbeat_interval_ms=self._runtime.heartbeat_interval_ms())
+
+
+def _check_run_id(run_id: str) -> None:
+    try:
+        validate_run_id(run_id)
+    except ValidationError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+
+# What the runtime raises for a call it refuses (or cannot carry out now); `refused` gives
+# each its status.
+REFUSALS = (
+    ValidationError,
+    FleetFull,
+    DuplicateGroup,
+    VersionBehind,
+    QueueFull,
+    WeightsNotLoaded,
+    LeaseLost,
+    redis.exceptions.ConnectionError,
+)
+
+
+def refused(exc: Exception) -> Refused:
+    """The `Refused` of one of ``REFUSALS``, its message kept."""
+    if isinstance(exc, (QueueFull, FleetFull)):
+        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, WeightsNotLoaded):
+        return Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, LeaseLost):
+        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return Refused(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
+    if isinstance(exc, DuplicateGroup):  # (a retry of a Submit whose answer was lost, often)
+        return Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,0 +1,176 @@
+"""The scheduler's HTTP API: the ``Scheduler`` service's calls as JSON over HTTP, for
+trainers and tools that speak no gRPC (curl, a notebook, a dashboard). Served with the
+Prometheus endpoint on ``--http-port``.
+
+Bodies and answers are the proto messages in proto3's JSON mapping, the one grpc-gateway and
+Envoy's transcoder use, so that the HTTP and gRPC contracts cannot drift apart: field names
+as in the proto (lowerCamelCase is taken too), 64-bit integers as numbers wherever a double
+holds them exactly (as strings beyond 2**53), a field the message does not have refused.
+
+    POST /v1/runs/{run_id}/groups    SubmitRequest (its run_id the path's)  SubmitResponse
+    POST /v1/runs/{run_id}/cancel    CancelRequest                          CancelResponse
+    POST /v1/runs/{run_id}/versions  PublishVersionRequest                  PublishVersionResponse
+    GET  /v1/status                                                         StatusResponse
+    GET  /healthz                    {"status": "SERVING"}, or 503 "NOT_SERVING" while stopping
+
+A body may leave ``run_id`` out; one that gives it must give the path's. Engines register
+over gRPC only (they speak it anyway).
+
+Every refusal answers ``{"error": {"code": HTTP status, "status": name, "message": why}}``.
+A call the API refuses gets the HTTP status of its gRPC code (``HTTP_STATUS``: 422 for an
+invalid argument, 429 for a full queue or fleet, 409 for a group already submitted, 503 while
+Redis or the lease is lost) and the gRPC message, which names the field and the limit. A body
+that is not JSON answers 400, one over ``MAX_BODY_BYTES`` 413, one whose JSON the message
+cannot take (an unknown field, a string for a number) 422, naming the field. Nothing of a
+refused call was done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rollserve.client.wire import status_details
+from rollserve.scheduler.api import Refused, SchedulerApi
+from rollserve.v1 import rollserve_pb2 as pb
+
+__all__ = ["HTTP_STATUS", "MAX_BODY_BYTES", "RestApi"]
+
+log = logging.getLogger(__name__)
+
+# The HTTP status of each gRPC code a call of the API may be refused with.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.UNPROCESSABLE_ENTITY,
+    grpc.StatusCode.ALREADY_EXISTS: HTTPStatus.CONFLICT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: HTTPStatus.TOO_MANY_REQUESTS,
+    grpc.StatusCode.FAILED_PRECONDITION: HTTPStatus.BAD_REQUEST,  # (as Google's APIs map it)
+    grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+
+# A Submit's JSON is about three times its proto (a token id is "12345, " against two or
+# three bytes): this takes as many groups as the gRPC server's message limit takes.
+MAX_BODY_BYTES = 1024 * 1024 * 1024
+
+_Request = TypeVar("_Request", bound=Message)
+
+
+class RestApi:
+    """The routes of the HTTP API over ``api``; ``serving`` is what ``/healthz`` says (set
+    False when the scheduler begins to stop)."""
+
+    def __init__(self, api: SchedulerApi) -> None:
+        self._api = api
+        self.serving = True
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/runs/{run_id}/groups", self._submit),
+            web.post("/v1/runs/{run_id}/cancel", self._cancel),
+            web.post("/v1/runs/{run_id}/versions", self._publish_version),
+            web.get("/v1/status", self._status),
+            web.get("/healthz", self._health),
+        ]
+
+    async def _submit(self, request: web.Request) -> web.Response:
+        return await _call(request, pb.SubmitRequest, self._api.submit)
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        return await _call(request, pb.CancelRequest, self._api.cancel)
+
+    async def _publish_version(self, request: web.Request) -> web.Response:
+        return await _call(request, pb.PublishVersionRequest, self._api.publish_version)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return _json(self._api.status())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.serving:
+            return web.json_response({"status": "SERVING"})
+        return web.json_response({"status": "NOT_SERVING"}, status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+@web.middleware
+async def json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error of the HTTP server as the API's JSON error: a route not there (404), a
+    method it does not take (405), a body too large (413)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        phrase = HTTPStatus(exc.status).name if exc.status in _KNOWN else exc.reason
+        response = _error(exc.status, phrase, exc.text or exc.reason)
+        if exc.status == HTTPStatus.METHOD_NOT_ALLOWED and "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+
+
+_KNOWN = {s.value for s in HTTPStatus}
+
+
+async def _call(
+    request: web.Request,
+    message: type[_Request],
+    call: Callable[[_Request], Awaitable[Message]],
+) -> web.Response:
+    try:
+        parsed = await _parse(request, message)
+        return _json(await call(parsed))
+    except Refused as exc:
+        status = HTTP_STATUS.get(exc.code, HTTPStatus.INTERNAL_SERVER_ERROR)
+        return _error(status, exc.code.name, exc.message)
+
+
+async def _parse(request: web.Request, message: type[_Request]) -> _Request:
+    """The request's JSON body as ``message``, its ``run_id`` the path's. Raises Refused
+    (INVALID_ARGUMENT) for JSON the message cannot take, and the HTTP error itself for a
+    body that is no JSON (400) or too large (413)."""
+    body = await request.read()  # (raises 413 past the server's client_max_size)
+    try:
+        document = json.loads(body) if body.strip() else {}
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise web.HTTPBadRequest(text=status_details(f"the body is not JSON: {exc}")) from exc
+    if not isinstance(document, dict):
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body must be a JSON object (a {message.DESCRIPTOR.name}), not a "
+            f"{type(document).__name__}",
+        )
+    run_id = request.match_info["run_id"]
+    given = document.pop("run_id", document.pop("runId", run_id))
+    if given != run_id:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"run_id {given!r} in the body is not the path's ({run_id!r}); give it once",
+        )
+    document["run_id"] = run_id
+    parsed = message()
+    try:
+        json_format.ParseDict(document, parsed)
+    except (json_format.ParseError, RecursionError) as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the body: {exc}") from exc
+    return parsed
+
+
+def _json(response: Message) -> web.Response:
+    document = json_format.MessageToDict(
+        response,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+    return web.json_response(document)
+
+
+def _error(status: int, name: str, message: str) -> web.Response:
+    error: dict[str, Any] = {"code": int(status), "status": name, "message": message}
+    return web.json_response({"error": error}, status=status)

@@ -1,0 +1,249 @@
+"""The scheduler's HTTP API (``rollserve.scheduler.rest``): a real scheduler (``serve``, on
+the session's Redis, its HTTP port open) driven over HTTP as curl or a trainer without gRPC
+would, beside its gRPC API. What each call answers, what each refusal answers and that it
+names the field, and that no body crashes it (fuzzed as ``test_fuzz_api`` fuzzes gRPC).
+
+Faked: the engine behind the scheduler (``fakes.FakeEngine``); the scheduler, its HTTP and
+gRPC servers and Redis are real."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from google.protobuf import json_format
+from rollserve.cli.stack import free_port
+from rollserve.client.wire import stream_key
+from rollserve.scheduler.server import serve
+from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.unit.fakes import FakeEngine
+from tests.unit.fuzz import Campaign, field_names, json_bodies
+from tests.unit.test_runtime import read_stream
+
+TIMEOUT_S = 30.0
+FUZZ = Campaign.from_env(count=300, seed=11)
+# What an HTTP API may answer, whatever it is sent; 5xx (a handler raised) is not among them.
+REFUSED = frozenset({400, 409, 413, 422, 429})
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str  # of the HTTP API
+    http: aiohttp.ClientSession
+    stub: Any  # the Scheduler service's gRPC stub
+    task: asyncio.Task[None]  # serving
+
+    async def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        """The status and the JSON of the answer to ``body`` (JSON; bytes sent as they are)."""
+        data = body if isinstance(body, bytes) else None if body is None else json.dumps(body)
+        async with self.http.request(method, f"{self.url}{path}", data=data) as reply:
+            return reply.status, await reply.json()
+
+
+@asynccontextmanager
+async def scheduler(
+    redis_url: str, engine: FakeEngine | None, **given: Any
+) -> AsyncIterator[Served]:
+    """A scheduler served as ``rollserve scheduler --http-port`` serves it, on ``engine``
+    (none: what it takes stays queued)."""
+    http_port = free_port()
+    settings = SchedulerSettings(
+        port=0,
+        http_port=http_port,
+        redis_url=redis_url,
+        engines=()
+        if engine is None
+        else (EngineEndpoint(engine_id=engine.engine_id, address=engine.address),),
+        health_interval_s=0.1,
+        predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
+        shutdown_grace_s=0.0,
+        **given,
+    )
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
+    try:
+        bound = await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http,
+        ):
+            yield Served(
+                f"http://127.0.0.1:{http_port}", http, pb_grpc.SchedulerStub(channel), task
+            )
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
+
+
+def group(name: str, n: object = 2, **fields: Any) -> dict[str, Any]:
+    """A valid group's JSON, ``fields`` changed."""
+    return {
+        "group_id": name,
+        "prompt_token_ids": [5, 6, 7, 8],
+        "n": n,
+        "sampling": {"temperature": 1.0, "max_tokens": 8, "seed": 3},
+        "prompt_key": "k0",
+        "metadata": {"row": "0"},
+        **fields,
+    }
+
+
+async def test_groups_submitted_over_http_are_delivered_and_the_status_is_grpcs(
+    other_redis_url: str,
+) -> None:
+    engine = await FakeEngine("e0").start()
+    try:
+        async with scheduler(other_redis_url, engine) as api:
+            status, answer = await api.call(
+                "POST", "/v1/runs/http-run/groups", {"groups": [group("a"), group("b", n=3)]}
+            )
+            assert (status, answer) == (200, {"accepted": 2, "stream": stream_key("http-run")})
+            delivered = await read_stream(other_redis_url, "http-run", 2)
+            assert {g.group_id: len(g.samples) for g in delivered} == {"a": 2, "b": 3}
+            # the status, as gRPC's: field names as in the proto, 64-bit counts as numbers
+            status, answer = await api.call("GET", "/v1/status")
+            want = await api.stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S)
+            assert status == 200
+            assert answer["groups_delivered"] == want.groups_delivered == 2
+            assert answer["tokens_generated"] == want.tokens_generated > 0
+            assert json_format.ParseDict(answer, pb.StatusResponse()) == want
+            assert [e["engine_id"] for e in answer["engines"]] == ["e0"]
+            assert await api.call("GET", "/healthz") == (200, {"status": "SERVING"})
+    finally:
+        await engine.stop()
+
+
+async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
+    """(No engine: the groups stay queued until cancelled.)"""
+    async with scheduler(other_redis_url, None) as api:
+        groups = {"groups": [group("a"), group("b")]}
+        assert (await api.call("POST", "/v1/runs/r/groups", groups))[0] == 200
+        status, answer = await api.call("POST", "/v1/runs/r/cancel", {"group_ids": ["a", "zz"]})
+        assert (status, answer) == (200, {"cancelled": ["a"], "unknown": ["zz"]})
+        # lowerCamelCase names are taken too (proto3's JSON mapping), and run_id in the body
+        # if it is the path's
+        status, answer = await api.call(
+            "POST", "/v1/runs/r/cancel", {"groupIds": ["b"], "runId": "r"}
+        )
+        assert (status, answer) == (200, {"cancelled": ["b"], "unknown": []})
+        status, answer = await api.call("POST", "/v1/runs/r/versions", {"version": 3})
+        assert (status, answer) == (200, {"version": 3, "engines_updated": 0, "engines_failed": []})
+        status, answer = await api.call("POST", "/v1/runs/r/versions", {"version": 2})
+        assert status == 422
+        assert answer["error"]["status"] == "INVALID_ARGUMENT"
+        assert "versions only go up" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    [
+        ("/v1/runs/r/groups", {"groups": [group("a", n=0)]}, 422, "n (0)"),
+        ("/v1/runs/r/groups", {"groups": [group("a", nn=2)]}, 422, 'no field named "nn"'),
+        ("/v1/runs/r/groups", {"groups": [group("a", n="two")]}, 422, "Failed to parse n field"),
+        ("/v1/runs/r/groups", {"groups": [group("a", n=2**40)]}, 422, "n field"),
+        ("/v1/runs/r/groups", {"groups": [group("a", group_id=None)]}, 422, "group_id"),
+        ("/v1/runs/r/groups", {"groups": []}, 422, "groups"),
+        ("/v1/runs/r/groups", {"run_id": "other", "groups": [group("a")]}, 422, "not the path's"),
+        ("/v1/runs/r/groups", [group("a")], 422, "must be a JSON object"),
+        ("/v1/runs/r/groups", b"{not json", 400, "not JSON"),
+        ("/v1/runs/r/groups", b"\xff\xfe", 400, "not JSON"),
+        ("/v1/runs/" + "x" * 300 + "/groups", {"groups": [group("a")]}, 422, "run_id"),
+        ("/v1/runs/r/cancel", {"group_ids": []}, 422, "group_ids is empty"),
+        ("/v1/runs/r/versions", {"version": -1}, 422, "version (-1)"),
+    ],
+)
+async def test_each_refusal_answers_its_status_and_names_the_field(
+    other_redis_url: str, path: str, body: object, status: int, words: str
+) -> None:
+    async with scheduler(other_redis_url, None) as api:
+        got, answer = await api.call("POST", path, body)
+        assert got == status, answer
+        assert answer["error"]["code"] == status
+        assert words in answer["error"]["message"], answer
+        # nothing of it was done
+        assert (await api.call("GET", "/v1/status"))[1]["queue_depth"] == 0
+
+
+async def test_a_full_queue_a_duplicate_and_a_large_body_are_refused_as_http_says(
+    other_redis_url: str,
+) -> None:
+    async with scheduler(
+        other_redis_url, None, max_queued_groups=2, max_http_body_bytes=4096
+    ) as api:
+        assert (await api.call("POST", "/v1/runs/r/groups", {"groups": [group("a")]}))[0] == 200
+        status, answer = await api.call("POST", "/v1/runs/r/groups", {"groups": [group("a")]})
+        assert (status, answer["error"]["status"]) == (409, "ALREADY_EXISTS")
+        assert (await api.call("POST", "/v1/runs/r/groups", {"groups": [group("b")]}))[0] == 200
+        status, answer = await api.call("POST", "/v1/runs/r/groups", {"groups": [group("c")]})
+        assert (status, answer["error"]["status"]) == (429, "RESOURCE_EXHAUSTED")
+        assert "the queue holds 2 groups of at most 2" in answer["error"]["message"]
+        big = {"groups": [group("d", prompt_token_ids=list(range(2000)))]}
+        status, answer = await api.call("POST", "/v1/runs/r/groups", big)
+        assert status == 413 and "4096" in answer["error"]["message"]
+        # a route not there and a method not taken: JSON errors too
+        status, answer = await api.call("GET", "/v1/nothing")
+        assert (status, answer["error"]["status"]) == (404, "NOT_FOUND")
+        async with api.http.get(f"{api.url}/v1/runs/r/groups") as reply:
+            assert reply.status == 405 and reply.headers["Allow"] == "POST"
+            assert (await reply.json())["error"]["status"] == "METHOD_NOT_ALLOWED"
+        assert (await api.call("GET", "/v1/status"))[1]["queue_depth"] == 2
+
+
+async def test_no_body_crashes_the_http_api(other_redis_url: str) -> None:
+    engine = await FakeEngine("e0", step_s=0.001).start()
+    try:
+        async with scheduler(other_redis_url, engine, max_queued_groups=2_000) as api:
+            calls = {
+                "groups": pb.SubmitRequest(
+                    groups=[json_format.ParseDict(group("g"), pb.PromptGroup())]
+                ),
+                "cancel": pb.CancelRequest(group_ids=["g0", "nope"]),
+                "versions": pb.PublishVersionRequest(version=1),
+            }
+            seen: dict[str, dict[int, int]] = {}
+            for offset, (route, valid) in enumerate(calls.items()):
+                names = field_names(valid.DESCRIPTOR) | {"body", "run_id"}
+                counts = seen.setdefault(route, {})
+                rng = random.Random(FUZZ.seed + offset)
+                for i, (body, what) in enumerate(json_bodies(valid, rng, FUZZ.count)):
+                    where = f"{route} #{i} (seed {FUZZ.seed + offset}): {what}"
+                    if FUZZ.trace:
+                        print(where[:300], flush=True)
+                    if route == "groups":  # fresh ids: refused for the change, not as a duplicate
+                        fresh = f'"group_id": "g{uuid.uuid4().hex}"'.encode()
+                        body = body.replace(b'"group_id": "g"', fresh)  # noqa: PLW2901
+                    async with api.http.post(f"{api.url}/v1/runs/fuzz/{route}", data=body) as reply:
+                        answer = await reply.json()
+                        counts[reply.status] = counts.get(reply.status, 0) + 1
+                        if reply.status == 200:
+                            continue
+                        assert reply.status in REFUSED, f"{where}: {reply.status} {answer}"
+                        message = answer["error"]["message"]
+                        if reply.status == 422:
+                            assert any(n in message for n in names), (
+                                f"{where}: names no field: {message}"
+                            )
+                    assert not api.task.done(), "the scheduler stopped"
+            print(seen)
+            for route, counts in seen.items():
+                assert counts.get(200, 0) > 0 and counts.get(422, 0) > 0, (route, counts)
+            # and it still serves: a valid group of a new run is delivered
+            status, _ = await api.call("POST", "/v1/runs/after/groups", {"groups": [group("last")]})
+            assert status == 200
+            [delivered] = await read_stream(other_redis_url, "after", 1)
+            assert delivered.group_id == "last"
+    finally:
+        await engine.stop()
