@@ -362,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="approximate cap of a run's stream, read or not (0: none; entries not yet read "
         "can be lost to it)",
     )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, how long calls in progress may finish once health says NOT_SERVING",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -412,6 +418,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         lease_ttl_s=args.lease_ttl_s,
         lease_wait_s=args.lease_wait_s,
         nice=args.nice,
+        shutdown_grace_s=args.shutdown_grace_s,
         predictor_namespace=args.predictor_namespace,
         predictor=PredictorSettings(
             half_life_epochs=args.predictor_half_life_epochs, max_keys=args.predictor_max_keys
