@@ -89,6 +89,7 @@ class FakeEngine:
     port: int = 0  # 0: a free one (another engine may start on a stopped one's port)
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # what Stats says
     stats_calls: int = 0  # Stats calls answered
+    progress_questions: int = 0  # Stats calls asking for progress, counted as they arrive
     pushes: list[pb.AddOutputsRequest] = field(default_factory=list)  # AddOutputs received
     refuse_pushes: bool = False  # AddOutputs fails with UNAVAILABLE
     address: str = ""
@@ -271,6 +272,7 @@ class _Servicer(pb_grpc.EngineServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         self._e.stats_calls += 1
+        self._e.progress_questions += request.with_progress
         if request.with_progress and self._e.progress_fails:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine cannot say")
         ahead = self._e.made_ahead

@@ -1533,6 +1533,13 @@ async def test_a_publish_does_not_wait_for_the_engines_counts(redis_url: str) ->
         await asyncio.wait_for(runtime.publish_version(run, 7), WAIT_S)
         await asyncio.wait_for(runtime.publish_version(run, 8), WAIT_S)
         assert SchedulerStatus.from_proto(runtime.status()).publishes_awaiting_counts == 2
+
+        async def asked_for_7() -> bool:  # (8's question goes once 7's is answered)
+            return held.progress_questions == 1
+
+        # The question reaches the engine in the background: had sample 0 ended before it,
+        # the engine would count none of its tokens and all 6 would be labelled version 6
+        await eventually(asked_for_7, "the engine asked what was made under version 6")
         await abort(0)
 
         async def sample_0_done() -> bool:
