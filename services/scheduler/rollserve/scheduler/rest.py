@@ -27,6 +27,7 @@ refused call was done.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -88,7 +89,7 @@ class RestApi:
         return await _call(request, pb.PublishVersionRequest, self._api.publish_version)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return _json(self._api.status())
+        return await _json(self._api.status())
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.serving:
@@ -124,7 +125,7 @@ async def _call(
 ) -> web.Response:
     try:
         parsed = await _parse(request, message)
-        return _json(await call(parsed))
+        return await _json(await call(parsed))
     except Refused as exc:
         status = HTTP_STATUS.get(exc.code, HTTPStatus.INTERNAL_SERVER_ERROR)
         return _error(status, exc.code.name, exc.message)
@@ -161,14 +162,22 @@ async def _parse(request: web.Request, message: type[_Request]) -> _Request:
     return parsed
 
 
-def _json(response: Message) -> web.Response:
+async def _json(response: Message) -> web.Response:
+    """``response`` (a message of its own, not the scheduler's live state) as JSON, made on
+    a worker thread: at 512 engines a Status takes 10 ms, which the event loop does not wait
+    for (building the Status itself, on the loop, takes 1.8 ms)."""
+    text = await asyncio.to_thread(_dumps, response)
+    return web.Response(text=text, content_type="application/json")
+
+
+def _dumps(response: Message) -> str:
     document = json_format.MessageToDict(
         response,
         preserving_proto_field_name=True,
         always_print_fields_with_no_presence=True,
         unquote_int64_if_possible=True,
     )
-    return web.json_response(document)
+    return json.dumps(document)
 
 
 def _error(status: int, name: str, message: str) -> web.Response:
