@@ -140,6 +140,7 @@ def test_the_scheduler_runs_alone_and_serves_the_ports_its_service_names(
     probes = container(workload)
     assert probes["readinessProbe"]["grpc"]["port"] == scheduler.port
     assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert probes["startupProbe"]["httpGet"] == probes["livenessProbe"]["httpGet"]
     annotations = workload["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(scheduler.http_port)
 
@@ -170,6 +171,7 @@ def test_engines_register_at_the_schedulers_service_from_their_own_address(
     spec = container(workload)
     for probe in ("startupProbe", "readinessProbe"):
         assert spec[probe]["grpc"]["port"] == engine.port  # gRPC health: SERVING once warm
+    assert engine.device == "cuda" and not engine.enforce_eager  # (CUDA graphs on GPUs)
     # each engine pod has a memory limit of its own, so dtype auto counts that, alone
     assert spec["resources"]["limits"]["memory"] and engine.engines_per_host == 1
 

@@ -26,6 +26,7 @@ from rollserve.client.address import join_host_port
 __all__ = ["CONTENT_TYPE", "MetricsServer", "Middleware", "Snapshot", "start_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LEAST_DRAIN_S = 0.01
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ so it must not read the service's live state then."""
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape formatting what
     ``snapshot()`` returns (see `Snapshot`); and ``routes`` besides, through ``middlewares``,
-    which read bodies of ``max_body_bytes`` at most (larger ones answer 413)."""
+    which read bodies of ``max_body_bytes`` at most (larger ones answer 413). ``stop`` waits
+    ``drain_s`` at most for requests in progress (then cancels them)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class MetricsServer:
         routes: Sequence[web.RouteDef] = (),
         middlewares: Sequence[Middleware] = (),
         max_body_bytes: int = 1024**2,
+        drain_s: float = 5.0,
     ) -> None:
         self._snapshot = snapshot
         self.host = host
@@ -71,7 +74,11 @@ class MetricsServer:
         app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_routes(routes)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=log)
+        # (aiohttp takes a timeout of 0 as none at all: "no grace" is the least it waits)
+        drain = max(drain_s, _LEAST_DRAIN_S)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, logger=log, shutdown_timeout=drain
+        )
         self.port = 0  # the bound port, once started
 
     async def start(self) -> int:

@@ -164,9 +164,11 @@ async def serve(
         rest.serving = False
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(settings.shutdown_grace_s)
-        if http is not None:
-            await http.stop()
+        # (the HTTP server answers 503 to new calls from now, as gRPC's takes none; both
+        # drain what they run for the same grace)
+        await asyncio.gather(
+            server.stop(settings.shutdown_grace_s), *(() if http is None else (http.stop(),))
+        )
         await runtime.stop()
     if runtime.lost is not None:
         raise SystemExit(f"rollserve scheduler: stopped: {runtime.lost}")
@@ -192,6 +194,7 @@ async def _serve_http(
         routes=rest.routes(),
         middlewares=(json_errors,),
         max_body_bytes=settings.max_http_body_bytes,
+        drain_s=settings.shutdown_grace_s,
     )
     return await start_metrics(server, "scheduler", "http_port")
 
@@ -210,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-http-body-bytes",
         type=int,
-        default=64 * 2**20,
+        default=32 * 2**20,
         help="largest request body the HTTP API reads (larger: 413)",
     )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")

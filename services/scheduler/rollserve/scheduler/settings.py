@@ -35,7 +35,7 @@ class SchedulerSettings(BaseModel):
         "(GET /metrics); 0 picks a free one; None serves none",
     )
     max_http_body_bytes: int = Field(
-        64 * 2**20,
+        32 * 2**20,
         ge=1024,
         le=2**31,
         description="largest request body the HTTP API reads (a larger one is answered 413); "
