@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from rollserve.cli.stack import free_port
-from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.sim.server import FleetStarted
 from rollserve.sim.server import serve as serve_sim
 from rollserve.sim.settings import SimSettings
+
+from tests.served import served_scheduler
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 TIMEOUT_S = 60.0
@@ -57,15 +58,8 @@ async def scheduler(redis_url: str, engines: dict[str, str]) -> AsyncIterator[st
         predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
         shutdown_grace_s=0.0,
     )
-    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
-    try:
-        await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
+    async with served_scheduler(settings, TIMEOUT_S):
         yield f"http://127.0.0.1:{http_port}"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
 
 
 async def test_trainers_under_locust_get_every_group_of_every_step(other_redis_url: str) -> None:

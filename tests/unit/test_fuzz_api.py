@@ -22,7 +22,6 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollserve.client.wire import GroupStatus
-from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.sim.server import FleetStarted
 from rollserve.sim.server import serve as serve_sim
@@ -30,6 +29,7 @@ from rollserve.sim.settings import SimSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from tests.served import served_scheduler
 from tests.unit.fakes import FakeEngine
 from tests.unit.fuzz import Call, Campaign
 from tests.unit.test_engine_service import HoldingBackend, ScriptedBackend, served
@@ -70,19 +70,11 @@ async def scheduler(redis_url: str, engine: FakeEngine) -> AsyncIterator[Served]
         predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
         shutdown_grace_s=0.0,
     )
-    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
-    try:
-        bound = await asyncio.wait_for(asyncio.shield(port), timeout=CALL_TIMEOUT_S)
-        address = f"127.0.0.1:{bound}"
+    async with served_scheduler(settings, CALL_TIMEOUT_S) as served:
+        address = f"127.0.0.1:{served.port}"
         async with grpc.aio.insecure_channel(address) as channel:
-            yield Served(
-                pb_grpc.SchedulerStub(channel), task, health_pb2_grpc.HealthStub(channel), address
-            )
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=CALL_TIMEOUT_S)
+            stub = pb_grpc.SchedulerStub(channel)
+            yield Served(stub, served.task, health_pb2_grpc.HealthStub(channel), address)
 
 
 def valid_group(group_id: str) -> pb.PromptGroup:

@@ -29,11 +29,11 @@ from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.api import SchedulerApi
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.rest import RestApi, json_errors
-from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from tests.served import served_scheduler
 from tests.unit.fakes import FakeEngine
 from tests.unit.fuzz import Campaign, field_names, json_bodies
 from tests.unit.test_runtime import read_stream
@@ -77,21 +77,14 @@ async def scheduler(
         shutdown_grace_s=0.0,
         **given,
     )
-    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, ready=port.set_result, stop=stop))
-    try:
-        bound = await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
-        async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel,
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http,
-        ):
-            yield Served(
-                f"http://127.0.0.1:{http_port}", http, pb_grpc.SchedulerStub(channel), task
-            )
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+    async with (
+        served_scheduler(settings, TIMEOUT_S) as served,
+        grpc.aio.insecure_channel(f"127.0.0.1:{served.port}") as channel,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http,
+    ):
+        yield Served(
+            f"http://127.0.0.1:{http_port}", http, pb_grpc.SchedulerStub(channel), served.task
+        )
 
 
 def group(name: str, n: object = 2, **fields: Any) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
+from tests.served import served_scheduler
+
 TIMEOUT_S = 30.0
 
 
@@ -216,14 +218,8 @@ def settings(redis_url: str, http_port: int) -> SchedulerSettings:
 @asynccontextmanager
 async def serving(given: SchedulerSettings) -> AsyncIterator[int]:
     """A scheduler served as ``rollserve scheduler`` serves it; yields its gRPC port."""
-    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(given, ready=port.set_result, stop=stop))
-    try:
-        yield await asyncio.wait_for(asyncio.shield(port), TIMEOUT_S)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+    async with served_scheduler(given, TIMEOUT_S) as served:
+        yield served.port
 
 
 async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) -> None:
