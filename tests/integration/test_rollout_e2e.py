@@ -4,17 +4,20 @@ real scheduler process and the SDK. Nothing is faked."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
 import redis
-from rollserve.cli.stack import ManagedProcess
+from rollserve.cli.stack import ManagedProcess, free_port
 from rollserve.client import (
     FinishReason,
     GroupStatus,
@@ -98,8 +101,18 @@ def scheduler_redis_url(redis_databases: RedisDatabases) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def scheduler_http_port() -> int:
+    """The port of the module scheduler's HTTP API."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def scheduler(
-    scheduler_redis_url: str, engine_address: str, tmp_path_factory: pytest.TempPathFactory
+    scheduler_redis_url: str,
+    engine_address: str,
+    scheduler_http_port: int,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ManagedProcess]:
     proc = start_scheduler(
         scheduler_redis_url,
@@ -107,9 +120,25 @@ def scheduler(
         tmp_path_factory.mktemp("sched"),
         "--max-n",
         "16",
+        "--http-port",
+        str(scheduler_http_port),
+        "--tokenizer",
+        str(tiny_model_dir),
     )
     yield proc
     proc.stop()
+
+
+def http_call(port: int, path: str, body: object = None) -> tuple[int, Any]:
+    """The status and JSON answer of a call of the scheduler's HTTP API (a POST of ``body``
+    as JSON, a GET without)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def test_16_groups_of_4_give_exactly_64_samples(
@@ -142,6 +171,47 @@ def test_16_groups_of_4_give_exactly_64_samples(
     # What the engine serves, as its Stats said and the scheduler passes on.
     [e0] = status.engines
     assert e0.model and e0.dtype in ("float32", "bfloat16"), (e0.model, e0.dtype)
+
+
+def test_groups_submitted_over_http_reach_the_trainer_from_the_engine(
+    scheduler: ManagedProcess, scheduler_http_port: int, scheduler_redis_url: str
+) -> None:
+    """The HTTP API on the real engine: groups given as token ids and as text (tokenized
+    by the scheduler with the model's tokenizer) arrive on the stream whole; a refusal names
+    the field; the status is the one gRPC gives."""
+    rid = run_id()
+    given = [
+        {"group_id": "ids", "prompt_token_ids": PROMPT, "n": 2, "sampling": {"max_tokens": 16}},
+        {"group_id": "text", "prompt_text": "3+4=", "n": 3, "sampling": {"max_tokens": 16}},
+    ]
+    assert http_call(scheduler_http_port, f"/v1/runs/{rid}/groups", {"groups": given}) == (
+        200,
+        {"accepted": 2, "stream": stream_key(rid)},
+    )
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
+        received = list(client.groups(limit=2, timeout_s=300))
+        for item in received:
+            item.done()
+        status = status_once_delivered(client, 2)
+    results = {r.result.group_id: r.result for r in received}
+    assert {g: len(r.samples) for g, r in results.items()} == {"ids": 2, "text": 3}
+    for result in results.values():
+        assert result.status == GroupStatus.DELIVERED
+        for sample in result.samples:
+            assert 1 <= len(sample.token_ids) <= 16 and len(sample.logprobs) == len(
+                sample.token_ids
+            )
+    assert results["ids"].prompt_token_ids == PROMPT
+    assert results["text"].prompt_token_ids  # (the scheduler's tokens of the text)
+    code, answer = http_call(
+        scheduler_http_port,
+        f"/v1/runs/{rid}/groups",
+        {"groups": [{**given[0], "group_id": "bad", "n": 99}]},
+    )
+    assert code == 422 and "n (99)" in answer["error"]["message"], answer
+    code, answer = http_call(scheduler_http_port, "/v1/status")
+    assert code == 200 and answer["groups_delivered"] >= status.groups_delivered
+    assert [e["engine_id"] for e in answer["engines"]] == ["e0"] and answer["engines"][0]["healthy"]
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "rl"])
