@@ -21,6 +21,8 @@ from typing import Any, cast
 
 import aiohttp
 import grpc
+import jsonschema
+import openapi_spec_validator
 import pytest
 from google.protobuf import json_format
 from rollserve.cli.stack import free_port
@@ -28,6 +30,7 @@ from rollserve.client.wire import stream_key
 from rollserve.common.metrics_http import MetricsServer
 from rollserve.scheduler.api import SchedulerApi
 from rollserve.scheduler.metrics import status_registry
+from rollserve.scheduler.openapi import openapi_document
 from rollserve.scheduler.rest import RestApi, json_errors
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
@@ -100,6 +103,31 @@ def group(name: str, n: object = 2, **fields: Any) -> dict[str, Any]:
     }
 
 
+def fits(schema: str, instance: object) -> None:
+    """Asserts ``instance`` fits schema ``schema`` of the served OpenAPI document."""
+    root = {"$ref": f"#/components/schemas/{schema}", "components": DOCUMENT["components"]}
+    jsonschema.Draft202012Validator(root).validate(instance)
+
+
+DOCUMENT = openapi_document("test")
+
+
+def test_the_openapi_document_is_valid_openapi_and_closes_requests() -> None:
+    openapi_spec_validator.validate(DOCUMENT)
+    assert set(DOCUMENT["paths"]) == {
+        "/v1/runs/{run_id}/groups",
+        "/v1/runs/{run_id}/cancel",
+        "/v1/runs/{run_id}/versions",
+        "/v1/status",
+        "/healthz",
+    }
+    fits("SubmitRequest", {"groups": [group("a")]})
+    with pytest.raises(jsonschema.ValidationError, match="nn"):  # as the server refuses it
+        fits("SubmitRequest", {"groups": [group("a", nn=2)]})
+    with pytest.raises(jsonschema.ValidationError):
+        fits("SubmitRequest", {"groups": [group("a", n="two")]})
+
+
 async def test_groups_submitted_over_http_are_delivered_and_the_status_is_grpcs(
     other_redis_url: str,
 ) -> None:
@@ -110,6 +138,7 @@ async def test_groups_submitted_over_http_are_delivered_and_the_status_is_grpcs(
                 "POST", "/v1/runs/http-run/groups", {"groups": [group("a"), group("b", n=3)]}
             )
             assert (status, answer) == (200, {"accepted": 2, "stream": stream_key("http-run")})
+            fits("SubmitResponse", answer)
             delivered = await read_stream(other_redis_url, "http-run", 2)
             assert {g.group_id: len(g.samples) for g in delivered} == {"a": 2, "b": 3}
             # the status, as gRPC's: field names as in the proto, 64-bit counts as numbers
@@ -119,6 +148,13 @@ async def test_groups_submitted_over_http_are_delivered_and_the_status_is_grpcs(
             assert answer["groups_delivered"] == want.groups_delivered == 2
             assert answer["tokens_generated"] == want.tokens_generated > 0
             assert json_format.ParseDict(answer, pb.StatusResponse()) == want
+            fits("StatusResponse", answer)
+            async with api.http.get(f"{api.url}/openapi.json") as reply:
+                served = await reply.json()
+            assert (served["paths"], served["components"]) == (
+                DOCUMENT["paths"],
+                DOCUMENT["components"],
+            )
             assert [e["engine_id"] for e in answer["engines"]] == ["e0"]
             assert await api.call("GET", "/healthz") == (200, {"status": "SERVING"})
     finally:
@@ -132,6 +168,7 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
         assert (await api.call("POST", "/v1/runs/r/groups", groups))[0] == 200
         status, answer = await api.call("POST", "/v1/runs/r/cancel", {"group_ids": ["a", "zz"]})
         assert (status, answer) == (200, {"cancelled": ["a"], "unknown": ["zz"]})
+        fits("CancelResponse", answer)
         # lowerCamelCase names are taken too (proto3's JSON mapping), and run_id in the body
         # if it is the path's
         status, answer = await api.call(
@@ -140,6 +177,7 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
         assert (status, answer) == (200, {"cancelled": ["b"], "unknown": []})
         status, answer = await api.call("POST", "/v1/runs/r/versions", {"version": 3})
         assert (status, answer) == (200, {"version": 3, "engines_updated": 0, "engines_failed": []})
+        fits("PublishVersionResponse", answer)
         status, answer = await api.call("POST", "/v1/runs/r/versions", {"version": 2})
         assert status == 422
         assert answer["error"]["status"] == "INVALID_ARGUMENT"
@@ -173,6 +211,7 @@ async def test_each_refusal_answers_its_status_and_names_the_field(
         assert got == status, answer
         assert answer["error"]["code"] == status
         assert words in answer["error"]["message"], answer
+        fits("Error", answer)
         # nothing of it was done
         assert (await api.call("GET", "/v1/status"))[1]["queue_depth"] == 0
 

@@ -12,6 +12,7 @@ holds them exactly (as strings beyond 2**53), a field the message does not have 
     POST /v1/runs/{run_id}/versions  PublishVersionRequest                  PublishVersionResponse
     GET  /v1/status                                                         StatusResponse
     GET  /healthz                    {"status": "SERVING"}, or 503 "NOT_SERVING" while stopping
+    GET  /openapi.json               the OpenAPI 3.1 document of these (``openapi``)
 
 Once the scheduler begins to stop, calls answer 503 (as gRPC takes no new call then).
 
@@ -30,6 +31,7 @@ of a refused call was done.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -42,6 +44,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from rollserve.client.wire import status_details
 from rollserve.scheduler.api import Refused, SchedulerApi
+from rollserve.scheduler.openapi import openapi_document
 from rollserve.v1 import rollserve_pb2 as pb
 
 __all__ = ["HTTP_STATUS", "RestApi", "json_errors"]
@@ -67,6 +70,7 @@ class RestApi:
     def __init__(self, api: SchedulerApi) -> None:
         self._api = api
         self.serving = True
+        self._openapi = openapi_document(_version())
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -75,6 +79,7 @@ class RestApi:
             web.post("/v1/runs/{run_id}/versions", self._publish_version),
             web.get("/v1/status", self._status),
             web.get("/healthz", self._health),
+            web.get("/openapi.json", self._openapi_document),
         ]
 
     async def _submit(self, request: web.Request) -> web.Response:
@@ -103,6 +108,9 @@ class RestApi:
 
     async def _status(self, request: web.Request) -> web.Response:
         return await _json(self._api.status())
+
+    async def _openapi_document(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.serving:
@@ -136,6 +144,13 @@ async def json_errors(
 
 
 _KNOWN = {s.value for s in HTTPStatus}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rollserve")
+    except importlib.metadata.PackageNotFoundError:  # (run from a source tree)
+        return "0+unknown"
 
 
 async def _parse(request: web.Request, message: type[_Request]) -> _Request:

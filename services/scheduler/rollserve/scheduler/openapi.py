@@ -1,0 +1,194 @@
+"""The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``), made from the proto's
+descriptors as ``rest`` maps them (proto3's JSON mapping), so that it says what the server
+takes and answers and cannot drift from it: a tool (Swagger UI, an OpenAPI client generator)
+reads it as it is.
+
+Each message is a schema of ``components/schemas`` named as in the proto, its properties the
+fields by their proto names (lowerCamelCase ones are taken in bodies too; not listed, as a
+schema cannot say "either name"), a request's closed to other properties (the server refuses
+an unknown field). 64-bit integers are integers or decimal strings (beyond 2**53 they come as
+strings); 32-bit ones and floats are as their types, enums by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from rollserve.v1 import rollserve_pb2 as pb
+
+__all__ = ["openapi_document"]
+
+_JSON = "application/json"
+
+# (method, path, summary, request message or None, response message)
+_CALLS: tuple[tuple[str, str, str, Descriptor | None, Descriptor], ...] = (
+    (
+        "post",
+        "/v1/runs/{run_id}/groups",
+        "Submit prompt groups; each arrives on the run's Redis stream once its samples end",
+        pb.SubmitRequest.DESCRIPTOR,
+        pb.SubmitResponse.DESCRIPTOR,
+    ),
+    (
+        "post",
+        "/v1/runs/{run_id}/cancel",
+        "Cancel groups of the run that are queued or running",
+        pb.CancelRequest.DESCRIPTOR,
+        pb.CancelResponse.DESCRIPTOR,
+    ),
+    (
+        "post",
+        "/v1/runs/{run_id}/versions",
+        "Publish the run's next policy version, with weights for the engines to load or not",
+        pb.PublishVersionRequest.DESCRIPTOR,
+        pb.PublishVersionResponse.DESCRIPTOR,
+    ),
+    (
+        "get",
+        "/v1/status",
+        "The queue, what runs, the engines and the length predictor",
+        None,
+        pb.StatusResponse.DESCRIPTOR,
+    ),
+)
+
+# The refusals each call may answer (rest.HTTP_STATUS and the server's own), by status.
+_REFUSALS = {
+    "400": "the body is not JSON; or weights no engine could load (FAILED_PRECONDITION)",
+    "409": "a group id the run has taken already (ALREADY_EXISTS)",
+    "413": "the body is larger than the scheduler's --max-http-body-bytes",
+    "422": "a field out of its bounds, unknown, or of another type (INVALID_ARGUMENT)",
+    "429": "the scheduler's queue is full (RESOURCE_EXHAUSTED): retry later",
+    "503": "Redis is unreachable, the scheduler lost its lease, or it is stopping",
+}
+
+_SCALARS: dict[int, dict[str, Any]] = {
+    FieldDescriptor.TYPE_INT32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_SINT32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_SFIXED32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_UINT32: {"type": "integer", "format": "int32", "minimum": 0},
+    FieldDescriptor.TYPE_FIXED32: {"type": "integer", "format": "int32", "minimum": 0},
+    FieldDescriptor.TYPE_INT64: {"type": ["integer", "string"], "format": "int64"},
+    FieldDescriptor.TYPE_SINT64: {"type": ["integer", "string"], "format": "int64"},
+    FieldDescriptor.TYPE_SFIXED64: {"type": ["integer", "string"], "format": "int64"},
+    FieldDescriptor.TYPE_UINT64: {"type": ["integer", "string"], "format": "int64"},
+    FieldDescriptor.TYPE_FIXED64: {"type": ["integer", "string"], "format": "int64"},
+    FieldDescriptor.TYPE_FLOAT: {"type": "number", "format": "float"},
+    FieldDescriptor.TYPE_DOUBLE: {"type": "number", "format": "double"},
+    FieldDescriptor.TYPE_BOOL: {"type": "boolean"},
+    FieldDescriptor.TYPE_STRING: {"type": "string"},
+    FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},
+}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The document of the API that scheduler ``version`` serves."""
+    schemas: dict[str, Any] = {"Error": _ERROR}
+    paths: dict[str, Any] = {}
+    for method, path, summary, request, response in _CALLS:
+        operation: dict[str, Any] = {
+            "summary": summary,
+            "operationId": path.strip("/").replace("/", "_").replace("{", "").replace("}", ""),
+            "responses": {"200": {"description": "done", "content": _content(response.name)}},
+        }
+        _add_schema(response, schemas, closed=False)
+        if request is not None:
+            _add_schema(request, schemas, closed=True)
+            operation["parameters"] = [_RUN_ID]
+            operation["requestBody"] = {"required": True, "content": _content(request.name)}
+            for status, why in _REFUSALS.items():
+                operation["responses"][status] = {"description": why, "content": _content("Error")}
+        paths.setdefault(path, {})[method] = operation
+    paths["/healthz"] = {"get": _HEALTH}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "rollserve scheduler",
+            "version": version,
+            "description": "The Scheduler service's calls as JSON (proto3's JSON mapping of "
+            "proto/rollserve/v1/rollserve.proto); docs/http-api.md says more.",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+def _add_schema(message: Descriptor, schemas: dict[str, Any], *, closed: bool) -> None:
+    """``message``'s schema and those of the messages it holds, into ``schemas``."""
+    if message.name in schemas:
+        return
+    properties: dict[str, Any] = {}
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if closed:
+        schema["additionalProperties"] = False
+    schemas[message.name] = schema
+    for field in message.fields:
+        properties[field.name] = _field_schema(field, schemas, closed=closed)
+
+
+def _field_schema(field: FieldDescriptor, schemas: dict[str, Any], *, closed: bool) -> Any:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        value = field.message_type.fields_by_name["value"]
+        return {"type": "object", "additionalProperties": _one(value, schemas, closed=closed)}
+    one = _one(field, schemas, closed=closed)
+    if field.is_repeated:
+        return {"type": "array", "items": one}
+    return one
+
+
+def _one(field: FieldDescriptor, schemas: dict[str, Any], *, closed: bool) -> Any:
+    if field.message_type is not None:
+        _add_schema(field.message_type, schemas, closed=closed)
+        return {"$ref": f"#/components/schemas/{field.message_type.name}"}
+    if field.enum_type is not None:
+        return {"type": "string", "enum": [v.name for v in field.enum_type.values]}
+    return dict(_SCALARS[field.type])
+
+
+def _content(schema: str) -> dict[str, Any]:
+    return {_JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+
+
+_RUN_ID = {
+    "name": "run_id",
+    "in": "path",
+    "required": True,
+    "description": "the run: its finished groups go to the Redis stream rollserve:{run_id}:groups",
+    "schema": {"type": "string", "minLength": 1},
+}
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "status", "message"],
+            "properties": {
+                "code": {"type": "integer", "description": "the HTTP status"},
+                "status": {"type": "string", "description": "e.g. INVALID_ARGUMENT"},
+                "message": {"type": "string", "description": "why; names the field and limit"},
+            },
+        }
+    },
+}
+
+_HEALTH = {
+    "summary": "Whether the scheduler serves (503 once it begins to stop)",
+    "operationId": "healthz",
+    "responses": {
+        status: {
+            "description": what,
+            "content": {
+                _JSON: {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"status": {"type": "string", "enum": [what]}},
+                    }
+                }
+            },
+        }
+        for status, what in (("200", "SERVING"), ("503", "NOT_SERVING"))
+    },
+}
