@@ -3,8 +3,10 @@
 Each Locust user is one trainer with a run of its own. One task is one synchronous RL step:
 
 1. it submits ``--groups-per-step`` groups of ``--group-size`` samples over the scheduler's
-   HTTP API (``docs/http-api.md``), each with a random prompt of ``--prompt-tokens`` tokens
-   (a shared prefix of half of them per step, as a dataset's template) and ``--max-tokens``;
+   HTTP API (``docs/http-api.md``): the next rows of a dataset of ``--prompts`` prompts of
+   ``--prompt-tokens`` tokens (half of them a template every prompt shares), taken in order
+   and again in the next epoch, each keyed by its row (``prompt_key``, as a trainer keys its
+   dataset, so that the scheduler's length history applies), with ``--max-tokens``;
 2. it reads them from the run's Redis stream as they finish, in a consumer group, each entry
    acknowledged, as ``rollserve.client`` reads them;
 3. once all are in, it publishes the next policy version (no weights).
@@ -16,13 +18,12 @@ group that failed, and groups not delivered within ``--step-timeout-s`` (then ca
 A 429 (the scheduler's queue full) counts as a failure: it says the load is past what the
 scheduler was set to hold.
 
-Run against a scheduler with its HTTP port open, for instance on simulated engines:
+Run against a scheduler with its HTTP port open, for instance a dev stack of simulated
+engines (``rollserve up`` prints its Redis URL):
 
-    rollserve scheduler --redis-url redis://127.0.0.1:6379/0 --http-port 9464 --policy rl &
-    rollserve sim fleet --engines 64 --scheduler-address 127.0.0.1:50051 --time-scale 0.1 &
-    locust -f tests/load/locustfile.py --host http://127.0.0.1:9464 \\
-        --redis-url redis://127.0.0.1:6379/0 --users 32 --spawn-rate 8 --run-time 5m \\
-        --headless --stop-timeout 120
+    rollserve up --sim --engines 64 --http-port 9464 &
+    locust -f tests/load/locustfile.py --host http://127.0.0.1:9464 --redis-url REDIS_URL \\
+        --users 32 --spawn-rate 8 --run-time 5m --headless --stop-timeout 120
 
 ``tests/load/test_locust.py`` runs it in CI, small and short.
 """
@@ -51,9 +52,20 @@ def _options(parser: Any) -> None:
     group.add_argument("--prompt-tokens", type=int, default=128)
     group.add_argument("--max-tokens", type=int, default=256)
     group.add_argument("--step-timeout-s", type=float, default=300.0)
+    group.add_argument("--prompts", type=int, default=1000, help="rows of the dataset")
 
 
 events.init_command_line_parser.add_listener(_options)  # type: ignore[no-untyped-call]
+
+
+def _prompt(row: int, tokens: int) -> list[int]:
+    """Row ``row`` of the dataset: the template's tokens, then the row's own."""
+    template = random.Random(-1)
+    own = random.Random(row)
+    half = tokens // 2
+    return [template.randrange(VOCAB) for _ in range(half)] + [
+        own.randrange(VOCAB) for _ in range(tokens - half)
+    ]
 
 
 class Trainer(HttpUser):
@@ -67,7 +79,6 @@ class Trainer(HttpUser):
         self.redis = redis.Redis.from_url(self.options.redis_url)
         self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
         self.steps = 0
-        self.rng = random.Random(self.run_id)
 
     def on_stop(self) -> None:
         self.redis.delete(self.stream)  # (its groups were all read or cancelled)
@@ -104,18 +115,16 @@ class Trainer(HttpUser):
     def _submit(self) -> list[str]:
         """Submits one step's groups; their ids, or none if the call was refused."""
         options = self.options
-        prefix = [self.rng.randrange(VOCAB) for _ in range(options.prompt_tokens // 2)]
         groups = []
         for i in range(options.groups_per_step):
-            rest = options.prompt_tokens - len(prefix)
-            prompt = prefix + [self.rng.randrange(VOCAB) for _ in range(rest)]
+            epoch, row = divmod(self.steps * options.groups_per_step + i, options.prompts)
             groups.append(
                 {
                     "group_id": f"s{self.steps}-g{i}",
-                    "prompt_token_ids": prompt,
+                    "prompt_token_ids": _prompt(row, options.prompt_tokens),
                     "n": options.group_size,
-                    "prompt_key": f"row-{i}",
-                    "epoch": self.steps,
+                    "prompt_key": f"row-{row}",
+                    "epoch": epoch,
                     "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens},
                 }
             )

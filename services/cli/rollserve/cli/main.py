@@ -30,11 +30,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
             scheduler_port=args.scheduler_port,
             engine_args=tuple(args.engine_arg),
             http_port=args.http_port,
+            sim_profile=args.sim,
+            sim_time_scale=args.sim_time_scale,
             run_dir=args.run_dir,
         )
     except ValueError as exc:
         raise SystemExit(f"rollserve up: {exc}") from None
-    console.print(f"starting Redis, {args.engines} engine(s) and the scheduler …")
+    kind = "" if args.sim is None else " simulated"
+    console.print(f"starting Redis, {args.engines}{kind} engine(s) and the scheduler …")
     with DevStack(config) as stack:
         for name, where in stack.describe():
             console.print(f"  [bold]{name:<10}[/bold] {where}")
@@ -46,11 +49,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
             )
         if args.http_port is not None:
             last = engine_metrics_port(config, args.engines - 1)
+            engines = (
+                ""
+                if args.sim is not None
+                else f", the engines' on {engine_metrics_port(config, 0)}"
+                f"{f'-{last}' if args.engines > 1 else ''}"
+            )
             console.print(
                 f"  HTTP API: http://127.0.0.1:{args.http_port}/v1/status; metrics (Prometheus): "
-                f"http://127.0.0.1:{args.http_port}/metrics, the engines' on "
-                f"{engine_metrics_port(config, 0)}"
-                f"{f'-{last}' if args.engines > 1 else ''}",
+                f"http://127.0.0.1:{args.http_port}/metrics{engines}",
                 markup=False,
                 highlight=False,
             )
@@ -263,6 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=port_number,
         help="the scheduler serves its HTTP API (/v1/...) and Prometheus metrics (GET "
         "/metrics) on this port, engine i its metrics on the port + 1 + i; default none",
+    )
+    up.add_argument(
+        "--sim",
+        nargs="?",
+        const="gpu-h100-llama8b",
+        metavar="PROFILE",
+        help="simulated engines instead of vLLM (rollserve sim fleet, one process), by this "
+        "cost profile (default gpu-h100-llama8b): the scheduler at fleet scale without GPUs",
+    )
+    up.add_argument(
+        "--sim-time-scale",
+        type=positive_float,
+        default=1.0,
+        help="with --sim: real seconds per simulated second (0.1 runs 10x faster)",
     )
     up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
     up.add_argument(

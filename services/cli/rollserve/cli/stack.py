@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from rollserve.engine.cpu_priority import renice_threads
 _STOP_GRACE_S = 20.0
 _ENGINE_START_TIMEOUT_S = 300.0
 _SCHEDULER_START_TIMEOUT_S = 60.0
+_SIM_START_TIMEOUT_S = 120.0
 _LOG_TAIL_BYTES = 4000
 
 
@@ -183,6 +185,11 @@ class StackConfig:
     # vLLM engines on this machine, the stack's included (its engines resolve dtype auto
     # counting them: --engines-per-host); 0: the stack's own
     engines_per_host: int = 0
+    # The engines simulated instead, by this cost profile (rollserve sim fleet, one process;
+    # the engine flags and metrics do not apply), stepping at this many real seconds per
+    # simulated one: the scheduler at fleet scale without a GPU
+    sim_profile: str | None = None
+    sim_time_scale: float = 1.0
     omp_threads: int = 0  # OpenMP threads per engine; 0: the cores left after one, shared
     # Niceness of the control plane (engine frontends, scheduler, embedded Redis): on one
     # machine with CPU engines, the engine cores' model threads go first (see
@@ -193,7 +200,7 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.http_port is None:
             return
-        last = self.http_port + self.engines
+        last = self.http_port + (0 if self.sim_profile is not None else self.engines)
         if last > 65535:
             raise ValueError(
                 f"http_port {self.http_port}: the engines' metrics would take ports up to "
@@ -241,6 +248,8 @@ class DevStack:
     scheduler_address: str = ""
     engines: list[ManagedProcess] = field(default_factory=list)
     scheduler: ManagedProcess | None = None
+    sim_fleet: ManagedProcess | None = None
+    sim_engines: dict[str, str] = field(default_factory=dict)  # engine id -> address
     redis: EmbeddedRedis | None = None
     log_dir: Path = field(default_factory=Path)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -277,6 +286,10 @@ class DevStack:
                 renice_threads(cfg.control_plane_nice, self.redis.pid)
         else:
             self.redis_url = cfg.redis_url
+        if cfg.sim_profile is not None:
+            self.start_sim_fleet(cfg.sim_profile)
+            self.start_scheduler()
+            return
         threads = cfg.omp_threads or engine_threads(cfg.engines)
         for i in range(cfg.engines):
             self.engines.append(
@@ -292,10 +305,43 @@ class DevStack:
             wait_serving(proc.address, _ENGINE_START_TIMEOUT_S, proc)
         self.start_scheduler()
 
+    def start_sim_fleet(self, profile: str) -> None:
+        """The stack's engines, simulated in one process; their addresses once all serve."""
+        from rollserve.sim.server import ENGINE_LINE_PREFIX, READY_PREFIX
+
+        cfg = self.config
+        self.sim_fleet = ManagedProcess.start(
+            "sim-fleet",
+            [
+                sys.executable,
+                "-m",
+                "rollserve.sim",
+                "fleet",
+                "--engines",
+                str(cfg.engines),
+                "--profile",
+                profile,
+                "--time-scale",
+                str(cfg.sim_time_scale),
+            ],
+            self.log_dir,
+        )
+        deadline = time.monotonic() + _SIM_START_TIMEOUT_S
+        while READY_PREFIX not in (log := self.sim_fleet.log_tail(1 << 22)):
+            if self.sim_fleet.popen.poll() is not None or time.monotonic() > deadline:
+                raise StackError(
+                    f"the simulated engines did not start; log {self.sim_fleet.log_path}:\n"
+                    f"{self.sim_fleet.log_tail()}"
+                )
+            time.sleep(0.1)
+        line = re.compile(rf"^{ENGINE_LINE_PREFIX} engine_id=(\S+) address=(\S+)$", re.M)
+        self.sim_engines = dict(line.findall(log))
+
     def start_scheduler(self) -> None:
         cfg = self.config
         port = cfg.scheduler_port or free_port()
         endpoints = [f"--engine={p.name}={p.address}" for p in self.engines]
+        endpoints += [f"--engine={e}={address}" for e, address in self.sim_engines.items()]
         self.scheduler = ManagedProcess.start(
             "scheduler",
             [
@@ -327,6 +373,10 @@ class DevStack:
         for proc in self.engines:
             proc.stop()
         self.engines.clear()
+        if self.sim_fleet is not None:
+            self.sim_fleet.stop()
+            self.sim_fleet = None
+        self.sim_engines.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -341,13 +391,23 @@ class DevStack:
 
     def pids(self) -> list[int]:
         """Process ids of the stack's processes (the engines' cores are their children)."""
-        procs = [*self.engines, *([self.scheduler] if self.scheduler else [])]
+        procs = [*self.engines, *(p for p in (self.scheduler, self.sim_fleet) if p is not None)]
         redis = [self.redis.pid] if self.redis is not None and self.redis.pid else []
         return [p.popen.pid for p in procs] + redis
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [("redis", self.redis_url)]
         rows += [(p.name, p.address) for p in self.engines]
+        if self.sim_engines:
+            cfg = self.config
+            first, *_ = self.sim_engines.values()
+            rows.append(
+                (
+                    "engines",
+                    f"{len(self.sim_engines)} SIMULATED ({cfg.sim_profile}, "
+                    f"x{cfg.sim_time_scale:g} real time) from {first}",
+                )
+            )
         if self.scheduler is not None:
             rows.append(("scheduler", self.scheduler.address))
         rows.append(("logs", str(self.log_dir)))

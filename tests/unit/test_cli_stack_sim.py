@@ -1,0 +1,58 @@
+"""``rollserve up --sim``: the dev stack with simulated engines instead of vLLM (one
+``rollserve sim fleet`` process), started as ``up`` starts it, and a group run through it
+with the SDK. Nothing is faked: the engines are the product's simulated ones, the scheduler,
+Redis (the embedded one) and the processes real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rollserve.assets import reasoner_dir
+from rollserve.cli.stack import DevStack, StackConfig, StackError
+from rollserve.client import GroupStatus, PromptGroup, RolloutClient, SamplingParams
+
+ENGINES = 3
+
+
+def test_a_stack_of_simulated_engines_serves_groups(tmp_path: Path) -> None:
+    config = StackConfig(
+        model=reasoner_dir(),
+        engines=ENGINES,
+        sim_profile="gpu-h100-llama8b",
+        sim_time_scale=0.01,
+        http_port=None,
+        run_dir=tmp_path,
+        control_plane_nice=0,
+    )
+    with DevStack(config) as stack:
+        assert len(stack.sim_engines) == ENGINES and not stack.engines
+        rows = dict(stack.describe())
+        assert rows["engines"].startswith(f"{ENGINES} SIMULATED (gpu-h100-llama8b")
+        with RolloutClient(stack.scheduler_address, stack.redis_url, "sim-stack") as client:
+            groups = [
+                PromptGroup(
+                    group_id=f"g{i}",
+                    prompt_text="12+7=",
+                    n=4,
+                    sampling=SamplingParams(max_tokens=32),
+                )
+                for i in range(6)
+            ]
+            client.submit(groups)
+            received = list(client.groups(limit=6, timeout_s=120))
+            for item in received:
+                item.done()
+            engines = {e.engine_id for e in client.status().engines}
+        assert engines == set(stack.sim_engines)
+        assert len(stack.pids()) == 3  # the fleet, the scheduler, Redis
+    assert {r.result.group_id for r in received} == {f"g{i}" for i in range(6)}
+    assert all(r.result.status is GroupStatus.DELIVERED for r in received)
+
+
+def test_a_profile_that_is_not_there_stops_the_stack_naming_it(tmp_path: Path) -> None:
+    config = StackConfig(
+        model=reasoner_dir(), engines=1, sim_profile="no-such-profile", run_dir=tmp_path
+    )
+    with pytest.raises(StackError, match="no-such-profile"), DevStack(config):
+        pass
