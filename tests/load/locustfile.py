@@ -60,7 +60,7 @@ events.init_command_line_parser.add_listener(_options)  # type: ignore[no-untype
 
 def _prompt(row: int, tokens: int) -> list[int]:
     """Row ``row`` of the dataset: the template's tokens, then the row's own."""
-    template = random.Random(-1)
+    template = random.Random("template")  # (not a number: Random(-1) is Random(1))
     own = random.Random(row)
     half = tokens // 2
     return [template.randrange(VOCAB) for _ in range(half)] + [
@@ -78,7 +78,8 @@ class Trainer(HttpUser):
         self.stream = stream_key(self.run_id)
         self.redis = redis.Redis.from_url(self.options.redis_url)
         self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        self.steps = 0
+        self.steps = 0  # steps delivered whole: the policy versions published
+        self.submits = 0  # Submits taken: their groups' ids and rows are never given again
 
     def on_stop(self) -> None:
         self.redis.delete(self.stream)  # (its groups were all read or cancelled)
@@ -117,10 +118,10 @@ class Trainer(HttpUser):
         options = self.options
         groups = []
         for i in range(options.groups_per_step):
-            epoch, row = divmod(self.steps * options.groups_per_step + i, options.prompts)
+            epoch, row = divmod(self.submits * options.groups_per_step + i, options.prompts)
             groups.append(
                 {
-                    "group_id": f"s{self.steps}-g{i}",
+                    "group_id": f"s{self.submits}-g{i}",
                     "prompt_token_ids": _prompt(row, options.prompt_tokens),
                     "n": options.group_size,
                     "prompt_key": f"row-{row}",
@@ -130,6 +131,7 @@ class Trainer(HttpUser):
             )
         if not self._post(f"/v1/runs/{self.run_id}/groups", {"groups": groups}, "groups"):
             return []
+        self.submits += 1
         return [g["group_id"] for g in groups]
 
     def _post(self, path: str, body: dict[str, Any], name: str) -> bool:

@@ -23,10 +23,15 @@ def test_a_stack_of_simulated_engines_serves_groups(tmp_path: Path) -> None:
         sim_time_scale=0.01,
         http_port=None,
         run_dir=tmp_path,
-        control_plane_nice=0,
     )
     with DevStack(config) as stack:
         assert len(stack.sim_engines) == ENGINES and not stack.engines
+        # no niceness beside simulated engines (no model threads to give way to); rl's cost
+        # model is theirs
+        assert stack.scheduler is not None
+        args = list(stack.scheduler.popen.args)  # type: ignore[arg-type]
+        assert args[args.index("--nice") + 1] == "0"
+        assert args[args.index("--cost-profile") + 1] == "gpu-h100-llama8b"
         rows = dict(stack.describe())
         assert rows["engines"].startswith(f"{ENGINES} SIMULATED (gpu-h100-llama8b")
         with RolloutClient(stack.scheduler_address, stack.redis_url, "sim-stack") as client:
@@ -56,3 +61,8 @@ def test_a_profile_that_is_not_there_stops_the_stack_naming_it(tmp_path: Path) -
     )
     with pytest.raises(StackError, match="no-such-profile"), DevStack(config):
         pass
+
+
+def test_vllm_flags_are_refused_for_simulated_engines(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="simulated engines take no vLLM flags"):
+        StackConfig(model=tmp_path, sim_profile="cpu-tiny", engine_args=("--seed=1",))

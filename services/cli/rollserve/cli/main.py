@@ -30,12 +30,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
             scheduler_port=args.scheduler_port,
             engine_args=tuple(args.engine_arg),
             http_port=args.http_port,
+            scheduler_args=tuple(args.scheduler_arg),
             sim_profile=args.sim,
             sim_time_scale=args.sim_time_scale,
             run_dir=args.run_dir,
         )
     except ValueError as exc:
         raise SystemExit(f"rollserve up: {exc}") from None
+    if args.sim is None and args.sim_time_scale != 1.0:
+        raise SystemExit("rollserve up: --sim-time-scale is for simulated engines: add --sim")
     kind = "" if args.sim is None else " simulated"
     console.print(f"starting Redis, {args.engines}{kind} engine(s) and the scheduler …")
     with DevStack(config) as stack:
@@ -293,6 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAG",
         help="a flag for every engine, repeatable, written with '=': "
         "--engine-arg=--spec-method=ngram (see `rollserve engine --help`)",
+    )
+    up.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for the scheduler, repeatable, written with '=': "
+        "--scheduler-arg=--policy=rl (see `rollserve scheduler --help`)",
     )
     up.set_defaults(func=_cmd_up)
 

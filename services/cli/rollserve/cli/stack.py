@@ -198,6 +198,10 @@ class StackConfig:
     run_dir: Path | None = None  # logs; a temp dir when None
 
     def __post_init__(self) -> None:
+        if self.sim_profile is not None and self.engine_args:
+            raise ValueError(
+                f"engine_args {list(self.engine_args)}: simulated engines take no vLLM flags"
+            )
         if self.http_port is None:
             return
         last = self.http_port + (0 if self.sim_profile is not None else self.engines)
@@ -282,8 +286,8 @@ class DevStack:
             self.redis = EmbeddedRedis()
             self.redis.start()
             self.redis_url = self.redis.url
-            if cfg.control_plane_nice and self.redis.pid is not None:
-                renice_threads(cfg.control_plane_nice, self.redis.pid)
+            if self.control_plane_nice and self.redis.pid is not None:
+                renice_threads(self.control_plane_nice, self.redis.pid)
         else:
             self.redis_url = cfg.redis_url
         if cfg.sim_profile is not None:
@@ -336,6 +340,11 @@ class DevStack:
             time.sleep(0.1)
         line = re.compile(rf"^{ENGINE_LINE_PREFIX} engine_id=(\S+) address=(\S+)$", re.M)
         self.sim_engines = dict(line.findall(log))
+        if len(self.sim_engines) != cfg.engines:
+            raise StackError(
+                f"the simulated engines said {len(self.sim_engines)} addresses of "
+                f"{cfg.engines}; log {self.sim_fleet.log_path}:\n{self.sim_fleet.log_tail()}"
+            )
 
     def start_scheduler(self) -> None:
         cfg = self.config
@@ -356,7 +365,9 @@ class DevStack:
                 str(cfg.model),
                 *endpoints,
                 "--nice",
-                str(cfg.control_plane_nice),
+                str(self.control_plane_nice),
+                # (rl's cost model then is the simulated engines')
+                *(() if cfg.sim_profile is None else ("--cost-profile", cfg.sim_profile)),
                 *(() if cfg.http_port is None else ("--http-port", str(cfg.http_port))),
                 *cfg.scheduler_args,
             ],
@@ -383,6 +394,12 @@ class DevStack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    @property
+    def control_plane_nice(self) -> int:
+        """The niceness of the control plane: none beside simulated engines, which are no
+        model threads to give the CPU to (the scheduler would run behind the fleet)."""
+        return 0 if self.config.sim_profile is not None else self.config.control_plane_nice
 
     def scheduler_pid(self) -> int:
         if self.scheduler is None:

@@ -3,18 +3,19 @@ descriptors as ``rest`` maps them (proto3's JSON mapping), so that it says what 
 takes and answers and cannot drift from it: a tool (Swagger UI, an OpenAPI client generator)
 reads it as it is.
 
-Each message is a schema of ``components/schemas`` named as in the proto, its properties the
-fields by their proto names (lowerCamelCase ones are taken in bodies too; not listed, as a
-schema cannot say "either name"), a request's closed to other properties (the server refuses
-an unknown field). 64-bit integers are integers or decimal strings (beyond 2**53 they come as
-strings); 32-bit ones and floats are as their types, enums by name.
+Each message is a schema of ``components/schemas`` named as in the proto. A request's
+schema is what the parser takes: each field by its proto name or its lowerCamelCase one,
+numbers as numbers or as text, enums by name or number, null for a field's default, and no
+other property (the server refuses an unknown field). A response's is what the server
+writes: every field without presence (required), by its proto name; 64-bit integers as
+numbers, or as decimal strings beyond 2**53; enums by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 from rollserve.v1 import rollserve_pb2 as pb
 
 __all__ = ["openapi_document"]
@@ -53,7 +54,7 @@ _CALLS: tuple[tuple[str, str, str, Descriptor | None, Descriptor], ...] = (
     ),
 )
 
-# The refusals each call may answer (rest.HTTP_STATUS and the server's own), by status.
+# Every refusal a call with a body may answer (rest.HTTP_STATUS and the server's own).
 _REFUSALS = {
     "400": "the body is not JSON; or weights no engine could load (FAILED_PRECONDITION)",
     "409": "a group id the run has taken already (ALREADY_EXISTS)",
@@ -61,25 +62,33 @@ _REFUSALS = {
     "422": "a field out of its bounds, unknown, or of another type (INVALID_ARGUMENT)",
     "429": "the scheduler's queue is full (RESOURCE_EXHAUSTED): retry later",
     "503": "Redis is unreachable, the scheduler lost its lease, or it is stopping",
+    "500": "a bug: the handler raised (its traceback is in the scheduler's log)",
 }
 
-_SCALARS: dict[int, dict[str, Any]] = {
-    FieldDescriptor.TYPE_INT32: {"type": "integer", "format": "int32"},
-    FieldDescriptor.TYPE_SINT32: {"type": "integer", "format": "int32"},
-    FieldDescriptor.TYPE_SFIXED32: {"type": "integer", "format": "int32"},
-    FieldDescriptor.TYPE_UINT32: {"type": "integer", "format": "int32", "minimum": 0},
-    FieldDescriptor.TYPE_FIXED32: {"type": "integer", "format": "int32", "minimum": 0},
-    FieldDescriptor.TYPE_INT64: {"type": ["integer", "string"], "format": "int64"},
-    FieldDescriptor.TYPE_SINT64: {"type": ["integer", "string"], "format": "int64"},
-    FieldDescriptor.TYPE_SFIXED64: {"type": ["integer", "string"], "format": "int64"},
-    FieldDescriptor.TYPE_UINT64: {"type": ["integer", "string"], "format": "int64"},
-    FieldDescriptor.TYPE_FIXED64: {"type": ["integer", "string"], "format": "int64"},
-    FieldDescriptor.TYPE_FLOAT: {"type": "number", "format": "float"},
-    FieldDescriptor.TYPE_DOUBLE: {"type": "number", "format": "double"},
+_INT32: dict[str, Any] = {"format": "int32", "minimum": -(2**31), "maximum": 2**31 - 1}
+_UINT32: dict[str, Any] = {"format": "int32", "minimum": 0, "maximum": 2**32 - 1}
+_INT64: dict[str, Any] = {"format": "int64"}
+_INTEGERS = {
+    FieldDescriptor.TYPE_INT32: _INT32,
+    FieldDescriptor.TYPE_SINT32: _INT32,
+    FieldDescriptor.TYPE_SFIXED32: _INT32,
+    FieldDescriptor.TYPE_UINT32: _UINT32,
+    FieldDescriptor.TYPE_FIXED32: _UINT32,
+    FieldDescriptor.TYPE_INT64: _INT64,
+    FieldDescriptor.TYPE_SINT64: _INT64,
+    FieldDescriptor.TYPE_SFIXED64: _INT64,
+    FieldDescriptor.TYPE_UINT64: _INT64,
+    FieldDescriptor.TYPE_FIXED64: _INT64,
+}
+_FLOATS = {FieldDescriptor.TYPE_FLOAT: "float", FieldDescriptor.TYPE_DOUBLE: "double"}
+_OTHERS: dict[int, dict[str, Any]] = {
     FieldDescriptor.TYPE_BOOL: {"type": "boolean"},
     FieldDescriptor.TYPE_STRING: {"type": "string"},
     FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},
 }
+# What proto3's JSON parser takes as a number in a string ("1e3" is an integer to it)
+_INTEGER_TEXT = "^-?[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?$"
+_FLOAT_TEXT = "^(NaN|-?Infinity|[-+]?[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?)$"
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -115,26 +124,35 @@ def openapi_document(version: str) -> dict[str, Any]:
 
 
 def _add_schema(message: Descriptor, schemas: dict[str, Any], *, closed: bool) -> None:
-    """``message``'s schema and those of the messages it holds, into ``schemas``."""
+    """``message``'s schema and those of the messages it holds, into ``schemas``: a request's
+    (``closed``) as the parser takes it, a response's as the server writes it."""
     if message.name in schemas:
+        if schemas[message.name].get("additionalProperties", True) is not (not closed):
+            raise ValueError(f"{message.name} is both a request's and a response's")
         return
     properties: dict[str, Any] = {}
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if closed:
         schema["additionalProperties"] = False
+    else:  # (the server writes every field without presence, each by its proto name)
+        schema["required"] = [f.name for f in message.fields if not f.has_presence]
     schemas[message.name] = schema
     for field in message.fields:
         properties[field.name] = _field_schema(field, schemas, closed=closed)
+        if closed and field.json_name != field.name:  # (the parser takes either name)
+            properties[field.json_name] = properties[field.name]
 
 
 def _field_schema(field: FieldDescriptor, schemas: dict[str, Any], *, closed: bool) -> Any:
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
         value = field.message_type.fields_by_name["value"]
-        return {"type": "object", "additionalProperties": _one(value, schemas, closed=closed)}
-    one = _one(field, schemas, closed=closed)
-    if field.is_repeated:
-        return {"type": "array", "items": one}
-    return one
+        schema = {"type": "object", "additionalProperties": _one(value, schemas, closed=closed)}
+    elif field.is_repeated:
+        schema = {"type": "array", "items": _one(field, schemas, closed=closed)}
+    else:
+        schema = _one(field, schemas, closed=closed)
+    # (the parser takes null for any field: its default)
+    return {"anyOf": [schema, {"type": "null"}]} if closed else schema
 
 
 def _one(field: FieldDescriptor, schemas: dict[str, Any], *, closed: bool) -> Any:
@@ -142,8 +160,24 @@ def _one(field: FieldDescriptor, schemas: dict[str, Any], *, closed: bool) -> An
         _add_schema(field.message_type, schemas, closed=closed)
         return {"$ref": f"#/components/schemas/{field.message_type.name}"}
     if field.enum_type is not None:
-        return {"type": "string", "enum": [v.name for v in field.enum_type.values]}
-    return dict(_SCALARS[field.type])
+        return _enum(field.enum_type, closed=closed)
+    if field.type in _INTEGERS:
+        bounds = _INTEGERS[field.type]
+        is_64 = bounds is _INT64
+        if closed or is_64:  # (taken as text; written as text beyond 2**53)
+            return {"type": ["integer", "string"], "pattern": _INTEGER_TEXT, **bounds}
+        return {"type": "integer", **bounds}
+    if field.type in _FLOATS:
+        schema: dict[str, Any] = {"type": "number", "format": _FLOATS[field.type]}
+        return schema | {"type": ["number", "string"], "pattern": _FLOAT_TEXT} if closed else schema
+    return dict(_OTHERS[field.type])
+
+
+def _enum(enum: EnumDescriptor, *, closed: bool) -> dict[str, Any]:
+    names: list[Any] = [v.name for v in enum.values]
+    if closed:  # (by name or number)
+        return {"enum": names + [v.number for v in enum.values]}
+    return {"type": "string", "enum": names}
 
 
 def _content(schema: str) -> dict[str, Any]:

@@ -36,11 +36,12 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from aiohttp import web
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from rollserve.client.wire import status_details
 from rollserve.scheduler.api import Refused, SchedulerApi
@@ -182,6 +183,7 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
                 f"{name} {given!r} in the body is not the path's ({run_id!r}); give it once",
             )
     document["run_id"] = run_id
+    _refuse_booleans(document, cast(Descriptor, message.DESCRIPTOR), message.DESCRIPTOR.name)
     token_ids = _plain_token_ids(document)
     parsed = message()
     try:
@@ -192,6 +194,37 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
         for index, ids in token_ids.items():
             parsed.groups[index].prompt_token_ids.extend(ids)
     return parsed
+
+
+def _refuse_booleans(document: dict[str, Any], message: Descriptor, where: str) -> None:
+    """Refuses true or false where the message has a number (protobuf's JSON parser takes
+    them as 1 and 0, so that ``"temperature": true`` would sample at 1.0 unseen)."""
+    for field in message.fields:
+        for name in {field.name, field.json_name}:
+            value = document.get(name)
+            if value is None:
+                continue
+            path = f"{where}.{name}"
+            if field.message_type is not None:
+                if field.message_type.GetOptions().map_entry:
+                    continue  # (string keys and values, here)
+                children = value if field.is_repeated and isinstance(value, list) else [value]
+                for i, child in enumerate(children):
+                    if isinstance(child, dict):
+                        where_child = f"{path}[{i}]" if field.is_repeated else path
+                        _refuse_booleans(child, field.message_type, where_child)
+                continue
+            if field.cpp_type == FieldDescriptor.CPPTYPE_BOOL or field.cpp_type in _TEXT:
+                continue
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, bool) for v in values):
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the body: {path} is a number, not {json.dumps(value)[:80]}",
+                )
+
+
+_TEXT = (FieldDescriptor.CPPTYPE_STRING,)
 
 
 def _plain_token_ids(document: dict[str, Any]) -> dict[int, list[int]]:
