@@ -951,10 +951,18 @@ async def test_outputs_a_refused_call_carried_are_sent_with_the_next(redis_url: 
         redis_url, [a, b], policy="round_robin", earlier_outputs_push=False
     )
     run = new_run()
-    g0, g1 = spec("g0", n=2, run_id=run), spec("g1", n=2, run_id=run)
+    # (g1 of one sample: round robin puts it on a; a sample of it on b would add to the
+    # prompt's outputs, which a lacks, whenever it ended before a's refusal)
+    g0, g1 = spec("g0", n=2, run_id=run), spec("g1", n=1, run_id=run)
+
+    async def both_healthy() -> bool:  # (a first probe answered late leaves one out a while)
+        return all(runtime._engines[e].healthy for e in ("a", "b"))
+
     try:
+        await eventually(both_healthy, "both engines healthy")
         await runtime.submit(run, [g0])
-        await read_stream(redis_url, run, 1)
+        [made] = await read_stream(redis_url, run, 1)
+        assert sorted(s.engine_id for s in made.samples) == ["a", "b"]  # (one each)
         a.behaviour = Behaviour.REJECT
         await runtime.submit(run, [g1])
         [_, refused] = await read_stream(redis_url, run, 2)
@@ -963,6 +971,7 @@ async def test_outputs_a_refused_call_carried_are_sent_with_the_next(redis_url: 
         await a.stop()
         await b.stop()
     assert refused.status == GroupStatus.FAILED
+    assert len(a.requests) == 2 and len(b.requests) == 1  # (g1 went to a alone)
     carried = [list(o.token_ids) for o in a.requests[-1].earlier_outputs]
     assert carried == [[500, 501, 502, 503]]
     assert runtime._outputs is not None
