@@ -32,7 +32,14 @@ from rollserve.client import (
     UndecodableEntry,
 )
 from rollserve.client.types import cancel_request, submit_request
-from rollserve.client.wire import FinishReason, encode_entry, stream_key
+from rollserve.client.wire import (
+    FinishReason,
+    SampleResult,
+    encode_entry,
+    encode_sample_entry,
+    samples_stream_key,
+    stream_key,
+)
 
 GROUP = "trainer"
 CLAIM_IDLE_MS = 200  # small, so that a dead consumer's entries are claimable soon
@@ -681,3 +688,40 @@ def test_a_heartbeat_refused_once_is_said_once(r: redis.Redis, redis_url: str) -
             next(c.groups(timeout_s=WAIT_S))
         got = list(c.groups(limit=2, timeout_s=WAIT_S))
         assert [g.group_id for g in got] == ["a", "b"]
+
+
+# ------------------------------------------------------------- samples stream
+
+
+def publish_samples(r: redis.Redis, run_id: str, *sample_ids: str) -> None:
+    """XADDs one samples-stream entry per ``group/index``, as the scheduler does."""
+    for sample_id in sample_ids:
+        group_id, index = sample_id.split("/")
+        sample = make_result(run_id, group_id, n=int(index) + 1).samples[int(index)]
+        result = SampleResult(run_id=run_id, group_id=group_id, n=4, sample=sample)
+        r.xadd(samples_stream_key(run_id), encode_sample_entry(result))  # type: ignore[arg-type]
+
+
+def test_samples_are_read_once_each_and_taken_over_from_a_dead_reader(
+    r: redis.Redis, redis_url: str
+) -> None:
+    run = new_run_id()
+    publish_samples(r, run, "a/0", "a/1", "b/0")
+    dead = client(redis_url, run, consumer_name="dead", reads="samples")
+    taken = list(dead.samples(limit=2, timeout_s=WAIT_S))
+    assert [s.sample_id for s in taken] == ["a/0", "a/1"]
+    dead.close()  # dies without done()
+    with client(redis_url, run, consumer_name="alive", reads="samples") as alive:
+        got = list(alive.samples(limit=3, timeout_s=WAIT_S))
+        redelivered = {s.sample_id: s.redelivered for s in got}
+        assert redelivered == {"a/0": True, "a/1": True, "b/0": False}
+        assert alive.ack(*got) == 3
+        publish_samples(r, run, "c/0", "c/0", "a/1")  # a duplicate, then one acked already
+        [again] = alive.samples(timeout_s=0.5)
+        assert again.sample_id == "c/0" and again.done()
+        with pytest.raises(InvalidArgument, match="reads the run's samples stream"):
+            list(alive.groups(limit=1))
+    assert int(r.xpending(samples_stream_key(run), GROUP)["pending"]) == 0
+    assert r.exists(stream_key(run)) == 0  # the groups stream was never touched
+    with pytest.raises(InvalidArgument, match="reads"):
+        client(redis_url, run, reads="sample")

@@ -4,6 +4,7 @@ real scheduler process and the SDK. Nothing is faked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -28,7 +29,7 @@ from rollserve.client import (
     SamplingParams,
     SchedulerStatus,
 )
-from rollserve.client.wire import stream_key
+from rollserve.client.wire import samples_stream_key, stream_key
 from rollserve.scheduler.lease import LEASE_KEY
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -171,6 +172,51 @@ def test_16_groups_of_4_give_exactly_64_samples(
     # What the engine serves, as its Stats said and the scheduler passes on.
     [e0] = status.engines
     assert e0.model and e0.dtype in ("float32", "bfloat16"), (e0.model, e0.dtype)
+
+
+def test_samples_streamed_as_they_finish_are_the_ones_their_groups_carry(
+    scheduler: ManagedProcess, scheduler_redis_url: str
+) -> None:
+    # Samples of very different lengths (max_tokens 2 to 200 across groups), each written to
+    # the samples stream as the real engine finishes it, then the whole group.
+    rid = run_id()
+    streaming = [
+        dataclasses.replace(g, stream_samples=True, sampling=SamplingParams(max_tokens=m, seed=i))
+        for i, (g, m) in enumerate(zip(groups(3, n=3), (2, 60, 200), strict=True))
+    ]
+    with (
+        RolloutClient(scheduler.address, scheduler_redis_url, rid, reads="samples") as scorer,
+        RolloutClient(scheduler.address, scheduler_redis_url, rid) as trainer,
+    ):
+        assert trainer.submit(streaming) == 3
+        samples = list(scorer.samples(limit=9, timeout_s=300))
+        assert scorer.ack(*samples) == 9
+        received = list(trainer.groups(limit=3, timeout_s=300))
+        assert trainer.ack(*received) == 3
+        assert list(scorer.samples(timeout_s=0.5)) == []
+    streamed = {r.sample_id: r.result for r in samples}
+    assert sorted(streamed) == sorted(f"g{i}/{j}" for i in range(3) for j in range(3))
+    for group in (r.result for r in received):
+        assert group.status == GroupStatus.DELIVERED
+        for sample in group.samples:
+            assert streamed[sample.sample_id].sample == sample
+            assert streamed[sample.sample_id].group_id == group.group_id
+            assert sample.engine_id == "e0" and len(sample.logprobs) == len(sample.token_ids)
+    # The short group's samples came before the long group was done.
+    r = redis.Redis.from_url(scheduler_redis_url)
+    short_entry = max(e for e, f in _entries(r, samples_stream_key(rid)) if f.startswith(b"g0/"))
+    long_group = [e for e, f in _entries(r, stream_key(rid), b"group_id") if f == b"g2"]
+    assert short_entry < long_group[0]
+
+
+def _entries(
+    r: redis.Redis, key: str, field: bytes = b"sample_id"
+) -> list[tuple[tuple[int, int], bytes]]:
+    out = []
+    for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], r.xrange(key)):
+        ms, seq = entry_id.split(b"-")
+        out.append(((int(ms), int(seq)), fields[field]))
+    return out
 
 
 def test_groups_submitted_over_http_reach_the_trainer_from_the_engine(

@@ -174,11 +174,13 @@ async def test_a_trim_redis_refuses_is_tried_again_and_fails_nothing(
     real_trim = runtime._store.trim_acked
     refused: list[str] = []
 
-    async def trim_acked(run_id: str, retention_s: float) -> tuple[int, int]:
+    async def trim_acked(
+        run_id: str, retention_s: float, *, samples: bool = False
+    ) -> tuple[int, int]:
         if len(refused) < 3:
             refused.append(run_id)
             raise redis.exceptions.ResponseError("BUSY Redis is busy running a script")
-        return await real_trim(run_id, retention_s)
+        return await real_trim(run_id, retention_s, samples=samples)
 
     runtime._store.trim_acked = trim_acked  # type: ignore[method-assign]
     run = new_run()

@@ -147,3 +147,12 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused() -> None:
     group.sampling.stop_token_ids.append(50)
     with pytest.raises(ValidationError, match=r"stop_token_ids holds id 50; the vocabulary has 50"):
         validate_submit(submit(group), limits, None)
+
+
+def test_stream_samples_is_carried_to_the_spec() -> None:
+    [plain] = validate_submit(submit(proto_group("a")), LIMITS, None)
+    assert not plain.stream_samples
+    group = proto_group("b")
+    group.stream_samples = True
+    [streaming] = validate_submit(submit(group), LIMITS, None)
+    assert streaming.stream_samples

@@ -5,7 +5,7 @@ with the tail carried over: :class:`StepBatcher` / :class:`AsyncStepBatcher`. Th
 format, for readers in other languages, is in docs/stream-format.md.
 """
 
-from rollserve.client.aio import AsyncReceivedGroup, AsyncRolloutClient
+from rollserve.client.aio import AsyncReceivedGroup, AsyncReceivedSample, AsyncRolloutClient
 from rollserve.client.batches import (
     AsyncStepBatcher,
     BatchedGroup,
@@ -15,7 +15,7 @@ from rollserve.client.batches import (
     StepBatch,
     StepBatcher,
 )
-from rollserve.client.client import ReceivedGroup, RolloutClient
+from rollserve.client.client import ReceivedGroup, ReceivedSample, RolloutClient
 from rollserve.client.errors import (
     AlreadySubmitted,
     InvalidArgument,
@@ -37,12 +37,19 @@ from rollserve.client.types import (
     SamplingParams,
     SchedulerStatus,
 )
-from rollserve.client.wire import SCHEMA_VERSION, VersionSegment, stream_key
+from rollserve.client.wire import (
+    SCHEMA_VERSION,
+    SampleResult,
+    VersionSegment,
+    samples_stream_key,
+    stream_key,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
     "AlreadySubmitted",
     "AsyncReceivedGroup",
+    "AsyncReceivedSample",
     "AsyncRolloutClient",
     "AsyncStepBatcher",
     "BatchTimeout",
@@ -58,10 +65,12 @@ __all__ = [
     "PromptGroup",
     "PublishResult",
     "ReceivedGroup",
+    "ReceivedSample",
     "ResourceExhausted",
     "RolloutClient",
     "RolloutError",
     "Sample",
+    "SampleResult",
     "SamplingParams",
     "SchedulerStatus",
     "SchedulerUnavailable",
@@ -70,5 +79,6 @@ __all__ = [
     "StreamUnavailable",
     "UndecodableEntry",
     "VersionSegment",
+    "samples_stream_key",
     "stream_key",
 ]

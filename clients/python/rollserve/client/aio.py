@@ -19,10 +19,12 @@ lives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
+from typing import cast
 
 import grpc
 import redis
@@ -47,6 +49,8 @@ from rollserve.client.consumer import (
     NextRead,
     ReadNew,
     ReceivedBase,
+    ReceivedSampleBase,
+    StreamKind,
     default_consumer_name,
     heartbeat_chunks,
     heartbeat_refused,
@@ -70,7 +74,7 @@ from rollserve.client.types import (
     publish_version_request,
     submit_request,
 )
-from rollserve.client.wire import GroupResult
+from rollserve.client.wire import GroupResult, SampleResult
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -98,6 +102,26 @@ class AsyncReceivedGroup(ReceivedBase):
         return await self._client.ack(self) == 1
 
 
+class AsyncReceivedSample(ReceivedSampleBase):
+    """A finished sample from the samples stream. ``await done()`` acknowledges it (XACK)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(
+        self,
+        result: SampleResult,
+        entry_id: str,
+        delivery_count: int,
+        client: AsyncRolloutClient,
+    ) -> None:
+        super().__init__(result, entry_id, delivery_count)
+        self._client = client
+
+    async def done(self) -> bool:
+        """Acknowledges the sample. False if it was no longer pending in the consumer group."""
+        return await self._client.ack(self) == 1
+
+
 class AsyncRolloutClient:
     """Same arguments and behaviour as :class:`rollserve.client.RolloutClient`.
 
@@ -122,6 +146,7 @@ class AsyncRolloutClient:
         read_count: int = DEFAULT_READ_COUNT,
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
         heartbeat: bool = True,
+        reads: StreamKind = "groups",
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -132,6 +157,7 @@ class AsyncRolloutClient:
             read_count=read_count,
             dedupe_capacity=dedupe_capacity,
             heartbeat=heartbeat,
+            reads=reads,
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
@@ -204,6 +230,27 @@ class AsyncRolloutClient:
         self, *, limit: int | None = None, timeout_s: float | None = None
     ) -> AsyncIterator[AsyncReceivedGroup]:
         """Finished groups of the run, each once; see ``RolloutClient.groups``."""
+        self.config.check_reads("groups")
+        async with contextlib.aclosing(self._deliveries(limit, timeout_s)) as deliveries:
+            async for item, count in deliveries:
+                result = cast(GroupResult, item.result)
+                yield AsyncReceivedGroup(result, item.entry_id, count, self)
+
+    async def samples(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[AsyncReceivedSample]:
+        """Finished samples of the run's ``stream_samples`` groups, each once, as they
+        finished (a client made with ``reads="samples"``); see ``RolloutClient.samples``."""
+        self.config.check_reads("samples")
+        async with contextlib.aclosing(self._deliveries(limit, timeout_s)) as deliveries:
+            async for item, count in deliveries:
+                result = cast(SampleResult, item.result)
+                yield AsyncReceivedSample(result, item.entry_id, count, self)
+
+    async def _deliveries(
+        self, limit: int | None, timeout_s: float | None
+    ) -> AsyncGenerator[tuple[Deliver, int], None]:
+        """The entries to hand out, each with its delivery count."""
         budget = Budget(limit, timeout_s, time.monotonic())
         iteration = self._state.restart()
         try:
@@ -217,19 +264,14 @@ class AsyncRolloutClient:
                 for item in batch.items:
                     if not isinstance(item, Deliver):
                         raise item
-                    if not self._state.handed_out(item.entry_id, item.result.group_id):
+                    if not self._state.handed_out(item.entry_id, item.key):
                         continue
                     budget.took_one()
-                    yield AsyncReceivedGroup(
-                        item.result,
-                        item.entry_id,
-                        item.delivery_count(counts.get(item.entry_id, 1)),
-                        self,
-                    )
+                    yield item, item.delivery_count(counts.get(item.entry_id, 1))
         finally:
             self._state.stop_reading(iteration)
 
-    async def ack(self, *received: AsyncReceivedGroup) -> int:
+    async def ack(self, *received: AsyncReceivedGroup | AsyncReceivedSample) -> int:
         """Acknowledges groups (one XACK); returns how many were still pending."""
         if not received:
             return 0
@@ -242,7 +284,7 @@ class AsyncRolloutClient:
             self._state.acked(entry_id)
         return acked
 
-    def release(self, *received: AsyncReceivedGroup) -> None:
+    def release(self, *received: AsyncReceivedGroup | AsyncReceivedSample) -> None:
         """Stops keeping these groups claimed; see ``RolloutClient.release``. No I/O."""
         for r in received:
             self._state.release(r.entry_id)

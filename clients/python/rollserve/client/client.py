@@ -18,11 +18,13 @@ so other consumers take over only a dead (or hung) process's entries. See
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from types import TracebackType
+from typing import cast
 
 import grpc
 import redis
@@ -41,6 +43,8 @@ from rollserve.client.consumer import (
     NextRead,
     ReadNew,
     ReceivedBase,
+    ReceivedSampleBase,
+    StreamKind,
     default_consumer_name,
     heartbeat_chunks,
     heartbeat_refused,
@@ -64,7 +68,7 @@ from rollserve.client.types import (
     publish_version_request,
     submit_request,
 )
-from rollserve.client.wire import GroupResult
+from rollserve.client.wire import GroupResult, SampleResult
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -93,6 +97,22 @@ class ReceivedGroup(ReceivedBase):
         return self._client.ack(self) == 1
 
 
+class ReceivedSample(ReceivedSampleBase):
+    """A finished sample from the samples stream. ``done()`` acknowledges it (XACK)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(
+        self, result: SampleResult, entry_id: str, delivery_count: int, client: RolloutClient
+    ) -> None:
+        super().__init__(result, entry_id, delivery_count)
+        self._client = client
+
+    def done(self) -> bool:
+        """Acknowledges the sample. False if it was no longer pending in the consumer group."""
+        return self._client.ack(self) == 1
+
+
 class RolloutClient:
     """Submits prompt groups to a scheduler and reads the run's finished groups.
 
@@ -116,6 +136,10 @@ class RolloutClient:
         JUSTID from a daemon thread, while any are held) as long as this process lives.
         False restores the old behaviour: a group held past ``claim_idle_ms`` is taken
         over by another consumer of the group, which trains on it too.
+    reads: the stream this client reads: ``"groups"`` (``groups()``), or ``"samples"``
+        (``samples()``: each sample of the groups submitted with ``stream_samples``, as it
+        finished; the stream ``rollserve:{run_id}:samples``, with consumer groups of its
+        own). To read both, use a client for each.
 
     Not for concurrent iteration from several threads; ``ack``/``done`` may be
     called from another thread than the one iterating.
@@ -135,6 +159,7 @@ class RolloutClient:
         read_count: int = DEFAULT_READ_COUNT,
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
         heartbeat: bool = True,
+        reads: StreamKind = "groups",
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -145,6 +170,7 @@ class RolloutClient:
             read_count=read_count,
             dedupe_capacity=dedupe_capacity,
             heartbeat=heartbeat,
+            reads=reads,
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
@@ -239,6 +265,27 @@ class RolloutClient:
         :class:`UndecodableEntry` for an entry this SDK cannot read (it stays
         pending; see ``discard``) and :class:`StreamUnavailable` if Redis is down.
         """
+        self.config.check_reads("groups")
+        with contextlib.closing(self._deliveries(limit, timeout_s)) as deliveries:
+            for item, count in deliveries:
+                yield ReceivedGroup(cast(GroupResult, item.result), item.entry_id, count, self)
+
+    def samples(
+        self, *, limit: int | None = None, timeout_s: float | None = None
+    ) -> Iterator[ReceivedSample]:
+        """Finished samples of the run's groups submitted with ``stream_samples``, each once,
+        in the order they finished, as ``groups()`` reads groups (a client made with
+        ``reads="samples"``). A sample is final training data only with its group: the
+        group's entry carries it again, unless the group failed or was cancelled later."""
+        self.config.check_reads("samples")
+        with contextlib.closing(self._deliveries(limit, timeout_s)) as deliveries:
+            for item, count in deliveries:
+                yield ReceivedSample(cast(SampleResult, item.result), item.entry_id, count, self)
+
+    def _deliveries(
+        self, limit: int | None, timeout_s: float | None
+    ) -> Generator[tuple[Deliver, int], None, None]:
+        """The entries to hand out, each with its delivery count."""
         budget = Budget(limit, timeout_s, time.monotonic())
         with self._lock:
             iteration = self._state.restart()
@@ -257,21 +304,16 @@ class RolloutClient:
                     if not isinstance(item, Deliver):
                         raise item
                     with self._lock:
-                        if not self._state.handed_out(item.entry_id, item.result.group_id):
+                        if not self._state.handed_out(item.entry_id, item.key):
                             continue
                     budget.took_one()
-                    yield ReceivedGroup(
-                        item.result,
-                        item.entry_id,
-                        item.delivery_count(counts.get(item.entry_id, 1)),
-                        self,
-                    )
+                    yield item, item.delivery_count(counts.get(item.entry_id, 1))
         finally:
             with self._lock:
                 self._state.stop_reading(iteration)
 
-    def ack(self, *received: ReceivedGroup) -> int:
-        """Acknowledges groups (one XACK); returns how many were still pending."""
+    def ack(self, *received: ReceivedGroup | ReceivedSample) -> int:
+        """Acknowledges groups (or samples) (one XACK); returns how many were still pending."""
         if not received:
             return 0
         ids = [r.entry_id for r in received]
@@ -284,7 +326,7 @@ class RolloutClient:
                 self._state.acked(entry_id)
         return acked
 
-    def release(self, *received: ReceivedGroup) -> None:
+    def release(self, *received: ReceivedGroup | ReceivedSample) -> None:
         """Stops keeping these groups claimed, without acknowledging them: another
         consumer of the group takes them over after ``claim_idle_ms`` (this one does not
         hand them out again). For groups this trainer will not use, such as another

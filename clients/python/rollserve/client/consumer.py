@@ -62,20 +62,28 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from rollserve.client.errors import InvalidArgument, UndecodableEntry
 from rollserve.client.wire import (
     MAX_RUN_ID_LEN,
     RUN_ID_ALPHABET,
     GroupResult,
+    SampleResult,
     SchemaError,
     decode_entry,
+    decode_sample_entry,
+    samples_stream_key,
     stream_key,
 )
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
+_Result = TypeVar("_Result", GroupResult, SampleResult)
+
+StreamKind = Literal["groups", "samples"]
+STREAM_KINDS: tuple[StreamKind, ...] = ("groups", "samples")
+_KIND: dict[StreamKind, str] = {"groups": "group", "samples": "sample"}
 
 PENDING_START_ID = "0"
 NEW_ENTRIES_ID = ">"
@@ -228,7 +236,8 @@ NextRead = ReadPending | Claim | ReadNew
 @dataclass(frozen=True, slots=True)
 class Deliver:
     entry_id: str
-    result: GroupResult
+    result: GroupResult | SampleResult
+    key: str  # what duplicates are told by: the group id, or the sample id
     redelivered: bool  # from our pending list or claimed: its count is in XPENDING
     # Times this consumer read it before and did not hand it out (an iterator closed with
     # it read ahead): not deliveries to the trainer, taken off XPENDING's count.
@@ -279,7 +288,7 @@ class Lost:
     """An entry this consumer held that a heartbeat found it no longer holds."""
 
     entry_id: str
-    group_id: str
+    group_id: str  # what the entry holds: the group id, or the sample id (samples stream)
     holder: str | None  # the consumer that took it over; None: no longer pending at all
     in_hand: bool  # the caller has it; else it was read ahead and is not handed out
 
@@ -296,9 +305,14 @@ class ConsumerConfig:
     read_count: int = DEFAULT_READ_COUNT
     dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY
     heartbeat: bool = True  # keep held entries claimed while the process lives
+    # The run's stream read: its finished groups, or the samples of its groups submitted
+    # with ``stream_samples``, each as it finished.
+    reads: StreamKind = "groups"
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.reads not in STREAM_KINDS:
+            raise InvalidArgument(f"reads ({self.reads!r}) must be one of {STREAM_KINDS}")
         for name in ("claim_idle_ms", "block_ms", "read_count", "dedupe_capacity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -320,7 +334,17 @@ class ConsumerConfig:
 
     @property
     def stream(self) -> str:
-        return stream_key(self.run_id)
+        return (
+            samples_stream_key(self.run_id) if self.reads == "samples" else stream_key(self.run_id)
+        )
+
+    def check_reads(self, kind: StreamKind) -> None:
+        """Refuses to iterate ``kind`` on a client that reads the other stream."""
+        if kind != self.reads:
+            raise InvalidArgument(
+                f"this client reads the run's {self.reads} stream; make one with "
+                f"reads={kind!r} to read its {kind}"
+            )
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -485,7 +509,7 @@ class ConsumerState:
         batch = self.classify(entries, source)
         for item in batch.items:
             if isinstance(item, Deliver):
-                self._read_ahead[item.entry_id] = item.result.group_id
+                self._read_ahead[item.entry_id] = item.key
         for drop in batch.drop:
             log.info(
                 "stream %s: acking entry %s unread: %s",
@@ -539,7 +563,13 @@ class ConsumerState:
                 drop.append(Drop(entry_id, "trimmed from the stream before it was acknowledged"))
                 continue
             try:
-                result = decode_entry(entry.fields)
+                result: GroupResult | SampleResult
+                if self.config.reads == "samples":
+                    result = decode_sample_entry(entry.fields)
+                    key = result.sample_id
+                else:
+                    result = decode_entry(entry.fields)
+                    key = result.group_id
             except SchemaError as exc:
                 items.append(
                     UndecodableEntry(
@@ -547,13 +577,12 @@ class ConsumerState:
                     )
                 )
                 continue
-            group_id = result.group_id
-            if group_id in self._acked or group_id in self._in_hand_groups or group_id in in_batch:
-                drop.append(Drop(entry_id, f"duplicate of group {group_id!r}"))
+            if key in self._acked or key in self._in_hand_groups or key in in_batch:
+                drop.append(Drop(entry_id, f"duplicate of {_KIND[self.config.reads]} {key!r}"))
                 continue
-            in_batch.add(group_id)
+            in_batch.add(key)
             unhanded = self._unhanded.get(entry_id, 0)
-            items.append(Deliver(entry_id, result, source is not Source.NEW, unhanded))
+            items.append(Deliver(entry_id, result, key, source is not Source.NEW, unhanded))
         return Batch(items, drop)
 
     def handed_out(self, entry_id: str, group_id: str) -> bool:
@@ -662,22 +691,24 @@ class ConsumerState:
         return lost
 
     def _log_lost(self, lost: Lost) -> None:
-        stream = self.config.stream
+        stream, kind = self.config.stream, _KIND[self.config.reads]
         if lost.holder is None:
             log.info(
-                "stream %s: entry %s of group %r is no longer pending (acknowledged or "
+                "stream %s: entry %s of %s %r is no longer pending (acknowledged or "
                 "trimmed); no longer kept claimed%s",
                 stream,
                 lost.entry_id,
+                kind,
                 lost.group_id,
                 "" if lost.in_hand else ", not handed out",
             )
         elif lost.in_hand:
             log.warning(
-                "stream %s: group %r (entry %s), in this consumer's hands, was taken over by "
+                "stream %s: %s %r (entry %s), in this consumer's hands, was taken over by "
                 "consumer %r (this process stalled past claim_idle_ms = %d ms?); it may be "
                 "trained on twice",
                 stream,
+                kind,
                 lost.group_id,
                 lost.entry_id,
                 lost.holder,
@@ -685,10 +716,11 @@ class ConsumerState:
             )
         else:
             log.warning(
-                "stream %s: group %r (entry %s), read and not yet handed out, was taken over "
+                "stream %s: %s %r (entry %s), read and not yet handed out, was taken over "
                 "by consumer %r (this process stalled past claim_idle_ms = %d ms?); "
                 "not handed out here",
                 stream,
+                kind,
                 lost.group_id,
                 lost.entry_id,
                 lost.holder,
@@ -701,19 +733,17 @@ class ConsumerState:
         return len(self._in_hand)
 
 
-class ReceivedBase:
-    """A finished group read from the stream, not yet acknowledged."""
-
+class _Received(Generic[_Result]):
     __slots__ = ("delivery_count", "entry_id", "result")
 
-    def __init__(self, result: GroupResult, entry_id: str, delivery_count: int) -> None:
-        self.result = result
+    def __init__(self, result: _Result, entry_id: str, delivery_count: int) -> None:
+        self.result: _Result = result
         self.entry_id = entry_id
         self.delivery_count = delivery_count  # 1 on first delivery
 
     @property
     def group_id(self) -> str:
-        return self.result.group_id
+        return str(self.result.group_id)
 
     @property
     def redelivered(self) -> bool:
@@ -721,10 +751,32 @@ class ReceivedBase:
         The trainer may have used it already if it died after training, before acking."""
         return self.delivery_count > 1
 
+
+class ReceivedBase(_Received[GroupResult]):
+    """A finished group read from the stream, not yet acknowledged."""
+
+    __slots__ = ()
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(group_id={self.group_id!r}, entry_id={self.entry_id!r}, "
             f"delivery_count={self.delivery_count}, status={self.result.status.value})"
+        )
+
+
+class ReceivedSampleBase(_Received[SampleResult]):
+    """A finished sample read from the samples stream, not yet acknowledged."""
+
+    __slots__ = ()
+
+    @property
+    def sample_id(self) -> str:
+        return self.result.sample_id
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(sample_id={self.sample_id!r}, entry_id={self.entry_id!r}, "
+            f"delivery_count={self.delivery_count})"
         )
 
 

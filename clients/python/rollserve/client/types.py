@@ -131,6 +131,9 @@ class PromptGroup:
         history of a prompt_key decays by epochs. None: one more than the last epoch
         the scheduler learnt the prompt_key in.
     metadata: passed through to the stream entry untouched.
+    stream_samples: also write each sample to the run's samples stream the moment it
+        finishes (read with a client made with ``reads="samples"``); the group's entry
+        still comes, with the same samples, once all have finished.
     """
 
     group_id: str
@@ -142,6 +145,7 @@ class PromptGroup:
     priority: int = 0
     epoch: int | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
+    stream_samples: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -192,6 +196,7 @@ class PromptGroup:
             priority=self.priority,
             epoch=self.epoch,
             metadata=dict(self.metadata),
+            stream_samples=self.stream_samples,
         )
 
 
@@ -290,6 +295,7 @@ class SchedulerStatus:
     earlier_outputs_pushed: int = 0
     # Stream entries every reader had acknowledged, removed since the scheduler started.
     stream_entries_trimmed: int = 0
+    samples_streamed: int = 0  # written to the samples streams as they finished
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -320,6 +326,7 @@ class SchedulerStatus:
             earlier_outputs_sent=msg.earlier_outputs_sent,
             earlier_outputs_pushed=msg.earlier_outputs_pushed,
             stream_entries_trimmed=msg.stream_entries_trimmed,
+            samples_streamed=msg.samples_streamed,
         )
 
     @property

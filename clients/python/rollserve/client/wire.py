@@ -9,12 +9,19 @@ cluster slot and the scheduler's Lua scripts may touch them together):
 - ``rollserve:{R}:groups``  the stream, one entry per finished or failed group
 - ``rollserve:{R}:pending`` hash group_id -> accepted group (msgpack), until it ends
 - ``rollserve:{R}:ended``   set of group ids that were delivered, failed or cancelled
+- ``rollserve:{R}:samples`` a second stream, one entry per finished sample of the groups
+  submitted with ``stream_samples``, written the moment it finishes
+- ``rollserve:{R}:streamed:<group_id>`` hash index -> the sample as written to the samples
+  stream, while its group has not ended (a restarted scheduler keeps those samples)
 
 An entry has three fields:
 
 - ``v``        the schema version, ``"1"``
 - ``group_id`` the caller's group id (lets a reader suppress duplicates cheaply)
 - ``body``     a JSON object, :class:`GroupResult`
+
+An entry of the samples stream has ``v``, ``sample_id`` (``"<group_id>/<index>"``) and
+``body``, a JSON object :class:`SampleResult`.
 """
 
 from __future__ import annotations
@@ -22,8 +29,11 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import msgspec
+
+_T = TypeVar("_T")
 
 SCHEMA_VERSION = "1"
 KEY_PREFIX = "rollserve"
@@ -51,6 +61,17 @@ RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 def stream_key(run_id: str) -> str:
     return f"{KEY_PREFIX}:{{{run_id}}}:groups"
+
+
+def samples_stream_key(run_id: str) -> str:
+    """The stream of finished samples of the run's groups submitted with ``stream_samples``."""
+    return f"{KEY_PREFIX}:{{{run_id}}}:samples"
+
+
+def streamed_key(run_id: str, group_id: str) -> str:
+    """Hash: index -> the sample of the group as written to the samples stream (msgpack),
+    until the group ends."""
+    return f"{KEY_PREFIX}:{{{run_id}}}:streamed:{group_id}"
 
 
 def pending_key(run_id: str) -> str:
@@ -131,6 +152,30 @@ class GroupResult(msgspec.Struct, frozen=True, kw_only=True):
         return min((seg.version for s in self.samples for seg in s.versions), default=None)
 
 
+class SampleResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished sample of a group submitted with ``stream_samples``, as it finished. The
+    group's entry in the groups stream carries the same sample once all ``n`` have finished;
+    a group that fails or is cancelled after some of its samples were written has no entry
+    there (failed: an entry with no samples), so a sample is final training data only with
+    its group."""
+
+    run_id: str
+    group_id: str
+    n: int  # samples in the group
+    prompt_key: str = ""
+    metadata: dict[str, str] = {}
+    submitted_at: float = 0.0  # unix seconds, the group accepted by the scheduler
+    sample: Sample
+
+    @property
+    def sample_id(self) -> str:
+        return self.sample.sample_id
+
+    @property
+    def index(self) -> int:
+        return self.sample.index
+
+
 def first_non_finite(logprobs: Sequence[float]) -> int | None:
     """Index of the first logprob that is NaN or infinite, None if all are finite. Such a
     value cannot be trained on, and JSON cannot carry it (it would be written as null and
@@ -158,6 +203,25 @@ def encode_entry(result: GroupResult) -> dict[str, bytes]:
 
 
 def decode_entry(fields: dict[bytes, bytes]) -> GroupResult:
+    return _decode(fields, _decoder)
+
+
+_sample_decoder = msgspec.json.Decoder(SampleResult)
+
+
+def encode_sample_entry(result: SampleResult) -> dict[str, bytes]:
+    return {
+        "v": SCHEMA_VERSION.encode(),
+        "sample_id": result.sample.sample_id.encode(),
+        "body": _encoder.encode(result),
+    }
+
+
+def decode_sample_entry(fields: dict[bytes, bytes]) -> SampleResult:
+    return _decode(fields, _sample_decoder)
+
+
+def _decode(fields: dict[bytes, bytes], decoder: msgspec.json.Decoder[_T]) -> _T:
     version = fields.get(b"v")
     if version != SCHEMA_VERSION.encode():
         raise SchemaError(f"stream entry schema version {version!r}; this reader knows '1'")
@@ -165,7 +229,7 @@ def decode_entry(fields: dict[bytes, bytes]) -> GroupResult:
     if body is None:
         raise SchemaError("stream entry has no 'body' field")
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise SchemaError(f"stream entry body does not decode: {exc}") from exc
 

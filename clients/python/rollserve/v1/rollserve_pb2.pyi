@@ -148,6 +148,7 @@ class PromptGroup(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    STREAM_SAMPLES_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """caller's id, unique within the run"""
     prompt_text: _builtins.str
@@ -162,6 +163,11 @@ class PromptGroup(_message.Message):
     """The pass over the dataset this group belongs to (>= 0), for the length predictor:
     history of a prompt_key decays by epochs. Unset: one more than the last epoch the
     scheduler learnt the prompt_key in (its first: the predictor's newest epoch).
+    """
+    stream_samples: _builtins.bool
+    """Also write each sample to the run's samples stream (rollserve:{run}:samples) the moment it
+    finishes, for trainers that score or use samples as they come; the group's entry still goes
+    to the groups stream, with the same samples, once all have finished. Default: off.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -185,10 +191,11 @@ class PromptGroup(_message.Message):
         priority: _builtins.int = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         epoch: _builtins.int | None = ...,
+        stream_samples: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "epoch", b"epoch", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "epoch", b"epoch", "group_id", b"group_id", "metadata", b"metadata", "n", b"n", "priority", b"priority", "prompt_key", b"prompt_key", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "epoch", b"epoch", "group_id", b"group_id", "metadata", b"metadata", "n", b"n", "priority", b"priority", "prompt_key", b"prompt_key", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "stream_samples", b"stream_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
@@ -406,6 +413,7 @@ class StatusResponse(_message.Message):
     EARLIER_OUTPUTS_SENT_FIELD_NUMBER: _builtins.int
     EARLIER_OUTPUTS_PUSHED_FIELD_NUMBER: _builtins.int
     STREAM_ENTRIES_TRIMMED_FIELD_NUMBER: _builtins.int
+    SAMPLES_STREAMED_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -458,6 +466,10 @@ class StatusResponse(_message.Message):
     """Stream entries removed since start because every consumer group had acknowledged them
     (and they were older than the scheduler's retention); 0 when it keeps every entry.
     """
+    samples_streamed: _builtins.int
+    """Samples written to their runs' samples streams as they finished (groups submitted with
+    stream_samples), since start.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
     def __init__(
@@ -485,10 +497,11 @@ class StatusResponse(_message.Message):
         earlier_outputs_sent: _builtins.int = ...,
         earlier_outputs_pushed: _builtins.int = ...,
         stream_entries_trimmed: _builtins.int = ...,
+        samples_streamed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "stream_entries_trimmed", b"stream_entries_trimmed", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "samples_streamed", b"samples_streamed", "stream_entries_trimmed", b"stream_entries_trimmed", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015

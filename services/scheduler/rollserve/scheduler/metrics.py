@@ -57,6 +57,7 @@ _SCHEDULER = (
     _Figure("inflight_samples", False, "Samples placed on engines and not finished."),
     _Figure("groups_delivered", True, "Groups written to their run's stream."),
     _Figure("samples_delivered", True, "Samples of the groups delivered."),
+    _Figure("samples_streamed", True, "Samples written to the samples streams as they finished."),
     _Figure("tokens_generated", True, "Output tokens of the groups delivered."),
     _Figure("groups_failed", True, "Groups reported failed, with a reason, in the stream."),
     _Figure("groups_cancelled", True, "Groups cancelled by their callers."),

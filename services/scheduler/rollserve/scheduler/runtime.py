@@ -65,7 +65,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -78,6 +78,7 @@ from rollserve.client.wire import (
     FinishReason,
     GroupResult,
     GroupStatus,
+    SampleResult,
     first_non_finite,
 )
 from rollserve.scheduler.core.policy import Policy
@@ -204,6 +205,7 @@ class Counters:
     earlier_outputs_sent: int = 0
     earlier_outputs_pushed: int = 0
     stream_entries_trimmed: int = 0  # acknowledged by every reader, removed (trim_acked)
+    samples_streamed: int = 0  # written to the samples streams as they finished
 
 
 @dataclass(eq=False, slots=True)
@@ -280,6 +282,9 @@ class SchedulerRuntime:
         # Run -> its questions of what samples had made at a publish (``_ask_made``) not
         # answered yet, in the order of the publishes
         self._asking: dict[str, list[asyncio.Task[None]]] = {}
+        # Group key -> writes of its samples to the samples stream not yet done; the group's
+        # entry waits for them, so that its samples' entries come first.
+        self._sample_writes: dict[str, set[asyncio.Task[None]]] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -387,6 +392,8 @@ class SchedulerRuntime:
             )
             for spec in recovered:
                 self._enqueue(spec)
+                if spec.stream_samples:
+                    await self._restore_streamed(spec)
             if recovered:
                 log.info("recovered %d pending groups from Redis", len(recovered))
             for endpoint in self.settings.engines:
@@ -489,12 +496,14 @@ class SchedulerRuntime:
             *self._watches.values(),
             *self._questions(),
             *self._pushers.values(),
+            *(task for writes in self._sample_writes.values() for task in writes),
         ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background.clear()
         self._asking.clear()
+        self._sample_writes.clear()
         self._tasks.clear()
         self._probing.clear()
         self._watches.clear()
@@ -877,6 +886,7 @@ class SchedulerRuntime:
             inflight_samples=sum(load.samples for load in loads.values()),
             groups_delivered=c.groups_delivered,
             samples_delivered=c.samples_delivered,
+            samples_streamed=c.samples_streamed,
             tokens_generated=c.tokens_generated,
             groups_failed=c.groups_failed,
             groups_cancelled=c.groups_cancelled,
@@ -1433,6 +1443,8 @@ class SchedulerRuntime:
                     done.index, reason, done.num_prompt_tokens, done.num_cached_tokens
                 )
                 self._keep_output(call, done.index, reason)
+                if record.spec.stream_samples:
+                    self._stream_sample(record, done.index)
             elif kind == "error":
                 if message.error.retryable:
                     raise _EngineFault(f"engine error: {message.error.message}")
@@ -1625,7 +1637,10 @@ class SchedulerRuntime:
             submitted_at=spec.submitted_at,
             finished_at=time.time(),
         )
-        entry = await self._write(result)
+        writes = self._sample_writes.pop(spec.key, None)
+        if writes:  # its samples' entries first (a write that failed has said why)
+            await asyncio.gather(*writes, return_exceptions=True)
+        entry = await self._retrying(f"group {spec.key}", lambda: self._store.deliver(result))
         if entry is None:
             return  # ended before (cancelled, or delivered by an earlier process)
         self._delivered_to.add(spec.run_id)
@@ -1645,36 +1660,85 @@ class SchedulerRuntime:
         self._learn(record)
         await self._save_history()
 
-    async def _write(self, result: GroupResult) -> str | None:
-        """Retries until Redis takes it: a finished group is never dropped. An outage is
-        waited out, and so is an error Redis answers (out of memory under ``noeviction``, a
-        replica that became read-only, a busy script): the group is out of memory already,
-        and given up it stayed pending in Redis, never delivered, until a restart. Only
-        LeaseLost (another scheduler took over) and an answer no retry changes end it."""
+    async def _retrying(self, what: str, write: Callable[[], Awaitable[str | None]]) -> str | None:
+        """Retries ``write`` until Redis takes it: a finished group (or sample) is never
+        dropped. An outage is waited out, and so is an error Redis answers (out of memory
+        under ``noeviction``, a replica that became read-only, a busy script): the group is
+        out of memory already, and given up it stayed pending in Redis, never delivered,
+        until a restart. Only LeaseLost (another scheduler took over) and an answer no retry
+        changes end it."""
         attempt = 0
         while True:
             try:
-                return await self._store.deliver(result)
+                return await write()
             except redis.exceptions.RedisError as exc:
                 if not may_pass_later(exc):  # (WRONGTYPE, a script's bug: no retry passes)
                     log.error(
-                        "writing group %s to Redis: %s; not retried: the group stays "
-                        "pending in Redis, run again by the next scheduler to start",
-                        result.group_id,
+                        "writing %s to Redis: %s; not retried: the group stays pending in "
+                        "Redis, run again by the next scheduler to start",
+                        what,
                         exc,
                     )
                     raise
                 delay = _REDIS_RETRY_S[min(attempt, len(_REDIS_RETRY_S) - 1)]
                 level = logging.WARNING if isinstance(exc, _REDIS_ERRORS) else logging.ERROR
-                log.log(
-                    level,
-                    "writing group %s to Redis: %s; retry in %.2fs",
-                    result.group_id,
-                    exc,
-                    delay,
-                )
+                log.log(level, "writing %s to Redis: %s; retry in %.2fs", what, exc, delay)
                 attempt += 1
                 await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ samples as they finish
+
+    def _stream_sample(self, record: GroupRecord, index: int) -> None:
+        """Writes finished sample ``index`` of a ``stream_samples`` group to its run's samples
+        stream, in a task of its own (the call's stream is read on meanwhile)."""
+        spec = record.spec
+        result = SampleResult(
+            run_id=spec.run_id,
+            group_id=spec.group_id,
+            n=spec.n,
+            prompt_key=spec.prompt_key,
+            metadata=dict(spec.metadata),
+            submitted_at=spec.submitted_at,
+            sample=record.stream(index),
+        )
+        what = f"sample {spec.key}/{index}"
+        task = asyncio.create_task(self._write_sample(what, result), name=f"write {what}")
+        writes = self._sample_writes.setdefault(spec.key, set())
+        writes.add(task)
+
+        def written(task: asyncio.Task[None]) -> None:
+            writes.discard(task)
+            if not writes and self._sample_writes.get(spec.key) is writes:
+                del self._sample_writes[spec.key]
+            _log_crash(task)
+
+        task.add_done_callback(written)
+
+    async def _write_sample(self, what: str, result: SampleResult) -> None:
+        entry = await self._retrying(what, lambda: self._store.deliver_sample(result))
+        if entry is not None:
+            self.counters.samples_streamed += 1
+
+    async def _restore_streamed(self, spec: GroupSpec) -> None:
+        """A recovered ``stream_samples`` group keeps the samples an earlier process wrote to
+        the samples stream; with all of them there, it is delivered at once."""
+        record = self._groups[spec.key]
+        for result in await self._store.load_streamed(spec.run_id, spec.group_id):
+            if 0 <= result.sample.index < spec.n:
+                record.restore(result.sample)
+        if record.all_finished:
+            self._queue.pop(spec.key, None)
+            task = asyncio.create_task(self._end(record), name=f"deliver {spec.key}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(_log_crash)
+        elif record.streamed:
+            log.info(
+                "group %s resumes with %d of its %d samples kept from the samples stream",
+                spec.key,
+                len(record.streamed),
+                spec.n,
+            )
 
     # ------------------------------------------------------------ length history
 
@@ -1860,9 +1924,14 @@ class SchedulerRuntime:
                 self._delivered_to.clear()
                 active = {record.spec.run_id for record in self._groups.values()}
                 for run in schedule.due(active):
-                    removed, left = await self._store.trim_acked(
-                        run, self.settings.acked_retention_s
+                    retention_s = self.settings.acked_retention_s
+                    removed, left = await self._store.trim_acked(run, retention_s)
+                    # The samples stream, by the groups stream's schedule (a run's samples
+                    # stream is written only while its groups stream is).
+                    samples_removed, _ = await self._store.trim_acked(
+                        run, retention_s, samples=True
                     )
+                    removed += samples_removed
                     self.counters.stream_entries_trimmed += removed
                     schedule.looked(run, removed, left, run in active)
                 schedule.next_round()

@@ -83,6 +83,8 @@ class GroupSpec:
     # Pass over the dataset, for the length predictor; None until the runtime resolves
     # the default (specs written before this field existed decode as None too).
     epoch: int | None = None
+    # Each sample also goes to the run's samples stream as it finishes.
+    stream_samples: bool = False
 
     @property
     def key(self) -> str:
@@ -217,6 +219,10 @@ class GroupRecord:
     # Bumped by every change of a sample's state (the methods below are the only ways to
     # change one): the queued samples and their kept tokens are the same while it is.
     revision: int = 0
+    # Finished samples as written to the run's samples stream (``stream_samples``): the
+    # group's entry carries them as they were, whatever is learnt of their tokens' versions
+    # later.
+    streamed: dict[int, Sample] = field(default_factory=dict)
 
     @classmethod
     def new(cls, spec: GroupSpec, seq: int) -> GroupRecord:
@@ -327,29 +333,48 @@ class GroupRecord:
         self.samples[index].finish(reason, num_prompt_tokens, cached_prompt_tokens, now)
         self.revision += 1
 
+    def stream(self, index: int) -> Sample:
+        """Finished sample ``index`` as it is now, kept as the group's from now on."""
+        sample = self.streamed[index] = self._to_sample(self.samples[index])
+        return sample
+
+    def restore(self, sample: Sample) -> None:
+        """Sample ``sample.index`` (queued) finished in an earlier process, which wrote it to
+        the samples stream: it is finished with what that process kept."""
+        record = self.samples[sample.index]
+        if record.state != SampleState.QUEUED:
+            raise RuntimeError(f"sample {sample.index}: restored while {record.state.name}")
+        record.state = SampleState.FINISHED
+        record.token_ids = list(sample.token_ids)
+        record.logprobs = list(sample.logprobs)
+        record.versions = [[segment.version, segment.length] for segment in sample.versions]
+        record.finish_reason = sample.finish_reason
+        record.engine_id = sample.engine_id
+        record.attempts = 1
+        record.finished_at = sample.finished_at
+        self.streamed[sample.index] = sample
+        self.revision += 1
+
     def to_samples(self) -> list[Sample]:
-        prefix = self.spec.group_id
-        out: list[Sample] = []
-        for s in self.samples:
-            assert s.finish_reason is not None, "to_samples needs every sample finished"
-            out.append(
-                Sample(
-                    sample_id=f"{prefix}/{s.index}",
-                    index=s.index,
-                    token_ids=list(s.token_ids),
-                    logprobs=list(s.logprobs),
-                    finish_reason=s.finish_reason,
-                    engine_id=s.engine_id,
-                    versions=s.labels(),
-                    num_prompt_tokens=s.num_prompt_tokens,
-                    cached_prompt_tokens=s.cached_prompt_tokens,
-                    preemptions=s.preemptions,
-                    resumed_tokens=s.resumed_tokens,
-                    spec_proposed_tokens=s.spec_proposed_tokens,
-                    spec_accepted_tokens=s.spec_accepted_tokens,
-                    spec_drafts=s.spec_drafts,
-                    started_at=s.started_at,
-                    finished_at=s.finished_at,
-                )
-            )
-        return out
+        return [self.streamed.get(s.index) or self._to_sample(s) for s in self.samples]
+
+    def _to_sample(self, s: SampleRecord) -> Sample:
+        assert s.finish_reason is not None, "to_samples needs every sample finished"
+        return Sample(
+            sample_id=f"{self.spec.group_id}/{s.index}",
+            index=s.index,
+            token_ids=list(s.token_ids),
+            logprobs=list(s.logprobs),
+            finish_reason=s.finish_reason,
+            engine_id=s.engine_id,
+            versions=s.labels(),
+            num_prompt_tokens=s.num_prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            preemptions=s.preemptions,
+            resumed_tokens=s.resumed_tokens,
+            spec_proposed_tokens=s.spec_proposed_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens,
+            spec_drafts=s.spec_drafts,
+            started_at=s.started_at,
+            finished_at=s.finished_at,
+        )

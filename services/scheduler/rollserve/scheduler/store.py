@@ -50,10 +50,14 @@ from rollserve.client.wire import (
     RUNS_KEY,
     WEIGHTS_KEY,
     GroupResult,
+    SampleResult,
     encode_entry,
+    encode_sample_entry,
     ended_key,
     pending_key,
+    samples_stream_key,
     stream_key,
+    streamed_key,
     version_key,
 )
 from rollserve.scheduler.lease import LEASE_KEY, LeaseLost, SchedulerLease
@@ -89,33 +93,63 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return false
 """
 
-# KEYS: ended, pending, stream. ARGV: group_id, maxlen (0 = none), then field, value pairs.
-# Returns the new entry id, or nothing when the group had already ended.
-_DELIVER = """
+# Appends ARGV[first..] (field, value pairs) to the stream, trimmed to about ``maxlen``
+# entries when that is > 0; returns the entry id.
+_XADD = """
+local function xadd(stream, maxlen, first)
+  local args = {'XADD', stream}
+  if tonumber(maxlen) > 0 then
+    table.insert(args, 'MAXLEN')
+    table.insert(args, '~')
+    table.insert(args, maxlen)
+  end
+  table.insert(args, '*')
+  for i = first, #ARGV do
+    table.insert(args, ARGV[i])
+  end
+  return redis.call(unpack(args))
+end
+"""
+
+# KEYS: ended, pending, stream, streamed. ARGV: group_id, maxlen (0 = none), then field, value
+# pairs. Returns the new entry id, or nothing when the group had already ended.
+_DELIVER = (
+    _XADD
+    + """
 local fresh = redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[4])
 if fresh == 0 then
   return false
 end
-local args = {'XADD', KEYS[3]}
-if tonumber(ARGV[2]) > 0 then
-  table.insert(args, 'MAXLEN')
-  table.insert(args, '~')
-  table.insert(args, ARGV[2])
-end
-table.insert(args, '*')
-for i = 3, #ARGV do
-  table.insert(args, ARGV[i])
-end
-return redis.call(unpack(args))
+return xadd(KEYS[3], ARGV[2], 3)
 """
+)
 
-# KEYS: ended, pending. ARGV: group ids. Returns the ids that were pending.
+# KEYS: pending, streamed, samples stream. ARGV: group_id, index, maxlen, the entry's body,
+# then field, value pairs. Keeps the body in the group's streamed hash and appends the entry,
+# once per sample, while the group is pending; returns the entry id, or nothing.
+_DELIVER_SAMPLE = (
+    _XADD
+    + """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+  return false
+end
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4]) == 0 then
+  return false
+end
+return xadd(KEYS[3], ARGV[3], 5)
+"""
+)
+
+# KEYS: ended, pending, then the streamed hash of each group id. ARGV: group ids.
+# Returns the ids that were pending.
 _CANCEL = """
 local out = {}
 for i = 1, #ARGV do
   if redis.call('HDEL', KEYS[2], ARGV[i]) == 1 then
     redis.call('SADD', KEYS[1], ARGV[i])
+    redis.call('DEL', KEYS[2 + i])
     table.insert(out, ARGV[i])
   end
 end
@@ -229,6 +263,7 @@ _HISTORY_BATCH = 1000  # prompt keys read per round trip when loading history
 
 _spec_encoder = msgspec.msgpack.Encoder()
 _spec_decoder = msgspec.msgpack.Decoder(GroupSpec)
+_sample_decoder = msgspec.json.Decoder(SampleResult)
 
 
 def _raw(value: bytes | str) -> bytes:
@@ -312,6 +347,7 @@ class Store:
         self._fenced_out: Callable[[LeaseLost], None] | None = None
         self._submit = self._fenced(_SUBMIT)
         self._deliver = self._fenced(_DELIVER)
+        self._deliver_sample = self._fenced(_DELIVER_SAMPLE)
         self._cancel = self._fenced(_CANCEL)
         self._save_history = self._fenced(_SAVE_HISTORY)
         self._publish_version = self._fenced(_PUBLISH_VERSION)
@@ -388,22 +424,56 @@ class Store:
             raise DuplicateGroup(run_id, _text(cast(bytes, duplicate)))
 
     async def deliver(self, result: GroupResult) -> str | None:
-        """Appends the group's entry once; returns its id, or None if it had ended before."""
+        """Appends the group's entry once; returns its id, or None if it had ended before.
+        The samples kept for it (``deliver_sample``) go with it."""
         fields = encode_entry(result)
         argv: list[str | bytes | int] = [result.group_id, self._stream_maxlen]
         for name, value in fields.items():
             argv += [name, value]
-        keys = [ended_key(result.run_id), pending_key(result.run_id), stream_key(result.run_id)]
+        run_id = result.run_id
+        keys = [
+            ended_key(run_id),
+            pending_key(run_id),
+            stream_key(run_id),
+            streamed_key(run_id, result.group_id),
+        ]
         entry_id = await self._write(self._deliver, keys, argv)
         return None if entry_id is None else _text(cast(bytes, entry_id))
 
-    async def trim_acked(self, run_id: str, retention_s: float) -> tuple[int, int]:
-        """Removes the entries of the run's stream that every consumer group has acknowledged
-        and that were written more than ``retention_s`` ago (none while no reader has made a
-        consumer group); returns how many it removed and how many are left."""
-        reply = await self._write(
-            self._trim_acked, [stream_key(run_id)], [round(retention_s * 1000)]
-        )
+    async def deliver_sample(self, result: SampleResult) -> str | None:
+        """Appends the sample's entry to the run's samples stream and keeps it for its group
+        (a restarted scheduler does not run it again), once, while the group is pending;
+        returns the entry id, or None if it was written before or the group ended."""
+        fields = encode_sample_entry(result)
+        index = result.sample.index
+        argv: list[str | bytes | int] = [result.group_id, index, self._stream_maxlen]
+        argv += [fields["body"]]
+        for name, value in fields.items():
+            argv += [name, value]
+        run_id = result.run_id
+        keys = [
+            pending_key(run_id),
+            streamed_key(run_id, result.group_id),
+            samples_stream_key(run_id),
+        ]
+        entry_id = await self._write(self._deliver_sample, keys, argv)
+        return None if entry_id is None else _text(cast(bytes, entry_id))
+
+    async def load_streamed(self, run_id: str, group_id: str) -> list[SampleResult]:
+        """The samples of a pending group written to the samples stream, by index."""
+        bodies = await self._redis.hgetall(streamed_key(run_id, group_id))
+        out = [_sample_decoder.decode(_raw(body)) for body in bodies.values()]
+        return sorted(out, key=lambda r: r.sample.index)
+
+    async def trim_acked(
+        self, run_id: str, retention_s: float, *, samples: bool = False
+    ) -> tuple[int, int]:
+        """Removes the entries of the run's stream (with ``samples``, of its samples stream)
+        that every consumer group has acknowledged and that were written more than
+        ``retention_s`` ago (none while no reader has made a consumer group); returns how
+        many it removed and how many are left."""
+        stream = samples_stream_key(run_id) if samples else stream_key(run_id)
+        reply = await self._write(self._trim_acked, [stream], [round(retention_s * 1000)])
         removed, left = cast(list[int], reply)
         return int(removed), int(left)
 
@@ -415,6 +485,7 @@ class Store:
         if not group_ids:
             return []
         keys = [ended_key(run_id), pending_key(run_id)]
+        keys += [streamed_key(run_id, group_id) for group_id in group_ids]
         cancelled = cast(list[bytes], await self._write(self._cancel, keys, list(group_ids)))
         return [_text(g) for g in cancelled]
 

@@ -130,6 +130,7 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
         metadata=metadata,
         submitted_at=context.now,
         epoch=epoch,
+        stream_samples=group.stream_samples,
     )
 
 
