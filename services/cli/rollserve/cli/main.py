@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument(
         "--scenario",
         default="S1",
-        help="S1..S4 (drawn lengths), P1 (a recorded trace) or a scenario TOML file",
+        help="S1..S5 (drawn lengths), P1 (a recorded trace) or a scenario TOML file",
     )
     policies.add_argument("--steps", type=positive_int, help="override the scenario's steps")
     policies.add_argument("--engines", type=positive_int, help="override the scenario's engines")
