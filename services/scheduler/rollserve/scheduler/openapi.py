@@ -13,44 +13,62 @@ numbers, or as decimal strings beyond 2**53; enums by name.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
+from google.protobuf.message import Message
 from rollserve.v1 import rollserve_pb2 as pb
 
-__all__ = ["openapi_document"]
+__all__ = ["ROUTES", "Route", "openapi_document"]
 
 _JSON = "application/json"
 
-# (method, path, summary, request message or None, response message)
-_CALLS: tuple[tuple[str, str, str, Descriptor | None, Descriptor], ...] = (
-    (
+
+@dataclass(frozen=True)
+class Route:
+    """A call of the HTTP API: ``rest`` serves it, the document describes it."""
+
+    method: str
+    path: str
+    summary: str
+    request: type[Message] | None  # the body (the path's run_id goes into it); None: no body
+    response: type[Message]
+    call: str  # the method of ``SchedulerApi`` that carries it out
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(
         "post",
         "/v1/runs/{run_id}/groups",
         "Submit prompt groups; each arrives on the run's Redis stream once its samples end",
-        pb.SubmitRequest.DESCRIPTOR,
-        pb.SubmitResponse.DESCRIPTOR,
+        pb.SubmitRequest,
+        pb.SubmitResponse,
+        "submit",
     ),
-    (
+    Route(
         "post",
         "/v1/runs/{run_id}/cancel",
         "Cancel groups of the run that are queued or running",
-        pb.CancelRequest.DESCRIPTOR,
-        pb.CancelResponse.DESCRIPTOR,
+        pb.CancelRequest,
+        pb.CancelResponse,
+        "cancel",
     ),
-    (
+    Route(
         "post",
         "/v1/runs/{run_id}/versions",
         "Publish the run's next policy version, with weights for the engines to load or not",
-        pb.PublishVersionRequest.DESCRIPTOR,
-        pb.PublishVersionResponse.DESCRIPTOR,
+        pb.PublishVersionRequest,
+        pb.PublishVersionResponse,
+        "publish_version",
     ),
-    (
+    Route(
         "get",
         "/v1/status",
         "The queue, what runs, the engines and the length predictor",
         None,
-        pb.StatusResponse.DESCRIPTOR,
+        pb.StatusResponse,
+        "status",
     ),
 )
 
@@ -95,9 +113,12 @@ def openapi_document(version: str) -> dict[str, Any]:
     """The document of the API that scheduler ``version`` serves."""
     schemas: dict[str, Any] = {"Error": _ERROR}
     paths: dict[str, Any] = {}
-    for method, path, summary, request, response in _CALLS:
+    for route in ROUTES:
+        path = route.path
+        response = cast(Descriptor, route.response.DESCRIPTOR)
+        request = None if route.request is None else cast(Descriptor, route.request.DESCRIPTOR)
         operation: dict[str, Any] = {
-            "summary": summary,
+            "summary": route.summary,
             "operationId": path.strip("/").replace("/", "_").replace("{", "").replace("}", ""),
             "responses": {"200": {"description": "done", "content": _content(response.name)}},
         }
@@ -108,7 +129,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             operation["requestBody"] = {"required": True, "content": _content(request.name)}
             for status, why in _REFUSALS.items():
                 operation["responses"][status] = {"description": why, "content": _content("Error")}
-        paths.setdefault(path, {})[method] = operation
+        paths.setdefault(path, {})[route.method] = operation
     paths["/healthz"] = {"get": _HEALTH}
     return {
         "openapi": "3.1.0",

@@ -45,7 +45,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from rollserve.client.wire import status_details
 from rollserve.scheduler.api import Refused, SchedulerApi
-from rollserve.scheduler.openapi import openapi_document
+from rollserve.scheduler.openapi import ROUTES, Route, openapi_document
 from rollserve.v1 import rollserve_pb2 as pb
 
 __all__ = ["HTTP_STATUS", "RestApi", "json_errors"]
@@ -74,23 +74,28 @@ class RestApi:
         self._openapi = openapi_document(_version())
 
     def routes(self) -> list[web.RouteDef]:
+        """The API's calls (``openapi.ROUTES``, which the document describes), health and
+        the document."""
+        calls = [web.route(r.method.upper(), r.path, self._handler(r)) for r in ROUTES]
         return [
-            web.post("/v1/runs/{run_id}/groups", self._submit),
-            web.post("/v1/runs/{run_id}/cancel", self._cancel),
-            web.post("/v1/runs/{run_id}/versions", self._publish_version),
-            web.get("/v1/status", self._status),
+            *calls,
             web.get("/healthz", self._health),
             web.get("/openapi.json", self._openapi_document),
         ]
 
-    async def _submit(self, request: web.Request) -> web.Response:
-        return await self._call(request, pb.SubmitRequest, self._api.submit)
+    def _handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        message = route.request
+        if message is None:
 
-    async def _cancel(self, request: web.Request) -> web.Response:
-        return await self._call(request, pb.CancelRequest, self._api.cancel)
+            async def answer(request: web.Request) -> web.Response:
+                return await _json(getattr(self._api, route.call)())
 
-    async def _publish_version(self, request: web.Request) -> web.Response:
-        return await self._call(request, pb.PublishVersionRequest, self._api.publish_version)
+        else:
+
+            async def answer(request: web.Request) -> web.Response:
+                return await self._call(request, message, getattr(self._api, route.call))
+
+        return answer
 
     async def _call(
         self,
@@ -106,9 +111,6 @@ class RestApi:
         except Refused as exc:
             status = HTTP_STATUS.get(exc.code, HTTPStatus.INTERNAL_SERVER_ERROR)
             return _error(status, exc.code.name, exc.message)
-
-    async def _status(self, request: web.Request) -> web.Response:
-        return await _json(self._api.status())
 
     async def _openapi_document(self, request: web.Request) -> web.Response:
         return web.json_response(self._openapi)
