@@ -27,7 +27,7 @@ import pytest
 from google.protobuf import json_format
 from rollserve.cli.stack import free_port
 from rollserve.client.wire import stream_key
-from rollserve.common.metrics_http import MetricsServer
+from rollserve.common.http import HttpServer
 from rollserve.scheduler.api import SchedulerApi
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.openapi import openapi_document
@@ -335,7 +335,7 @@ class FailingApi:
 @asynccontextmanager
 async def rest_server(rest: RestApi) -> AsyncIterator[str]:
     """The scheduler's HTTP server over ``rest`` alone; yields its URL."""
-    server = MetricsServer(
+    server = HttpServer(
         lambda: status_registry(pb.StatusResponse()),
         "127.0.0.1",
         0,

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rollserve.cli.stack import free_port
-from rollserve.common.metrics_http import MetricsServer
+from rollserve.common.http import HttpServer
 from rollserve.scheduler.histogram import GROUP_LATENCY_BOUNDS_S, Histogram
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.server import serve
@@ -173,7 +173,7 @@ async def test_each_scrape_reads_the_status_anew_and_other_requests_are_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     current = [status(queue_depth=1)]
-    server = MetricsServer(lambda: status_registry(current[0]), "127.0.0.1", 0)
+    server = HttpServer(lambda: status_registry(current[0]), "127.0.0.1", 0)
     port = await server.start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -300,7 +300,7 @@ def ipv6_loopback() -> bool:
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 async def test_an_ipv6_host_bracketed_or_not_serves(host: str) -> None:
-    server = MetricsServer(lambda: status_registry(status(queue_depth=2)), host, 0)
+    server = HttpServer(lambda: status_registry(status(queue_depth=2)), host, 0)
     port = await server.start()
     try:
         async with aiohttp.ClientSession() as http, http.get(f"http://[::1]:{port}/metrics") as r:

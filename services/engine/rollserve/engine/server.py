@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
-from rollserve.common.metrics_http import MetricsServer, start_metrics
+from rollserve.common.http import HttpServer, start_http
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -118,7 +118,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     link: asyncio.Task[None] | None = None
     died = False
     children_exit_s = CHILD_EXIT_TIMEOUT_S
-    metrics: MetricsServer | None = None
+    metrics: HttpServer | None = None
     try:
         metrics = await serve_metrics(settings)
         # The import takes seconds and needs no event loop; model loading must run on this
@@ -184,7 +184,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         raise SystemExit(ENGINE_DIED_EXIT_CODE)
 
 
-async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
+async def serve_metrics(settings: EngineSettings) -> HttpServer | None:
     """The Prometheus endpoint of ``settings.metrics_port``, serving this process's registry
     (where vLLM's stat logger keeps its ``vllm:`` metrics once the engine is built); None
     without one. A port that cannot be bound stops the engine, naming it."""
@@ -193,8 +193,8 @@ async def serve_metrics(settings: EngineSettings) -> MetricsServer | None:
     from prometheus_client import REGISTRY
 
     # (vLLM's metrics are prometheus_client's own, safe to read from the formatting thread)
-    server = MetricsServer(lambda: REGISTRY, settings.host, settings.metrics_port)
-    return await start_metrics(server, "engine")
+    server = HttpServer(lambda: REGISTRY, settings.host, settings.metrics_port)
+    return await start_http(server, "engine")
 
 
 class LoadInterrupted(BaseException):

@@ -14,7 +14,7 @@ scheduler process started, as Status's counters do. Per engine, the series carry
 dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
 unset (too few samples scored).
 
-Served by ``rollserve.common.metrics_http.MetricsServer``: each scrape reads the Status and
+Served by ``rollserve.common.http.HttpServer``: each scrape reads the Status and
 copies the histograms on the event loop, and formats them on a worker thread.
 """
 

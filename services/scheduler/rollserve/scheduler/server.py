@@ -18,7 +18,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
-from rollserve.common.metrics_http import MetricsServer, start_metrics
+from rollserve.common.http import HttpServer, start_http
 from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
@@ -178,7 +178,7 @@ async def serve(
 
 async def _serve_http(
     settings: SchedulerSettings, runtime: SchedulerRuntime, rest: RestApi
-) -> MetricsServer | None:
+) -> HttpServer | None:
     """The HTTP API and the Prometheus endpoint on ``settings.http_port``, serving; None
     without one."""
     if settings.http_port is None:
@@ -187,7 +187,7 @@ async def _serve_http(
     def snapshot() -> CollectorRegistry:  # (on the loop: the runtime's state as it is now)
         return status_registry(runtime.status(), [h.copy() for h in runtime.histograms])
 
-    server = MetricsServer(
+    server = HttpServer(
         snapshot,
         settings.host,
         settings.http_port,
@@ -196,7 +196,7 @@ async def _serve_http(
         max_body_bytes=settings.max_http_body_bytes,
         drain_s=settings.shutdown_grace_s,
     )
-    return await start_metrics(server, "scheduler", "http_port")
+    return await start_http(server, "scheduler", "http_port")
 
 
 def build_parser() -> argparse.ArgumentParser:

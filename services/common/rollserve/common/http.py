@@ -1,13 +1,13 @@
-"""A Prometheus endpoint for a service: ``GET /metrics`` over HTTP (aiohttp), on the event
-loop of the service that owns it. Each scrape takes a registry on that loop (a snapshot of
-the service's state, or a registry safe to read from any thread) and formats it in
-Prometheus's text format on a worker thread: at 512 engines the scheduler's formatting took
-28 ms, which the loop does not wait for.
+"""A service's HTTP server (aiohttp), on the event loop of the service that owns it: its Prometheus
+endpoint, ``GET /metrics``, and the routes it is given. Each scrape takes a registry on that loop (a
+snapshot of the service's state, or a registry safe to read from any thread) and formats it in
+Prometheus's text format on a worker thread: at 512 engines the scheduler's formatting took 28 ms,
+which the loop does not wait for.
 
-Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the
-metrics route reads nothing from a request but its method and path. The scheduler serves its
-Status figures this way (``rollserve.scheduler.metrics``) and its HTTP API on the same
-server (routes given to it, ``rollserve.scheduler.rest``); the engine vLLM's own metrics.
+Other paths answer 404, other methods 405, what is not HTTP 400 (aiohttp's answers); the metrics
+route reads nothing from a request but its method and path. The scheduler serves its Status figures
+this way (``rollserve.scheduler.metrics``) and its HTTP API on the same server (routes given to it,
+``rollserve.scheduler.rest``); the engine vLLM's own metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, generate_latest
 from rollserve.client.address import join_host_port
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "Middleware", "Snapshot", "start_metrics"]
+__all__ = ["CONTENT_TYPE", "HttpServer", "Middleware", "Snapshot", "start_http"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LEAST_DRAIN_S = 0.01
@@ -51,7 +51,7 @@ Snapshot = Callable[[], CollectorRegistry]
 so it must not read the service's live state then."""
 
 
-class MetricsServer:
+class HttpServer:
     """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape formatting what
     ``snapshot()`` returns (see `Snapshot`); and ``routes`` besides, through ``middlewares``,
     which read bodies of ``max_body_bytes`` at most (larger ones answer 413). ``stop`` waits
@@ -114,9 +114,7 @@ class MetricsServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def start_metrics(
-    server: MetricsServer, service: str, field: str = "metrics_port"
-) -> MetricsServer:
+async def start_http(server: HttpServer, service: str, field: str = "metrics_port") -> HttpServer:
     """``server`` serving; its URL logged. A port that cannot be bound is a SystemExit naming
     ``field`` (the settings field that gave the port)."""
     try:
