@@ -418,7 +418,7 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake scheduler")
         raise AssertionError("unreachable")
 
-    Submit = Cancel = Status = PublishVersion = _unimplemented
+    Submit = Cancel = Status = PublishVersion = DeleteRun = _unimplemented
 
 
 def test_second_engine_registers_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:

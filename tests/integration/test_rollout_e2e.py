@@ -172,6 +172,11 @@ def test_16_groups_of_4_give_exactly_64_samples(
     # What the engine serves, as its Stats said and the scheduler passes on.
     [e0] = status.engines
     assert e0.model and e0.dtype in ("float32", "bfloat16"), (e0.model, e0.dtype)
+    # The run ends for good: nothing of it is left in Redis.
+    with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
+        deleted = client.delete_run()
+    assert (deleted.cancelled, deleted.existed) == (0, True)
+    assert list(redis.Redis.from_url(scheduler_redis_url).scan_iter(f"rollserve:{{{rid}}}:*")) == []
 
 
 def test_samples_streamed_as_they_finish_are_the_ones_their_groups_carry(

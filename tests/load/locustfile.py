@@ -82,7 +82,12 @@ class Trainer(HttpUser):
         self.submits = 0  # Submits taken: their groups' ids and rows are never given again
 
     def on_stop(self) -> None:
-        self.redis.delete(self.stream)  # (its groups were all read or cancelled)
+        # The run ends: the scheduler cancels what is left of it and deletes its state.
+        with self.client.delete(
+            f"/v1/runs/{self.run_id}", name="/v1/runs/[run]", catch_response=True
+        ) as reply:
+            if reply.status_code != 200:
+                reply.failure(f"{reply.status_code}: {reply.text[:300]}")
         self.redis.close()
 
     @property

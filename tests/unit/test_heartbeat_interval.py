@@ -71,7 +71,7 @@ class _Scheduler(pb_grpc.SchedulerServicer):
     async def _unimplemented(self, request: Any, context: Any) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake scheduler")
 
-    Submit = Cancel = Status = PublishVersion = _unimplemented
+    Submit = Cancel = Status = PublishVersion = DeleteRun = _unimplemented
 
 
 async def test_the_engine_heartbeats_at_the_period_each_heartbeat_tells(

@@ -13,6 +13,7 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from rollserve.client import (
     AsyncReceivedSample,
     AsyncRolloutClient,
@@ -205,14 +206,15 @@ async def test_a_sample_is_written_once_and_only_while_its_group_is_pending(
         await store.add_pending(run, [streaming("g0", run, n=2), streaming("g1", run, n=2)])
         assert await store.deliver_sample(result) is not None
         assert await store.deliver_sample(result) is None  # a retry writes nothing more
-        assert [r.sample for r in await store.load_streamed(run, "g0")] == [result.sample]
+        kept = await store.load_streamed([(run, "g0")])
+        assert [r.sample for r in kept[run, "g0"]] == [result.sample]
         assert await store.deliver_sample(cancelled) is not None
         assert await store.cancel(run, ["g1"]) == ["g1"]
         assert await client.exists(streamed_key(run, "g1")) == 0  # gone with the group
         assert await store.deliver_sample(cancelled) is None  # the group has ended
         ended = GroupResult(run_id=run, group_id="g0", status=GroupStatus.FAILED, error="x")
         assert await store.deliver(ended) is not None
-        assert await store.load_streamed(run, "g0") == []
+        assert await store.load_streamed([(run, "g0")]) == {(run, "g0"): []}
         assert await store.deliver_sample(result) is None
         assert await client.xlen(samples_stream_key(run)) == 2
     finally:
@@ -296,3 +298,59 @@ async def test_the_sdk_reads_samples_as_they_finish_then_their_group(
         for sample in group.result.samples:
             if sample.sample_id in by_id:
                 assert by_id[sample.sample_id] == sample
+
+
+async def test_samples_acknowledged_after_their_groups_are_trimmed(redis_url: str) -> None:
+    # A scorer that acknowledges its samples after the trainer emptied the groups stream:
+    # the run stays on the trim schedule while its samples stream holds entries.
+    engine = await FakeEngine("e0", lengths=(2, 3)).start()
+    runtime = await make_runtime(redis_url, [engine], trim_interval_s=0.05, acked_retention_s=0)
+    run = new_run()
+    client = aioredis.Redis.from_url(redis_url)
+    groups, samples = stream_key(run), samples_stream_key(run)
+    try:
+        for key in (groups, samples):
+            await client.xgroup_create(key, "t", id="0", mkstream=True)
+        await runtime.submit(run, [streaming("g0", run, n=2)])
+        await read_stream(redis_url, run, 1)
+        reply = cast(list[tuple[bytes, Entries]], await client.xreadgroup("t", "s", {samples: ">"}))
+        read = [entry_id for entry_id, _ in reply[0][1]]
+        reply = cast(list[tuple[bytes, Entries]], await client.xreadgroup("t", "t", {groups: ">"}))
+        await client.xack(groups, "t", *(entry_id for entry_id, _ in reply[0][1]))
+
+        async def groups_trimmed() -> bool:
+            return int(await client.xlen(groups)) == 0
+
+        await eventually(groups_trimmed, "the groups stream trimmed")
+        await asyncio.sleep(0.3)  # several trim rounds with nothing acknowledged there
+        assert int(await client.xlen(samples)) == 2
+        await client.xack(samples, "t", *read)
+
+        async def samples_trimmed() -> bool:
+            return int(await client.xlen(samples)) == 0
+
+        await eventually(samples_trimmed, "the samples stream trimmed")
+    finally:
+        await client.aclose()
+        await runtime.stop()
+        await engine.stop()
+    assert runtime.counters.stream_entries_trimmed == 3
+
+
+async def test_a_refused_sample_write_leaves_nothing_taken_for_written(redis_url: str) -> None:
+    run = new_run()
+    store = Store.from_url(redis_url)
+    client = aioredis.Redis.from_url(redis_url)
+    result = SampleResult(run_id=run, group_id="g0", n=2, sample=_sample("g0/0", 0))
+    try:
+        await store.add_pending(run, [streaming("g0", run, n=2)])
+        await client.set(samples_stream_key(run), "not a stream")
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            await store.deliver_sample(result)
+        assert await store.load_streamed([(run, "g0")]) == {(run, "g0"): []}
+        await client.delete(samples_stream_key(run))
+        assert await store.deliver_sample(result) is not None  # written once Redis takes it
+        assert await store.cancel(run, ["g0"]) == ["g0"]
+    finally:
+        await store.close()
+        await client.aclose()

@@ -14,6 +14,8 @@ from rollserve.cli.redis_server import EmbeddedRedis
 from rollserve.client.wire import GroupResult, GroupStatus, stream_key
 from rollserve.scheduler.store import Store, may_pass_later
 
+from tests.unit.builders import spec
+
 
 @pytest.fixture
 async def own_redis() -> AsyncIterator[tuple[Store, aioredis.Redis]]:
@@ -38,6 +40,7 @@ async def test_out_of_memory_and_a_read_only_replica_may_pass_later(
     -OOM ..."): redis-py raises a plain ResponseError, which the scheduler took for one no
     retry passes, and gave the group up."""
     store, client = own_redis
+    await store.add_pending("refusals", [spec("g0", run_id="refusals")])
     await client.config_set("maxmemory-policy", "noeviction")
     await client.config_set("maxmemory", "1")
     with pytest.raises(redis.exceptions.RedisError) as out_of_memory:
@@ -54,6 +57,7 @@ async def test_out_of_memory_and_a_read_only_replica_may_pass_later(
 
 async def test_a_wrong_type_never_passes(own_redis: tuple[Store, aioredis.Redis]) -> None:
     store, client = own_redis
+    await store.add_pending("refusals", [spec("g0", run_id="refusals")])
     await client.set(stream_key("refusals"), "not a stream")
     with pytest.raises(redis.exceptions.ResponseError) as wrong_type:
         await store.deliver(result("g0"))

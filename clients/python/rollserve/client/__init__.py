@@ -27,6 +27,7 @@ from rollserve.client.errors import (
 )
 from rollserve.client.types import (
     CancelResult,
+    DeleteRunResult,
     EngineStatus,
     FinishReason,
     GroupResult,
@@ -55,6 +56,7 @@ __all__ = [
     "BatchTimeout",
     "BatchedGroup",
     "CancelResult",
+    "DeleteRunResult",
     "Dropped",
     "EngineStatus",
     "FinishReason",

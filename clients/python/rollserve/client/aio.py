@@ -51,6 +51,7 @@ from rollserve.client.consumer import (
     ReceivedBase,
     ReceivedSampleBase,
     StreamKind,
+    check_run_id,
     default_consumer_name,
     heartbeat_chunks,
     heartbeat_refused,
@@ -66,6 +67,7 @@ from rollserve.client.consumer import (
 from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
+    DeleteRunResult,
     PromptGroup,
     PublishResult,
     SchedulerStatus,
@@ -203,6 +205,16 @@ class AsyncRolloutClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
+
+    async def delete_run(self) -> DeleteRunResult:
+        """Ends the run for good; see ``RolloutClient.delete_run``."""
+        check_run_id(self.run_id)
+        request = pb.DeleteRunRequest(run_id=self.run_id)
+        try:
+            response = await self._stub.DeleteRun(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "DeleteRun") from exc
+        return DeleteRunResult.from_proto(response)
 
     async def publish_version(
         self, version: int, weights_path: str = "", *, timeout_s: float | None = None

@@ -45,6 +45,7 @@ from rollserve.client.consumer import (
     ReceivedBase,
     ReceivedSampleBase,
     StreamKind,
+    check_run_id,
     default_consumer_name,
     heartbeat_chunks,
     heartbeat_refused,
@@ -60,6 +61,7 @@ from rollserve.client.consumer import (
 from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
+    DeleteRunResult,
     PromptGroup,
     PublishResult,
     SchedulerStatus,
@@ -218,6 +220,19 @@ class RolloutClient:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
 
+    def delete_run(self) -> DeleteRunResult:
+        """Ends the run for good: the scheduler cancels its queued and running groups and
+        deletes all it keeps of the run in Redis, the streams included (entries not yet read
+        or acknowledged go too). The run id may then be used again, from nothing; the length
+        history, kept by prompt_key across runs, stays."""
+        check_run_id(self.run_id)
+        request = pb.DeleteRunRequest(run_id=self.run_id)
+        try:
+            response = self._stub.DeleteRun(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "DeleteRun") from exc
+        return DeleteRunResult.from_proto(response)
+
     def publish_version(
         self, version: int, weights_path: str = "", *, timeout_s: float | None = None
     ) -> PublishResult:
@@ -274,7 +289,7 @@ class RolloutClient:
         self, *, limit: int | None = None, timeout_s: float | None = None
     ) -> Iterator[ReceivedSample]:
         """Finished samples of the run's groups submitted with ``stream_samples``, each once,
-        in the order they finished, as ``groups()`` reads groups (a client made with
+        about in the order they finished, as ``groups()`` reads groups (a client made with
         ``reads="samples"``). A sample is final training data only with its group: the
         group's entry carries it again, unless the group failed or was cancelled later."""
         self.config.check_reads("samples")

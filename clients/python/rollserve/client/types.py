@@ -211,6 +211,16 @@ class CancelResult:
 
 
 @dataclass(frozen=True, slots=True)
+class DeleteRunResult:
+    cancelled: int  # groups that were queued or running, now cancelled: never delivered
+    existed: bool  # the run had state in Redis (False: nothing was there to delete)
+
+    @classmethod
+    def from_proto(cls, msg: pb.DeleteRunResponse) -> DeleteRunResult:
+        return cls(cancelled=msg.cancelled, existed=msg.existed)
+
+
+@dataclass(frozen=True, slots=True)
 class PublishResult:
     version: int  # the run's policy version now
     engines_updated: int  # engines that loaded the weights (0 without weights_path)

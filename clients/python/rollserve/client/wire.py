@@ -69,8 +69,8 @@ def samples_stream_key(run_id: str) -> str:
 
 
 def streamed_key(run_id: str, group_id: str) -> str:
-    """Hash: index -> the sample of the group as written to the samples stream (msgpack),
-    until the group ends."""
+    """Hash: index -> the entry's body (``SampleResult`` JSON) of each sample of the group
+    written to the samples stream, until the group ends."""
     return f"{KEY_PREFIX}:{{{run_id}}}:streamed:{group_id}"
 
 

@@ -273,6 +273,49 @@ class CancelRequest(_message.Message):
 Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
 @_typing.final
+class DeleteRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRunRequest: _TypeAlias = DeleteRunRequest  # noqa: Y015
+
+@_typing.final
+class DeleteRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    EXISTED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.int
+    """groups that were queued or running"""
+    existed: _builtins.bool
+    """the run had state in Redis"""
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.int = ...,
+        existed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "existed", b"existed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRunResponse: _TypeAlias = DeleteRunResponse  # noqa: Y015
+
+@_typing.final
 class CancelResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -66,6 +66,11 @@ class SchedulerStub:
                 request_serializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.FromString,
                 _registered_method=True)
+        self.DeleteRun = channel.unary_unary(
+                '/rollserve.v1.Scheduler/DeleteRun',
+                request_serializer=rollserve_dot_v1_dot_rollserve__pb2.DeleteRunRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollserve__pb2.DeleteRunResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -126,6 +131,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteRun(self, request, context):
+        """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
+        keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
+        ids of its groups, its policy version. The run id may then be used again, from nothing.
+        The length history (kept by prompt_key, across runs) stays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +173,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.PublishVersion,
                     request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.SerializeToString,
+            ),
+            'DeleteRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRun,
+                    request_deserializer=rollserve_dot_v1_dot_rollserve__pb2.DeleteRunRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollserve__pb2.DeleteRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -324,6 +344,33 @@ class Scheduler:
             '/rollserve.v1.Scheduler/PublishVersion',
             rollserve_dot_v1_dot_rollserve__pb2.PublishVersionRequest.SerializeToString,
             rollserve_dot_v1_dot_rollserve__pb2.PublishVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Scheduler/DeleteRun',
+            rollserve_dot_v1_dot_rollserve__pb2.DeleteRunRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollserve__pb2.DeleteRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

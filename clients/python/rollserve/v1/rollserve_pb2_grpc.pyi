@@ -61,6 +61,12 @@ class SchedulerStub:
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
     """
+    DeleteRun: _grpc.UnaryUnaryMultiCallable[_rollserve_pb2.DeleteRunRequest, _rollserve_pb2.DeleteRunResponse]
+    """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
+    keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
+    ids of its groups, its policy version. The run id may then be used again, from nothing.
+    The length history (kept by prompt_key, across runs) stays.
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -92,6 +98,12 @@ class SchedulerAsyncStub(SchedulerStub):
     the run has published weights. Versions only go up: a
     lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
     retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
+    """
+    DeleteRun: _aio.UnaryUnaryMultiCallable[_rollserve_pb2.DeleteRunRequest, _rollserve_pb2.DeleteRunResponse]  # type: ignore[assignment]
+    """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
+    keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
+    ids of its groups, its policy version. The run id may then be used again, from nothing.
+    The length history (kept by prompt_key, across runs) stays.
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -157,6 +169,18 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         the run has published weights. Versions only go up: a
         lower one is refused with INVALID_ARGUMENT, the current one again is accepted (a
         retry). FAILED_PRECONDITION when no engine could load the weights (nothing changed).
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteRun(
+        self,
+        request: _rollserve_pb2.DeleteRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollserve_pb2.DeleteRunResponse, _abc.Awaitable[_rollserve_pb2.DeleteRunResponse]]:
+        """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
+        keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
+        ids of its groups, its policy version. The run id may then be used again, from nothing.
+        The length history (kept by prompt_key, across runs) stays.
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -70,6 +70,14 @@ class SchedulerApi:
     def status(self) -> pb.StatusResponse:
         return self._runtime.status()
 
+    async def delete_run(self, request: pb.DeleteRunRequest) -> pb.DeleteRunResponse:
+        _check_run_id(request.run_id)
+        try:
+            cancelled, existed = await self._runtime.delete_run(request.run_id)
+        except REFUSALS as exc:
+            raise refused(exc) from exc
+        return pb.DeleteRunResponse(cancelled=cancelled, existed=existed)
+
     async def publish_version(self, request: pb.PublishVersionRequest) -> pb.PublishVersionResponse:
         _check_run_id(request.run_id)
         if not 0 <= request.version <= MAX_POLICY_VERSION:

@@ -63,6 +63,14 @@ ROUTES: tuple[Route, ...] = (
         "publish_version",
     ),
     Route(
+        "delete",
+        "/v1/runs/{run_id}",
+        "End the run for good: cancel its groups, delete its streams and state in Redis",
+        pb.DeleteRunRequest,
+        pb.DeleteRunResponse,
+        "delete_run",
+    ),
+    Route(
         "get",
         "/v1/status",
         "The queue, what runs, the engines and the length predictor",
@@ -119,7 +127,7 @@ def openapi_document(version: str) -> dict[str, Any]:
         request = None if route.request is None else cast(Descriptor, route.request.DESCRIPTOR)
         operation: dict[str, Any] = {
             "summary": route.summary,
-            "operationId": path.strip("/").replace("/", "_").replace("{", "").replace("}", ""),
+            "operationId": route.call,
             "responses": {"200": {"description": "done", "content": _content(response.name)}},
         }
         _add_schema(response, schemas, closed=False)

@@ -392,8 +392,7 @@ class SchedulerRuntime:
             )
             for spec in recovered:
                 self._enqueue(spec)
-                if spec.stream_samples:
-                    await self._restore_streamed(spec)
+            await self._restore_streamed([spec for spec in recovered if spec.stream_samples])
             if recovered:
                 log.info("recovered %d pending groups from Redis", len(recovered))
             for endpoint in self.settings.engines:
@@ -445,6 +444,7 @@ class SchedulerRuntime:
             *self._watches.values(),
             *self._questions(),
             *self._pushers.values(),
+            *(task for writes in self._sample_writes.values() for task in writes),
         ):
             if task is not current:
                 task.cancel()
@@ -594,6 +594,29 @@ class SchedulerRuntime:
         if cancelled:
             self._wake.set()
         return cancelled, unknown
+
+    async def delete_run(self, run_id: str) -> tuple[int, bool]:
+        """Ends the run for good: cancels its groups and deletes its state in Redis; how many
+        groups it cancelled, and whether the run had state. LeaseLost if this scheduler is
+        stopping."""
+        self._check_lease()
+        return await self._carried_through(self._delete_run(run_id), f"delete {run_id}")
+
+    async def _delete_run(self, run_id: str) -> tuple[int, bool]:
+        cancelled = 0
+        for record in [r for r in self._groups.values() if r.spec.run_id == run_id]:
+            if self._retire(record):  # its calls were cancelled: the engines abort the work
+                record.cancel()
+                cancelled += 1
+        # A delivery or a sample's write in flight finds its group no longer pending in Redis,
+        # and writes nothing.
+        existed = await self._store.delete_run(run_id)
+        self._versions.pop(run_id, None)
+        self.counters.groups_cancelled += cancelled
+        if cancelled:
+            self._wake.set()
+        log.info("run %s deleted (%d groups cancelled)", run_id, cancelled)
+        return cancelled, existed
 
     async def publish_version(
         self, run_id: str, version: int, weights_path: str = ""
@@ -1718,12 +1741,18 @@ class SchedulerRuntime:
         entry = await self._retrying(what, lambda: self._store.deliver_sample(result))
         if entry is not None:
             self.counters.samples_streamed += 1
+            self._delivered_to.add(result.run_id)  # (its samples stream is trimmed too)
 
-    async def _restore_streamed(self, spec: GroupSpec) -> None:
-        """A recovered ``stream_samples`` group keeps the samples an earlier process wrote to
-        the samples stream; with all of them there, it is delivered at once."""
+    async def _restore_streamed(self, specs: Sequence[GroupSpec]) -> None:
+        """Recovered ``stream_samples`` groups keep the samples an earlier process wrote to
+        the samples stream; one with all of them there is delivered at once."""
+        streamed = await self._store.load_streamed([(s.run_id, s.group_id) for s in specs])
+        for spec in specs:
+            self._restore_group(spec, streamed[spec.run_id, spec.group_id])
+
+    def _restore_group(self, spec: GroupSpec, streamed: Sequence[SampleResult]) -> None:
         record = self._groups[spec.key]
-        for result in await self._store.load_streamed(spec.run_id, spec.group_id):
+        for result in streamed:
             if 0 <= result.sample.index < spec.n:
                 record.restore(result.sample)
         if record.all_finished:
@@ -1926,14 +1955,14 @@ class SchedulerRuntime:
                 for run in schedule.due(active):
                     retention_s = self.settings.acked_retention_s
                     removed, left = await self._store.trim_acked(run, retention_s)
-                    # The samples stream, by the groups stream's schedule (a run's samples
-                    # stream is written only while its groups stream is).
-                    samples_removed, _ = await self._store.trim_acked(
+                    # The samples stream on the same schedule: a run is looked at while
+                    # either stream holds entries.
+                    samples_removed, samples_left = await self._store.trim_acked(
                         run, retention_s, samples=True
                     )
                     removed += samples_removed
                     self.counters.stream_entries_trimmed += removed
-                    schedule.looked(run, removed, left, run in active)
+                    schedule.looked(run, removed, left + samples_left, run in active)
                 schedule.next_round()
                 refused = ""
             except redis.exceptions.ResponseError as exc:

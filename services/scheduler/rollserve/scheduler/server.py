@@ -53,6 +53,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Cancel(self, request: pb.CancelRequest, context: Context) -> pb.CancelResponse:
         return await _answer(context, self._api.cancel(request))
 
+    async def DeleteRun(
+        self, request: pb.DeleteRunRequest, context: Context
+    ) -> pb.DeleteRunResponse:
+        return await _answer(context, self._api.delete_run(request))
+
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         return self._api.status()
 

@@ -1,9 +1,9 @@
 """The scheduler's durable state in Redis, and the idempotent stream writer.
 
 Redis 6.2/7 streams have no producer-side deduplication, so delivery is a Lua
-script that adds the group id to the run's ``ended`` set and appends the stream
-entry only when the id was new, and removes the group from ``pending`` in the
-same atomic step. A retried or replayed delivery therefore never produces a
+script that, only when the group is in the run's ``pending`` hash, removes it from
+there, adds its id to the run's ``ended`` set and appends the stream entry, in
+one atomic step. A retried or replayed delivery therefore never produces a
 second entry, and a crash can never leave a delivered group pending (or the
 reverse). Submission is atomic the same way: all groups of a call are checked
 against ``pending`` and ``ended`` and written together, or none is.
@@ -112,33 +112,48 @@ end
 """
 
 # KEYS: ended, pending, stream, streamed. ARGV: group_id, maxlen (0 = none), then field, value
-# pairs. Returns the new entry id, or nothing when the group had already ended.
+# pairs. Returns the new entry id, or nothing when the group was not pending (it ended, or its
+# run was deleted). The first write is SADD: under maxmemory Redis refuses it, before the
+# script has changed anything (a script's writes before an error stay).
 _DELIVER = (
     _XADD
     + """
-local fresh = redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('DEL', KEYS[4])
-if fresh == 0 then
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return false
 end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[4])
 return xadd(KEYS[3], ARGV[2], 3)
 """
 )
 
+# KEYS: pending, ended, version, stream, samples stream, runs. ARGV: run_id, the prefix of
+# the run's streamed hashes (a group id completes one). Returns 1 if the run had state.
+_DELETE_RUN = """
+for _, group_id in ipairs(redis.call('HKEYS', KEYS[1])) do
+  redis.call('DEL', ARGV[2] .. group_id)
+end
+local existed = redis.call('SREM', KEYS[6], ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return existed
+"""
+
 # KEYS: pending, streamed, samples stream. ARGV: group_id, index, maxlen, the entry's body,
-# then field, value pairs. Keeps the body in the group's streamed hash and appends the entry,
-# once per sample, while the group is pending; returns the entry id, or nothing.
+# then field, value pairs. Appends the entry and keeps the body in the group's streamed hash,
+# once per sample, while the group is pending; returns the entry id, or nothing. XADD is the
+# first write: refused (under maxmemory, or a key of another type), it leaves nothing behind
+# for a retry to take for written (a script's writes before an error stay).
 _DELIVER_SAMPLE = (
     _XADD
     + """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0
+   or redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
   return false
 end
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4]) == 0 then
-  return false
-end
-return xadd(KEYS[3], ARGV[3], 5)
+local entry = xadd(KEYS[3], ARGV[3], 5)
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+return entry
 """
 )
 
@@ -348,6 +363,7 @@ class Store:
         self._submit = self._fenced(_SUBMIT)
         self._deliver = self._fenced(_DELIVER)
         self._deliver_sample = self._fenced(_DELIVER_SAMPLE)
+        self._delete_run = self._fenced(_DELETE_RUN)
         self._cancel = self._fenced(_CANCEL)
         self._save_history = self._fenced(_SAVE_HISTORY)
         self._publish_version = self._fenced(_PUBLISH_VERSION)
@@ -424,7 +440,8 @@ class Store:
             raise DuplicateGroup(run_id, _text(cast(bytes, duplicate)))
 
     async def deliver(self, result: GroupResult) -> str | None:
-        """Appends the group's entry once; returns its id, or None if it had ended before.
+        """Appends the group's entry once; returns its id, or None if it was not pending (it
+        had ended before, or its run was deleted).
         The samples kept for it (``deliver_sample``) go with it."""
         fields = encode_entry(result)
         argv: list[str | bytes | int] = [result.group_id, self._stream_maxlen]
@@ -459,11 +476,34 @@ class Store:
         entry_id = await self._write(self._deliver_sample, keys, argv)
         return None if entry_id is None else _text(cast(bytes, entry_id))
 
-    async def load_streamed(self, run_id: str, group_id: str) -> list[SampleResult]:
-        """The samples of a pending group written to the samples stream, by index."""
-        bodies = await self._redis.hgetall(streamed_key(run_id, group_id))
-        out = [_sample_decoder.decode(_raw(body)) for body in bodies.values()]
-        return sorted(out, key=lambda r: r.sample.index)
+    async def load_streamed(
+        self, groups: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], list[SampleResult]]:
+        """The samples written to the samples stream of each pending ``(run_id, group_id)``,
+        by index (one round trip)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for run_id, group_id in groups:
+            pipe.hgetall(streamed_key(run_id, group_id))
+        out: dict[tuple[str, str], list[SampleResult]] = {}
+        for group, bodies in zip(groups, await pipe.execute() if groups else [], strict=True):
+            results = [_sample_decoder.decode(_raw(body)) for body in bodies.values()]
+            out[group] = sorted(results, key=lambda r: r.sample.index)
+        return out
+
+    async def delete_run(self, run_id: str) -> bool:
+        """Deletes all the run's state (its pending groups, the ids of its ended ones, its
+        streams, its version); whether it had any. A delivery in flight then writes nothing:
+        its group is no longer pending."""
+        keys = [
+            pending_key(run_id),
+            ended_key(run_id),
+            version_key(run_id),
+            stream_key(run_id),
+            samples_stream_key(run_id),
+            RUNS_KEY,
+        ]
+        prefix = streamed_key(run_id, "")
+        return bool(await self._write(self._delete_run, keys, [run_id, prefix]))
 
     async def trim_acked(
         self, run_id: str, retention_s: float, *, samples: bool = False

@@ -1,0 +1,176 @@
+"""DeleteRun: a run ended for good, its groups cancelled and its state gone from Redis.
+
+Faked: the engine (``FakeEngine``). Real: Redis, the scheduler runtime and its store, and,
+for the API's test, the scheduler as ``rollserve scheduler`` serves it (gRPC and HTTP) with
+the SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from rollserve.cli.stack import free_port
+from rollserve.client import (
+    AsyncRolloutClient,
+    InvalidArgument,
+    PromptGroup,
+    RolloutClient,
+    SamplingParams,
+)
+from rollserve.client.wire import (
+    RUNS_KEY,
+    GroupResult,
+    GroupStatus,
+    ended_key,
+    pending_key,
+    samples_stream_key,
+    stream_key,
+    streamed_key,
+    version_key,
+)
+from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.scheduler.store import Store
+
+from tests.served import served_scheduler
+from tests.unit.builders import spec
+from tests.unit.fakes import AbortOutcome, FakeEngine
+from tests.unit.test_runtime import (
+    WAIT_S,
+    eventually,
+    make_runtime,
+    new_run,
+    read_stream,
+    running,
+    specs,
+)
+
+
+async def run_keys(redis_url: str, run_id: str, *group_ids: str) -> list[str]:
+    """The run's keys still in Redis, and whether it is in the runs set."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [
+            pending_key(run_id),
+            ended_key(run_id),
+            version_key(run_id),
+            stream_key(run_id),
+            samples_stream_key(run_id),
+            *(streamed_key(run_id, g) for g in group_ids),
+        ]
+        there = [key for key in keys if await client.exists(key)]
+        if await client.sismember(RUNS_KEY, run_id):
+            there.append(RUNS_KEY)
+        return there
+    finally:
+        await client.aclose()
+
+
+async def test_a_deleted_run_has_its_groups_cancelled_and_its_state_gone(
+    redis_url: str,
+) -> None:
+    # g0 delivered; g1 runs with one sample streamed and one held on the engine; g2 queued
+    # behind it (the engine takes one sample at a time... of g1's two: capacity 2).
+    engine = await FakeEngine("e0", holds=(1,), on_abort=AbortOutcome.IGNORED).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run, other = new_run(), new_run()
+    try:
+        await runtime.publish_version(run, 3)
+        [g0] = specs(run, 1, n=1)
+        await runtime.submit(run, [g0])
+        await read_stream(redis_url, run, 1)
+        g1 = dataclasses.replace(spec("g1", n=2, run_id=run), stream_samples=True)
+        await runtime.submit(run, [g1, spec("g2", n=2, run_id=run)])
+        await runtime.submit(other, specs(other, 1, n=1))
+        await eventually(running(runtime, 2), "g1 and g2 running")
+
+        async def streamed() -> bool:
+            return runtime.counters.samples_streamed == 1
+
+        await eventually(streamed, "g1's sample 0 streamed")
+        assert await run_keys(redis_url, run, "g1") != []
+        cancelled, existed = await runtime.delete_run(run)
+        assert (cancelled, existed) == (2, True)
+        assert await run_keys(redis_url, run, "g0", "g1", "g2") == []
+        assert runtime.status().queue_depth == 0 and runtime.status().inflight_groups == 0
+        assert runtime.policy_version(run) == 0
+        # The other run is untouched.
+        await read_stream(redis_url, other, 1)
+        # The id is new again: the same group ids are taken and run.
+        assert await runtime.delete_run(run) == (0, False)
+        await runtime.submit(run, [g0])
+        [again] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert again.group_id == "g0" and again.status == GroupStatus.DELIVERED
+    assert runtime.counters.groups_cancelled == 2
+
+
+async def test_a_delivery_after_the_run_was_deleted_writes_nothing(redis_url: str) -> None:
+    run = new_run()
+    store = Store.from_url(redis_url)
+    try:
+        await store.add_pending(run, specs(run, 1))
+        assert await store.delete_run(run) is True
+        late = GroupResult(run_id=run, group_id="g0", status=GroupStatus.DELIVERED)
+        assert await store.deliver(late) is None
+        assert await store.delete_run(run) is False
+    finally:
+        await store.close()
+    assert await run_keys(redis_url, run, "g0") == []
+
+
+async def test_the_sdk_and_the_http_api_delete_a_run(other_redis_url: str) -> None:
+    engine = await FakeEngine("e0", holds=(0,), on_abort=AbortOutcome.IGNORED).start()
+    http_port = free_port()
+    settings = SchedulerSettings.model_validate(
+        {
+            "redis_url": other_redis_url,
+            "port": 0,
+            "http_port": http_port,
+            "engines": [EngineEndpoint(engine_id="e0", address=engine.address)],
+            "health_interval_s": 0.1,
+            "predictor_namespace": f"ns-{new_run()}",
+        }
+    )
+    run = new_run()
+    group = PromptGroup(
+        group_id="held", prompt_token_ids=[5, 6], n=1, sampling=SamplingParams(max_tokens=8)
+    )
+    try:
+        async with served_scheduler(settings, WAIT_S) as served:
+            address = f"127.0.0.1:{served.port}"
+            async with AsyncRolloutClient(address, other_redis_url, run) as client:
+                assert await client.submit([group]) == 1
+
+                async def held() -> bool:
+                    return (await client.status()).inflight_groups == 1
+
+                await eventually(held, "the group running")
+                deleted = await client.delete_run()
+                assert (deleted.cancelled, deleted.existed) == (1, True)
+
+            def again() -> tuple[int, bool]:
+                with RolloutClient(address, other_redis_url, run) as sync:
+                    assert sync.submit([group]) == 1  # the id is free again
+                    result = sync.delete_run()
+                    return result.cancelled, result.existed
+
+            assert await asyncio.to_thread(again) == (1, True)
+            url = f"http://127.0.0.1:{http_port}/v1/runs"
+            async with aiohttp.ClientSession() as http:
+                async with http.delete(f"{url}/{run}") as reply:
+                    assert reply.status == 200
+                    assert await reply.json() == {"cancelled": 0, "existed": False}
+                async with http.delete(f"{url}/bad%20id") as reply:
+                    assert reply.status == 422
+                    assert "run_id" in (await reply.json())["error"]["message"]
+    finally:
+        await engine.stop()
+    assert await run_keys(other_redis_url, run, "held") == []
+    with pytest.raises(InvalidArgument, match="run_id"):
+        RolloutClient("127.0.0.1:1", other_redis_url, "bad id").delete_run()
