@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 
 import aiohttp
 import pytest
@@ -33,6 +34,7 @@ from rollserve.client.wire import (
     version_key,
 )
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.scheduler.state import GroupSpec
 from rollserve.scheduler.store import Store
 
 from tests.served import served_scheduler
@@ -174,3 +176,38 @@ async def test_the_sdk_and_the_http_api_delete_a_run(other_redis_url: str) -> No
     assert await run_keys(other_redis_url, run, "held") == []
     with pytest.raises(InvalidArgument, match="run_id"):
         RolloutClient("127.0.0.1:1", other_redis_url, "bad id").delete_run()
+
+
+async def test_a_run_deleted_while_a_submit_writes_its_groups_leaves_none_running(
+    redis_url: str,
+) -> None:
+    # The Submit's groups are in Redis, not yet queued, when DeleteRun comes: it waits for
+    # them to be queued, then cancels them with the rest (else they would run on, to a
+    # delivery Redis refuses).
+    engine = await FakeEngine("e0", holds=(0, 1), on_abort=AbortOutcome.IGNORED).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    written, go_on = asyncio.Event(), asyncio.Event()
+    real_add = runtime._store.add_pending
+
+    async def add_pending(run_id: str, groups: Sequence[GroupSpec]) -> None:
+        await real_add(run_id, groups)
+        written.set()
+        await go_on.wait()
+
+    runtime._store.add_pending = add_pending  # type: ignore[method-assign,assignment]
+    try:
+        submit = asyncio.create_task(runtime.submit(run, specs(run, 2)))
+        await written.wait()
+        delete = asyncio.create_task(runtime.delete_run(run))
+        await asyncio.sleep(0.1)
+        assert not delete.done()  # it waits for the Submit's groups to be queued
+        go_on.set()
+        await submit
+        assert await delete == (2, True)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert (status.queue_depth, status.inflight_groups) == (0, 0)
+    assert await run_keys(redis_url, run, "g0", "g1") == []

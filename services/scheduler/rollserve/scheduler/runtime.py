@@ -65,7 +65,15 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -285,6 +293,8 @@ class SchedulerRuntime:
         # Group key -> writes of its samples to the samples stream not yet done; the group's
         # entry waits for them, so that its samples' entries come first.
         self._sample_writes: dict[str, set[asyncio.Task[None]]] = {}
+        # Run id -> its lock and how many hold or wait for it (``_run_lock``).
+        self._run_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -568,12 +578,29 @@ class SchedulerRuntime:
             specs = [self._with_epoch(spec) for spec in specs]
             if run_id not in self._versions:
                 await self._load_version(run_id)
-            await self._store.add_pending(run_id, specs)
-            for spec in specs:
-                self._enqueue(spec)
+            # A DeleteRun between the write and the queue would leave the groups running
+            # to a delivery refused.
+            async with self._run_lock(run_id):
+                await self._store.add_pending(run_id, specs)
+                for spec in specs:
+                    self._enqueue(spec)
             self._wake.set()
         finally:
             self._admitting = (self._admitting[0] - len(specs), self._admitting[1] - tokens)
+
+    @contextlib.asynccontextmanager
+    async def _run_lock(self, run_id: str) -> AsyncIterator[None]:
+        """One at a time per run: a Submit's write and queueing, or a DeleteRun."""
+        entry = self._run_locks.setdefault(run_id, (asyncio.Lock(), [0]))
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0] and self._run_locks.get(run_id) is entry:
+                del self._run_locks[run_id]
 
     async def cancel(self, run_id: str, group_ids: Sequence[str]) -> tuple[list[str], list[str]]:
         """Ends the groups that have not ended; LeaseLost if this scheduler is stopping."""
@@ -603,6 +630,10 @@ class SchedulerRuntime:
         return await self._carried_through(self._delete_run(run_id), f"delete {run_id}")
 
     async def _delete_run(self, run_id: str) -> tuple[int, bool]:
+        async with self._run_lock(run_id):  # (no Submit of the run between its write and queue)
+            return await self._delete_locked(run_id)
+
+    async def _delete_locked(self, run_id: str) -> tuple[int, bool]:
         cancelled = 0
         for record in [r for r in self._groups.values() if r.spec.run_id == run_id]:
             if self._retire(record):  # its calls were cancelled: the engines abort the work
