@@ -315,3 +315,13 @@ def test_tail_auc_rejects_bad_input() -> None:
         tail_auc([1, 2], [3, 3])
     with pytest.raises(ValueError, match="finite"):
         tail_auc([math.nan, 1], [1, 2])
+
+
+def test_the_scheduler_s_prior_is_a_setting() -> None:
+    from rollserve.scheduler.server import build_parser, settings_from_args
+
+    argv = ["--redis-url", "redis://127.0.0.1:1", "--predictor-default-len", "200"]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert settings.predictor.default_len == 200
+    # Before anything is learnt, every prompt is predicted that long on average.
+    assert LengthPredictor(settings.predictor).predict("unseen").mean == pytest.approx(200)

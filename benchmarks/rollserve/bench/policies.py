@@ -74,6 +74,7 @@ class PoliciesConfig:
     profile: str | None = None  # a shipped profile's name or a TOML file; None: the scenario's
     policies: tuple[str, ...] = DEFAULT_POLICIES
     warm_steps: int = 1
+    predictor_default_len: int | None = None  # the predictor's prior mean; None: its default
     oversample: float | None = None  # None: synchronous steps
     max_staleness: int = 1
     tail: Tail = "carry"  # over-sampled runs: carry the rest over, or defer it to long rounds
@@ -105,7 +106,7 @@ def rl_policy_for(
 
 def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[str, Any]:
     from rollserve.scheduler.core.policy import create_policy
-    from rollserve.scheduler.core.predictor import LengthPredictor
+    from rollserve.scheduler.core.predictor import LengthPredictor, PredictorSettings
     from rollserve.sim.des import DesConfig, run_des, run_des_async
     from rollserve.sim.profile import load_profile
     from rollserve.sim.scenarios import load_scenario
@@ -121,6 +122,8 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
             f"policies {unknown} unknown; known: {', '.join(known)}, each also as NAME{SPEC} "
             "(on speculating engines)"
         )
+    if cfg.predictor_default_len is not None and cfg.predictor_default_len < 1:
+        raise ValueError(f"predictor_default_len ({cfg.predictor_default_len}) must be >= 1 token")
     if cfg.move_gain is not None and not 0 < cfg.move_gain < 1:
         raise ValueError(f"move_gain ({cfg.move_gain}) must be in (0, 1)")
     if not (math.isfinite(cfg.told_noise) and cfg.told_noise >= 0):
@@ -189,7 +192,11 @@ def run_policies(cfg: PoliciesConfig, console: Console | None = None) -> dict[st
         )
 
     def predictor() -> LengthPredictor:
-        p = LengthPredictor()
+        p = LengthPredictor(
+            PredictorSettings()
+            if cfg.predictor_default_len is None
+            else PredictorSettings(default_len=cfg.predictor_default_len)
+        )
         for groups in history:
             for g in groups:
                 for length in g.output_lens:
@@ -350,6 +357,7 @@ def _report(
         "profile": profile,
         "engines": engines,
         "warm_steps": cfg.warm_steps,
+        "predictor_default_len": cfg.predictor_default_len,
         "oversample": cfg.oversample,
         "max_staleness": cfg.max_staleness if cfg.oversample is not None else 0,
         "tail": cfg.tail if cfg.oversample is not None else None,

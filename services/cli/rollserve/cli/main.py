@@ -203,6 +203,7 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
                 profile=args.profile,
                 policies=policies or DEFAULT_POLICIES,
                 warm_steps=args.warm_steps,
+                predictor_default_len=args.predictor_default_len,
                 oversample=args.oversample,
                 max_staleness=args.max_staleness,
                 tail=args.tail,
@@ -442,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="earlier scenario steps the predictor has seen (a run in progress; 0: cold)",
+    )
+    policies.add_argument(
+        "--predictor-default-len",
+        type=int,
+        help="the predictor's mean response length before it has learnt any (the "
+        "scheduler's --predictor-default-len; default its own, 512)",
     )
     policies.add_argument(
         "--oversample",

@@ -313,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="epochs after which a response length counts half as much in predictions",
     )
     p.add_argument(
+        "--predictor-default-len",
+        type=int,
+        default=_PREDICTOR_DEFAULTS.default_len,
+        help="mean response length, tokens, predicted before any length is learnt (the "
+        "first step of a new namespace): near your responses' mean, rl keeps short groups "
+        "whole from the start",
+    )
+    p.add_argument(
         "--predictor-max-keys",
         type=int,
         default=_PREDICTOR_DEFAULTS.max_keys,
@@ -429,7 +437,9 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         shutdown_grace_s=args.shutdown_grace_s,
         predictor_namespace=args.predictor_namespace,
         predictor=PredictorSettings(
-            half_life_epochs=args.predictor_half_life_epochs, max_keys=args.predictor_max_keys
+            half_life_epochs=args.predictor_half_life_epochs,
+            max_keys=args.predictor_max_keys,
+            default_len=args.predictor_default_len,
         ),
     )
 
