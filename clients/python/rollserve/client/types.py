@@ -126,7 +126,8 @@ class PromptGroup:
     n: samples in the group, >= 1.
     prompt_key: stable id of the dataset row across epochs; the scheduler keeps
         length history by it (defaults to nothing: no history).
-    priority: lower runs first.
+    priority: lower runs first, among the run's own groups (runs share the engines on
+        equal terms: each run's priorities count from its most urgent queued group).
     epoch: the pass over the dataset this group belongs to (from 0); the length
         history of a prompt_key decays by epochs. None: one more than the last epoch
         the scheduler learnt the prompt_key in.

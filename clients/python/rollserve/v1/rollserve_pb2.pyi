@@ -158,7 +158,9 @@ class PromptGroup(_message.Message):
     prompt_key: _builtins.str
     """stable dataset row id across epochs"""
     priority: _builtins.int
-    """lower runs first; default 0"""
+    """Lower runs first among the run's own groups (default 0). Runs share the engines on equal
+    terms: each run's priorities count from its most urgent queued group.
+    """
     epoch: _builtins.int
     """The pass over the dataset this group belongs to (>= 0), for the length predictor:
     history of a prompt_key decays by epochs. Unset: one more than the last epoch the

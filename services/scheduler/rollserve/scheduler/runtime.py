@@ -997,9 +997,33 @@ class SchedulerRuntime:
         self._held_prompt_tokens += len(spec.prompt_token_ids)
         self._queue[spec.key] = None
 
-    def _loads(self, predict: bool = True) -> dict[str, EngineLoad]:
+    def _priority_bases(self) -> dict[str, int]:
+        """Per run, what its priorities count from: the lowest of its queued groups', or
+        with none queued, of its running groups'. Priorities order a run's own groups;
+        counted so, runs share the engines on equal terms (a trainer whose step numbers are
+        its priorities, as ``StepBatcher`` submits, does not go before one further on)."""
+        bases: dict[str, int] = {}
+        for key in self._queue:
+            spec = self._groups[key].spec
+            base = bases.get(spec.run_id)
+            if base is None or spec.priority < base:
+                bases[spec.run_id] = spec.priority
+        running: dict[str, int] = {}
+        for calls in self._calls.values():
+            for call in calls.values():
+                spec = call.record.spec
+                if spec.run_id not in bases:
+                    base = running.get(spec.run_id)
+                    if base is None or spec.priority < base:
+                        running[spec.run_id] = spec.priority
+        return bases | running
+
+    def _loads(
+        self, predict: bool = True, bases: dict[str, int] | None = None
+    ) -> dict[str, EngineLoad]:
         """Per engine, what its running samples hold and (with ``predict``) are predicted
-        still to generate; without it the predicted fields stay 0 (unknown)."""
+        still to generate; without it the predicted fields stay 0 (unknown). With
+        ``bases``, priorities are counted from their runs' (``_priority_bases``)."""
         loads = {engine_id: EngineLoad() for engine_id in self._engines}
         groups: dict[str, set[str]] = {engine_id: set() for engine_id in self._engines}
         for key, calls in self._calls.items():
@@ -1010,8 +1034,9 @@ class SchedulerRuntime:
                     continue
                 groups[call.engine.engine_id].add(key)
                 spec = call.record.spec
-                if load.urgent_priority is None or spec.priority < load.urgent_priority:
-                    load.urgent_priority = spec.priority
+                priority = spec.priority - (bases or {}).get(spec.run_id, 0)
+                if load.urgent_priority is None or priority < load.urgent_priority:
+                    load.urgent_priority = priority
                 for index in running:
                     progress = len(call.record.samples[index].token_ids)
                     load.samples += 1
@@ -1067,29 +1092,32 @@ class SchedulerRuntime:
         # Predictions cost a predictor call per queued group and running sample at every
         # plan: only for a policy that reads them.
         predict = self._policy.uses_predictions
+        bases = self._priority_bases()
         queue = []
         for key in self._queue:
             record = self._groups[key]
             predicted = self._predict_queued(record) if predict else None
+            priority = record.spec.priority - bases[record.spec.run_id]
             cached = self._views.get(key)
             if (
                 cached is not None
                 and cached[0] is record
                 and cached[1] == record.revision
                 and cached[2] == predicted
+                and cached[3].priority == priority
             ):
                 queue.append(cached[3])
                 continue
-            view = self._queued_view(record, predicted)
+            view = self._queued_view(record, predicted, priority)
             self._views[key] = (record, record.revision, predicted, view)
             queue.append(view)
-        loads = self._loads(predict)
+        loads = self._loads(predict, bases)
         engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
-        running = self._running_samples(predict) if self._policy.moves_running else ()
+        running = self._running_samples(predict, bases) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
 
     @staticmethod
-    def _queued_view(record: GroupRecord, predicted: float | None) -> QueuedGroup:
+    def _queued_view(record: GroupRecord, predicted: float | None, priority: int) -> QueuedGroup:
         spec = record.spec
         pending = record.pending
         progress = record.progress(pending)
@@ -1098,7 +1126,7 @@ class SchedulerRuntime:
             n=spec.n,
             prompt_len=len(spec.prompt_token_ids),
             max_tokens=spec.sampling.max_tokens,
-            priority=spec.priority,
+            priority=priority,
             seq=record.seq,
             prompt_key=spec.prompt_key,
             samples=pending if len(pending) < spec.n else (),
@@ -1107,7 +1135,7 @@ class SchedulerRuntime:
             progress=progress if any(progress) else (),
         )
 
-    def _running_samples(self, predict: bool) -> tuple[RunningSample, ...]:
+    def _running_samples(self, predict: bool, bases: dict[str, int]) -> tuple[RunningSample, ...]:
         """Every running sample a policy may preempt (not those being preempted already);
         with ``predict``, with its predicted tokens left."""
         out: list[RunningSample] = []
@@ -1130,7 +1158,7 @@ class SchedulerRuntime:
                             progress=progress,
                             predicted_left=max(0.0, predicted - progress),
                             preemptions=sample.preemptions,
-                            priority=spec.priority,
+                            priority=spec.priority - bases.get(spec.run_id, 0),
                             prompt_key=spec.prompt_key,
                         )
                     )
