@@ -545,3 +545,70 @@ def test_cancel_outstanding_discards_unknown_groups_when_told() -> None:
     run.inject("before-restart", at=0.9)  # read while draining for g3
     batcher.cancel_outstanding()
     assert "before-restart" in run.acked and run.released == []
+
+
+# ------------------------------------------------------------- dynamic sampling
+
+
+def even(result: GroupResult) -> bool:
+    """Keeps the groups of even index (stands for: their rewards differ)."""
+    return int(result.group_id[1:]) % 2 == 0
+
+
+@pytest.mark.parametrize(
+    ("seed", "oversample", "max_staleness"), [(1, 0.0, 1), (2, 0.5, 1), (3, 1.0, 2)]
+)
+def test_groups_keep_turns_away_are_replaced_and_never_handed_out(
+    seed: int, oversample: float, max_staleness: int
+) -> None:
+    rng = random.Random(seed)
+    durations: dict[str, float | None] = {f"g{i}": rng.lognormvariate(0.0, 1.0) for i in range(400)}
+    run = FakeRun(durations)
+    batcher = StepBatcher(
+        run,
+        prompt_groups(),
+        batch_size=6,
+        oversample=oversample,
+        max_staleness=max_staleness,
+        keep=even,
+    )
+    batches = take(batcher, 8)
+    delivered = [g.group_id for b in batches for g in b.groups]
+    assert [len(b) for b in batches] == [6] * 8  # full batches of kept groups
+    assert all(int(g[1:]) % 2 == 0 for g in delivered)
+    assert len(delivered) == len(set(delivered))
+    assert all(0 <= g.staleness <= max_staleness for b in batches for g in b.groups)
+    # Every group turned away was acknowledged unused, once; the kept ones by their batch.
+    turned_away = [g for g in run.acked if int(g[1:]) % 2]
+    assert len(turned_away) == len(set(turned_away)) == batcher.state.filtered > 0
+    assert sorted(set(run.acked) - set(turned_away)) == sorted(delivered)
+    assert sum(b.filtered for b in batches) == batcher.state.filtered
+    launched = len(run.submitted)
+    assert launched == len(delivered) + batcher.state.filtered + batcher.state.outstanding
+    assert sum(b.launched for b in batches) == launched
+
+
+def test_when_keep_turns_every_group_away_iteration_ends_without_a_batch() -> None:
+    run = FakeRun()
+    batcher = StepBatcher(run, prompt_groups(9), batch_size=4, keep=lambda result: False)
+    assert next(batcher, None) is None
+    assert sorted(run.acked) == sorted(f"g{i}" for i in range(9))
+    assert batcher.state.filtered == 9 and batcher.state.exhausted
+
+
+async def test_the_async_batcher_keeps_the_same_groups() -> None:
+    durations: dict[str, float | None] = {f"g{i}": float((i * 7) % 5 + 1) for i in range(100)}
+    sync_run, async_run = FakeRun(dict(durations)), FakeRun(dict(durations))
+    sync = take(StepBatcher(sync_run, prompt_groups(), batch_size=4, oversample=0.5, keep=even), 5)
+    batcher = AsyncStepBatcher(
+        AsyncFakeRun(async_run), prompt_groups(), batch_size=4, oversample=0.5, keep=even
+    )
+    batches = []
+    async for batch in batcher:
+        await batcher.ack(batch)
+        batches.append(batch)
+        if len(batches) == 5:
+            break
+    assert [ids(b) for b in batches] == [ids(b) for b in sync]
+    assert [b.filtered for b in batches] == [b.filtered for b in sync]
+    assert sum(b.filtered for b in sync) > 0

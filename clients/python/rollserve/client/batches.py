@@ -47,6 +47,12 @@ takes them over. A trainer that reads its run alone passes ``unknown_groups="dis
 such entries (the groups launched before a restart from a checkpoint) are acknowledged
 unused instead of staying pending for good.
 
+Dynamic sampling (DAPO's): with ``keep``, a function of a finished group's result, a group it
+turns away (for GRPO, one whose samples all got the same reward) is acknowledged unused as it
+arrives and leaves the outstanding groups, and the batcher launches another in its place at
+once; batches then hold ``B`` groups it kept. It is asked only of the groups the batcher
+launched. When the iterator runs out, the last batches hold the kept groups that are left.
+
 Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
 ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,
 every launched group is due in its own step, so nothing could be carried over).
@@ -62,7 +68,7 @@ import dataclasses
 import enum
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar, cast
 
@@ -134,7 +140,8 @@ class StepBatch(Generic[R]):
 
     step: int
     groups: tuple[BatchedGroup[R], ...]
-    launched: int  # groups submitted at the start of this step
+    launched: int  # groups submitted during this step (replacements of filtered ones too)
+    filtered: int = 0  # groups that finished during this step and ``keep`` turned away
 
     @property
     def results(self) -> list[GroupResult]:
@@ -167,6 +174,7 @@ class Arrival(enum.Enum):
     """What a stream entry was to the batcher."""
 
     NEW = "new"  # an outstanding group finished
+    FILTERED = "filtered"  # an outstanding group finished, and the trainer's keep refused it
     DUPLICATE = "duplicate"  # a second entry of a group it holds already
     UNKNOWN = "unknown"  # a group it did not launch (or handed out long ago)
 
@@ -202,6 +210,8 @@ class BatcherState(Generic[R]):
         self.step = 0  # batches handed out so far; the step being assembled
         self.source_done = False  # the trainer's iterator is exhausted
         self.launched_now = 0  # groups launched at the current step
+        self.filtered_now = 0  # groups filtered out at the current step
+        self.filtered = 0  # groups filtered out, in all
         self._running: dict[str, int] = {}  # group id -> launch step; not finished yet
         self._finished: dict[str, _Finished[R]] = {}  # in finish order; not handed out yet
 
@@ -228,10 +238,21 @@ class BatcherState(Generic[R]):
 
     # ------------------------------------------------------------ finishing
 
-    def on_finished(self, received: R) -> Arrival:
+    def is_running(self, group_id: str) -> bool:
+        """Launched by this batcher and not finished yet."""
+        return group_id in self._running
+
+    def on_finished(self, received: R, keep: bool = True) -> Arrival:
+        """An entry of the stream; ``keep`` False: the group, if it is one of the running,
+        is turned away (dynamic sampling): it leaves the outstanding groups, and the next
+        top-up launches another in its place."""
         group_id = received.group_id
         launch_step = self._running.pop(group_id, None)
         if launch_step is not None:
+            if not keep:
+                self.filtered_now += 1
+                self.filtered += 1
+                return Arrival.FILTERED
             self._finished[group_id] = _Finished(received, launch_step)
             return Arrival.NEW
         if group_id in self._finished:
@@ -281,11 +302,13 @@ class BatcherState(Generic[R]):
                 for f in chosen
             ),
             launched=self.launched_now,
+            filtered=self.filtered_now,
         )
         for f in chosen:
             del self._finished[f.received.group_id]
         self.step += 1
         self.launched_now = 0
+        self.filtered_now = 0
         return batch
 
     def outstanding_groups(self) -> tuple[list[str], list[R]]:
@@ -442,6 +465,14 @@ def _note(arrival: Arrival, received: ReceivedBase, unknown: UnknownGroups) -> N
         )
 
 
+Keep = Callable[[GroupResult], bool]
+
+
+def _kept(state: BatcherState[R], keep: Keep | None, received: R) -> bool:
+    """Whether ``keep`` keeps the entry's group; asked only of a group this batcher runs."""
+    return keep is None or not state.is_running(received.group_id) or bool(keep(received.result))
+
+
 def _release(client: object, received: ReceivedBase) -> None:
     """Stops the client's heartbeat for an entry left pending for another consumer. The
     clients of this SDK have ``release``; a client without one holds no claims to drop."""
@@ -488,6 +519,11 @@ class StepBatcher(Generic[R]):
         ``"discard"`` them (acknowledged unused) when this trainer reads the run alone, as
         after a restart from a checkpoint: the groups launched before the restart are then
         not left pending for good (they held back the stream's trim).
+    keep: dynamic sampling (as DAPO's): called with the result of each group this batcher
+        launched as it finishes (a failed one too); a group it returns False for is
+        acknowledged unused and another is launched in its place, so that batches hold the
+        groups it kept (for GRPO, those whose rewards differ). None keeps every group.
+        ``StepBatch.filtered`` counts the groups it turned away during the step.
     """
 
     def __init__(
@@ -500,12 +536,14 @@ class StepBatcher(Generic[R]):
         max_staleness: int = 1,
         batch_timeout_s: float | None = None,
         unknown_groups: UnknownGroups = "release",
+        keep: Keep | None = None,
     ) -> None:
         self._client = client
         self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
         self._unknown = _check_unknown_groups(unknown_groups)
+        self._keep = keep
 
     def __iter__(self) -> Iterator[StepBatch[R]]:
         return self
@@ -515,6 +553,8 @@ class StepBatcher(Generic[R]):
         if self.state.exhausted:
             raise StopIteration
         self._wait_ready()
+        if not self.state.ready():  # keep turned the last groups away
+            raise StopIteration
         return self.state.take_batch()
 
     def ack(self, batch: StepBatch[R]) -> int:
@@ -585,15 +625,18 @@ class StepBatcher(Generic[R]):
         stream = self._client.groups(timeout_s=self._timeout_s)
         try:
             for received in stream:
-                arrival = state.on_finished(received)
+                arrival = state.on_finished(received, _kept(state, self._keep, received))
                 _note(arrival, received, self._unknown)
-                if arrival is Arrival.DUPLICATE or (
+                if arrival is Arrival.FILTERED:
+                    self._client.ack(received)
+                    self._top_up()  # another group in its place
+                elif arrival is Arrival.DUPLICATE or (
                     arrival is Arrival.UNKNOWN and self._unknown == "discard"
                 ):
                     self._client.ack(received)
                 elif arrival is Arrival.UNKNOWN:
                     _release(self._client, received)
-                if state.ready():
+                if state.ready() or state.exhausted:
                     return
         finally:
             _close(stream)
@@ -603,7 +646,7 @@ class StepBatcher(Generic[R]):
 class AsyncStepBatcher(Generic[R]):
     """The asyncio twin of :class:`StepBatcher`, over an
     :class:`~rollserve.client.AsyncRolloutClient`: ``async for batch in batcher``,
-    ``await batcher.ack(batch)``."""
+    ``await batcher.ack(batch)`` (``keep`` is a plain function, as there)."""
 
     def __init__(
         self,
@@ -615,12 +658,14 @@ class AsyncStepBatcher(Generic[R]):
         max_staleness: int = 1,
         batch_timeout_s: float | None = None,
         unknown_groups: UnknownGroups = "release",
+        keep: Keep | None = None,
     ) -> None:
         self._client = client
         self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
         self._unknown = _check_unknown_groups(unknown_groups)
+        self._keep = keep
 
     def __aiter__(self) -> AsyncIterator[StepBatch[R]]:
         return self
@@ -630,6 +675,8 @@ class AsyncStepBatcher(Generic[R]):
         if self.state.exhausted:
             raise StopAsyncIteration
         await self._wait_ready()
+        if not self.state.ready():  # keep turned the last groups away
+            raise StopAsyncIteration
         return self.state.take_batch()
 
     async def ack(self, batch: StepBatch[R]) -> int:
@@ -696,15 +743,18 @@ class AsyncStepBatcher(Generic[R]):
         stream = self._client.groups(timeout_s=self._timeout_s)
         try:
             async for received in stream:
-                arrival = state.on_finished(received)
+                arrival = state.on_finished(received, _kept(state, self._keep, received))
                 _note(arrival, received, self._unknown)
-                if arrival is Arrival.DUPLICATE or (
+                if arrival is Arrival.FILTERED:
+                    await self._client.ack(received)
+                    await self._top_up()  # another group in its place
+                elif arrival is Arrival.DUPLICATE or (
                     arrival is Arrival.UNKNOWN and self._unknown == "discard"
                 ):
                     await self._client.ack(received)
                 elif arrival is Arrival.UNKNOWN:
                     _release(self._client, received)
-                if state.ready():
+                if state.ready() or state.exhausted:
                     return
         finally:
             await _aclose(stream)
