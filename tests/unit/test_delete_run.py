@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from rollserve.cli.stack import free_port
 from rollserve.client import (
     AsyncRolloutClient,
@@ -49,6 +50,7 @@ from tests.unit.test_runtime import (
     running,
     specs,
 )
+from tests.unit.test_runtime_weights import asked_to_load
 
 
 async def run_keys(redis_url: str, run_id: str, *group_ids: str) -> list[str]:
@@ -211,3 +213,93 @@ async def test_a_run_deleted_while_a_submit_writes_its_groups_leaves_none_runnin
         await engine.stop()
     assert (status.queue_depth, status.inflight_groups) == (0, 0)
     assert await run_keys(redis_url, run, "g0", "g1") == []
+
+
+async def test_a_delivery_retried_across_the_delete_never_lands_in_the_run_used_again(
+    redis_url: str,
+) -> None:
+    # g0's delivery meets a Redis error and is retried (50 ms later); DeleteRun and a Submit
+    # of g0 again come in between. The old g0 must not be delivered for the new one (which
+    # takes longer than the retry: 0.2 s between its two chunks).
+    engine = await FakeEngine("e0", step_s=0.2).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    failed_once = asyncio.Event()
+    real_deliver = runtime._store.deliver
+
+    async def deliver(result: GroupResult) -> str | None:
+        if result.run_id == run and not failed_once.is_set():
+            failed_once.set()
+            raise redis.exceptions.ConnectionError("Redis went away for a moment")
+        return await real_deliver(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    first = dataclasses.replace(spec("g0", n=1, run_id=run), metadata=(("round", "1"),))
+    second = dataclasses.replace(first, metadata=(("round", "2"),))
+    try:
+        await runtime.submit(run, [first])
+        await failed_once.wait()
+        assert await runtime.delete_run(run) == (0, True)
+        await runtime.submit(run, [second])
+        [delivered] = await read_stream(redis_url, run, 1)
+        await asyncio.sleep(0.2)  # (anything more would have come by now)
+        assert len(await read_stream(redis_url, run, 1)) == 1
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert delivered.metadata == {"round": "2"}
+
+
+async def test_a_delete_redis_refuses_leaves_the_run_running(redis_url: str) -> None:
+    engine = await FakeEngine("e0", holds=(0,), on_abort=AbortOutcome.IGNORED).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    real_delete = runtime._store.delete_run
+    refusals = [redis.exceptions.ConnectionError("Redis is down")]
+
+    async def delete_run(run_id: str) -> bool:
+        if refusals:
+            raise refusals.pop()
+        return await real_delete(run_id)
+
+    runtime._store.delete_run = delete_run  # type: ignore[method-assign]
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        await eventually(running(runtime, 1), "the group running")
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await runtime.delete_run(run)
+        assert runtime.status().inflight_groups == 1  # not forgotten: it runs on
+        assert await runtime.delete_run(run) == (1, True)  # and a retry ends it
+    finally:
+        await runtime.stop()
+        await engine.stop()
+
+
+async def test_a_publish_in_progress_ends_before_the_delete_and_the_weights_name_no_run(
+    redis_url: str,
+) -> None:
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", load_gate=gate).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        publish = asyncio.create_task(runtime.publish_version(run, 5, "/weights/v5"))
+        await eventually(asked_to_load(engine), "the engine asked to load")
+        delete = asyncio.create_task(runtime.delete_run(run))
+        await asyncio.sleep(0.1)
+        assert not delete.done()  # it waits for the publish
+        gate.set()
+        assert (await publish).version == 5
+        assert await delete == (0, True)
+        store = runtime._store
+        weights = await store.load_weights()
+        # The engines still serve those weights; no run's tokens are labelled by them now.
+        assert weights is not None and (weights.path, weights.run_id) == ("/weights/v5", "")
+        assert runtime.policy_version(run) == 0 and not runtime._stamps(run)
+        await runtime.submit(run, specs(run, 1, n=1))
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert await run_keys(redis_url, run) != []  # (the run used again has its state)
+    assert {seg.version for s in result.samples for seg in s.versions} == {0}

@@ -135,7 +135,9 @@ class SchedulerServicer:
         """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
         keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
         ids of its groups, its policy version. The run id may then be used again, from nothing.
-        The length history (kept by prompt_key, across runs) stays.
+        The length history (kept by prompt_key, across runs) stays. It waits for the run's
+        PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
+        one still reading makes the stream again (empty) for its consumer group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

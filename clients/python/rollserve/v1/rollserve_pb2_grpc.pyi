@@ -65,7 +65,9 @@ class SchedulerStub:
     """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
     keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
     ids of its groups, its policy version. The run id may then be used again, from nothing.
-    The length history (kept by prompt_key, across runs) stays.
+    The length history (kept by prompt_key, across runs) stays. It waits for the run's
+    PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
+    one still reading makes the stream again (empty) for its consumer group.
     """
 
 @_typing.type_check_only
@@ -103,7 +105,9 @@ class SchedulerAsyncStub(SchedulerStub):
     """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
     keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
     ids of its groups, its policy version. The run id may then be used again, from nothing.
-    The length history (kept by prompt_key, across runs) stays.
+    The length history (kept by prompt_key, across runs) stays. It waits for the run's
+    PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
+    one still reading makes the stream again (empty) for its consumer group.
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -180,7 +184,9 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         """Ends a run for good: cancels its queued and running groups, and deletes all the scheduler
         keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
         ids of its groups, its policy version. The run id may then be used again, from nothing.
-        The length history (kept by prompt_key, across runs) stays.
+        The length history (kept by prompt_key, across runs) stays. It waits for the run's
+        PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
+        one still reading makes the stream again (empty) for its consumer group.
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -35,6 +35,8 @@ class Route:
     request: type[Message] | None  # the body (the path's run_id goes into it); None: no body
     response: type[Message]
     call: str  # the method of ``SchedulerApi`` that carries it out
+    body_required: bool = True  # (a request's body: may be left out where False)
+    refusals: tuple[str, ...] = ("400", "409", "413", "422", "429", "503", "500")
 
 
 ROUTES: tuple[Route, ...] = (
@@ -69,6 +71,8 @@ ROUTES: tuple[Route, ...] = (
         pb.DeleteRunRequest,
         pb.DeleteRunResponse,
         "delete_run",
+        body_required=False,
+        refusals=("400", "413", "422", "503", "500"),
     ),
     Route(
         "get",
@@ -134,8 +138,12 @@ def openapi_document(version: str) -> dict[str, Any]:
         if request is not None:
             _add_schema(request, schemas, closed=True)
             operation["parameters"] = [_RUN_ID]
-            operation["requestBody"] = {"required": True, "content": _content(request.name)}
-            for status, why in _REFUSALS.items():
+            operation["requestBody"] = {
+                "required": route.body_required,
+                "content": _content(request.name),
+            }
+            for status in route.refusals:
+                why = _REFUSALS[status]
                 operation["responses"][status] = {"description": why, "content": _content("Error")}
         paths.setdefault(path, {})[route.method] = operation
     paths["/healthz"] = {"get": _HEALTH}

@@ -248,6 +248,12 @@ class _Call:
         ]
 
 
+@dataclass(eq=False, slots=True)
+class _Work:
+    count: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @dataclass(frozen=True, slots=True)
 class _Ending:
     record: GroupRecord
@@ -295,6 +301,10 @@ class SchedulerRuntime:
         self._sample_writes: dict[str, set[asyncio.Task[None]]] = {}
         # Run id -> its lock and how many hold or wait for it (``_run_lock``).
         self._run_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # Run id -> its deliveries and samples' writes, and its publishes, in progress
+        # (DeleteRun waits for them).
+        self._writing: dict[str, _Work] = {}
+        self._publishing: dict[str, _Work] = {}
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -630,24 +640,52 @@ class SchedulerRuntime:
         return await self._carried_through(self._delete_run(run_id), f"delete {run_id}")
 
     async def _delete_run(self, run_id: str) -> tuple[int, bool]:
-        async with self._run_lock(run_id):  # (no Submit of the run between its write and queue)
-            return await self._delete_locked(run_id)
-
-    async def _delete_locked(self, run_id: str) -> tuple[int, bool]:
-        cancelled = 0
-        for record in [r for r in self._groups.values() if r.spec.run_id == run_id]:
-            if self._retire(record):  # its calls were cancelled: the engines abort the work
-                record.cancel()
-                cancelled += 1
-        # A delivery or a sample's write in flight finds its group no longer pending in Redis,
-        # and writes nothing.
-        existed = await self._store.delete_run(run_id)
-        self._versions.pop(run_id, None)
-        self.counters.groups_cancelled += cancelled
-        if cancelled:
-            self._wake.set()
+        # Under the run's lock no Submit or PublishVersion of the run begins.
+        async with self._run_lock(run_id):
+            # A publish in progress would write the run's version back after the delete.
+            await self._work_done(self._publishing, run_id)
+            existed = await self._store.delete_run(run_id)
+            # From here no write of the run takes: its groups are not pending. Out of memory
+            # only now, in this step: had Redis refused the delete, they would run on.
+            cancelled = 0
+            for record in [r for r in self._groups.values() if r.spec.run_id == run_id]:
+                if self._retire(record):  # its calls were cancelled: the engines abort
+                    record.cancel()
+                    cancelled += 1
+            self._versions.pop(run_id, None)
+            if self._stamping is not None and self._stamping[0] == run_id:
+                self._stamping = ("", 0)  # (the fleet's weights, in Redis too, name no run)
+            self.counters.groups_cancelled += cancelled
+            if cancelled:
+                self._wake.set()
+            # Deliveries and samples' writes begun before (each writes nothing now, or its
+            # entry went with the delete) end before the id can be used again: one landing
+            # after a new Submit of the same group id would deliver the old group.
+            await self._work_done(self._writing, run_id)
         log.info("run %s deleted (%d groups cancelled)", run_id, cancelled)
         return cancelled, existed
+
+    @contextlib.contextmanager
+    def _work(self, work: dict[str, _Work], run_id: str) -> Iterator[None]:
+        """Counts a write (or publish) of the run in progress in ``work``."""
+        entry = work.get(run_id)
+        if entry is None:
+            entry = work[run_id] = _Work()
+        entry.count += 1
+        try:
+            yield
+        finally:
+            entry.count -= 1
+            if not entry.count:
+                entry.done.set()
+                if work.get(run_id) is entry:
+                    del work[run_id]
+
+    @staticmethod
+    async def _work_done(work: dict[str, _Work], run_id: str) -> None:
+        """Waits until the run has no work of ``work`` in progress."""
+        while (entry := work.get(run_id)) is not None:
+            await entry.done.wait()
 
     async def publish_version(
         self, run_id: str, version: int, weights_path: str = ""
@@ -660,6 +698,12 @@ class SchedulerRuntime:
         has ``_MAX_COUNTS_AWAITED`` such counts due). Raises VersionBehind if the run's
         version is higher, and LeaseLost if this scheduler is stopping."""
         self._check_lease()
+        with contextlib.ExitStack() as publishing:
+            async with self._run_lock(run_id):  # (not while the run is being deleted)
+                publishing.enter_context(self._work(self._publishing, run_id))
+            return await self._publish_version(run_id, version, weights_path)
+
+    async def _publish_version(self, run_id: str, version: int, weights_path: str) -> PublishResult:
         if run_id not in self._versions:
             await self._load_version(run_id)
         self._check_behind(run_id, version)
@@ -1722,9 +1766,15 @@ class SchedulerRuntime:
         writes = self._sample_writes.pop(spec.key, None)
         if writes:  # its samples' entries first (a write that failed has said why)
             await asyncio.gather(*writes, return_exceptions=True)
-        entry = await self._retrying(f"group {spec.key}", lambda: self._store.deliver(result))
+        with self._work(self._writing, spec.run_id):
+            entry = await self._retrying(f"group {spec.key}", lambda: self._store.deliver(result))
         if entry is None:
-            return  # ended before (cancelled, or delivered by an earlier process)
+            log.info(
+                "group %s was no longer pending in Redis (cancelled, its run deleted, or "
+                "delivered by an earlier scheduler): not written",
+                spec.key,
+            )
+            return
         self._delivered_to.add(spec.run_id)
         if error:
             self.counters.groups_failed += 1
@@ -1797,7 +1847,8 @@ class SchedulerRuntime:
         task.add_done_callback(written)
 
     async def _write_sample(self, what: str, result: SampleResult) -> None:
-        entry = await self._retrying(what, lambda: self._store.deliver_sample(result))
+        with self._work(self._writing, result.run_id):
+            entry = await self._retrying(what, lambda: self._store.deliver_sample(result))
         if entry is not None:
             self.counters.samples_streamed += 1
             self._delivered_to.add(result.run_id)  # (its samples stream is trimmed too)

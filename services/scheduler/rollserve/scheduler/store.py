@@ -128,15 +128,23 @@ return xadd(KEYS[3], ARGV[2], 3)
 """
 )
 
-# KEYS: pending, ended, version, stream, samples stream, runs. ARGV: run_id, the prefix of
-# the run's streamed hashes (a group id completes one). Returns 1 if the run had state.
+# KEYS: pending, ended, version, stream, samples stream, runs, weights. ARGV: run_id, the
+# prefix of the run's streamed hashes (a group id completes one). The fleet's weights, if
+# they name the run, name none after. Returns 1 if the run had state.
 _DELETE_RUN = """
 for _, group_id in ipairs(redis.call('HKEYS', KEYS[1])) do
   redis.call('DEL', ARGV[2] .. group_id)
 end
 local existed = redis.call('SREM', KEYS[6], ARGV[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-return existed
+existed = existed + redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+if redis.call('HGET', KEYS[7], 'run') == ARGV[1] then
+  redis.call('HSET', KEYS[7], 'run', '', 'since', 0)
+  existed = existed + 1
+end
+if existed > 0 then
+  return 1
+end
+return 0
 """
 
 # KEYS: pending, streamed, samples stream. ARGV: group_id, index, maxlen, the entry's body,
@@ -492,8 +500,8 @@ class Store:
 
     async def delete_run(self, run_id: str) -> bool:
         """Deletes all the run's state (its pending groups, the ids of its ended ones, its
-        streams, its version); whether it had any. A delivery in flight then writes nothing:
-        its group is no longer pending."""
+        streams, its version; the fleet's weights name no run if they named it); whether it
+        had any. A delivery in flight then writes nothing: its group is no longer pending."""
         keys = [
             pending_key(run_id),
             ended_key(run_id),
@@ -501,6 +509,7 @@ class Store:
             stream_key(run_id),
             samples_stream_key(run_id),
             RUNS_KEY,
+            WEIGHTS_KEY,
         ]
         prefix = streamed_key(run_id, "")
         return bool(await self._write(self._delete_run, keys, [run_id, prefix]))
