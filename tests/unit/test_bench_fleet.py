@@ -20,6 +20,7 @@ def row(policy: str, engines: int, groups_per_s: float) -> FleetRow:
         groups=engines * 4,
         groups_per_simulated_s=groups_per_s,
         fleet_kept_up=True,
+        sample_lead_simulated_s=None,
     )
     return FleetRow(**values)  # type: ignore[arg-type]
 
@@ -53,7 +54,13 @@ def test_one_policy_has_no_column_against_itself() -> None:
 
 def test_policy_flags_name_what_is_wrong() -> None:
     assert _policies("rl, least_outstanding") == ("rl", "least_outstanding")
-    for bad, message in (("rl,nope", "give scheduler policies"), ("rl,rl", "twice"), (",", "give")):
+    assert _policies("rl,rl+stream") == ("rl", "rl+stream")
+    for bad, message in (
+        ("rl,nope", "give scheduler policies"),
+        ("nope+stream", "give scheduler policies"),
+        ("rl,rl", "twice"),
+        (",", "give"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             _policies(bad)
 
@@ -69,3 +76,10 @@ def test_the_publish_column_shows_the_time_beyond_the_load() -> None:
 def test_one_kind_of_publish_a_run() -> None:
     with pytest.raises(ValueError, match="publish_weights and publish_version"):
         run_fleet(FleetConfig(publish_weights=True, publish_version=True))
+
+
+def test_a_streaming_row_shows_how_long_before_its_group_a_sample_is_there() -> None:
+    streaming = dataclasses.replace(row("rl+stream", 8, 10.0), sample_lead_simulated_s=1.42)
+    text = rendered([row("rl", 8, 10.0), streaming])
+    assert "sample lead" in text and "1.42" in text
+    assert "sample lead" not in rendered([row("rl", 8, 10.0)])

@@ -31,6 +31,11 @@ publish has no weights (the trainer updated the engines its own way): the schedu
 engine running the run's samples how many tokens each has made (Stats with progress), so that
 those count as version 0 whenever they arrive; the row gives that call's wall time.
 
+A policy named ``NAME+stream`` runs ``NAME`` with the groups submitted with ``stream_samples``:
+the row counts the samples stream's entries (one per sample, or it fails) and gives how long
+before its group's entry a sample finished, on average (``sample lead``, simulated seconds);
+beside the plain row, what streaming costs the scheduler.
+
 Engine time and everything the engines compute is simulated (the profile's hardware) and
 labelled so; the scheduler, Redis, the SDK and every message between them are real.
 """
@@ -41,6 +46,7 @@ import json
 import math
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +73,10 @@ PROMPT_LEN_MAX = 4096
 PROMPT_VOCAB = 32000
 LAG_WARNING_SHARE = 0.01
 """Warn when the fleet fell behind real time by more than this share of the makespan."""
+STREAM = "+stream"
+"""Suffix of a policy's name: its row submits the groups with ``stream_samples`` (each sample
+also written to the samples stream as it finishes); side by side with the plain name, the
+rows show what that costs the scheduler and how long before its group a sample is there."""
 _READY = re.compile(r"rollserve-sim ready .*start_s=(?P<start>[\d.]+) rss_mb=(?P<rss>[\d.]+)")
 
 
@@ -118,6 +128,11 @@ class FleetRow:
     publish_wall_s: float | None = None
     publish_engines_updated: int = 0
     new_version_tokens: int = 0
+    # A +stream row: the samples in the run's samples stream, and how long before its group's
+    # entry a sample finished, on average (simulated seconds): what a reader of the samples
+    # stream gains over one of the groups stream.
+    samples_streamed: int = 0
+    sample_lead_simulated_s: float | None = None
 
 
 def run_fleet(cfg: FleetConfig, console: Console | None = None) -> dict[str, Any]:
@@ -199,6 +214,7 @@ def _table(rows: list[FleetRow], profile: str, load_wall_s: float = 0.0) -> Tabl
         "fleet start s / MB",
         "fleet behind real s",
         "publish wall s (beyond load)" if any(r.publish_wall_s is not None for r in rows) else "",
+        "sample lead sim s" if any(r.sample_lead_simulated_s is not None for r in rows) else "",
     )
     for column in columns:
         if column:
@@ -223,9 +239,16 @@ def _table(rows: list[FleetRow], profile: str, load_wall_s: float = 0.0) -> Tabl
             f"{r.engine_busy_share:.1%}",
             f"{r.fleet_start_s:.2f} / {r.fleet_rss_mb:.0f}",
             f"{r.fleet_behind_s:.2f}" + ("" if r.fleet_kept_up else " (!)"),
-            *([_publish_cell(r, load_wall_s)] if columns[-1] else []),
+            *([_publish_cell(r, load_wall_s)] if columns[-2] else []),
+            *([_lead_cell(r)] if columns[-1] else []),
         )
     return table
+
+
+def _lead_cell(row: FleetRow) -> str:
+    if row.sample_lead_simulated_s is None:
+        return "-"
+    return f"{row.sample_lead_simulated_s:.2f}"
 
 
 def _publish_cell(row: FleetRow, load_wall_s: float) -> str:
@@ -234,7 +257,7 @@ def _publish_cell(row: FleetRow, load_wall_s: float) -> str:
     return f"{row.publish_wall_s:.2f} ({row.publish_wall_s - load_wall_s:+.2f})"
 
 
-def _groups(cfg: FleetConfig, count: int) -> list[Any]:
+def _groups(cfg: FleetConfig, count: int, stream_samples: bool = False) -> list[Any]:
     from rollserve.client import PromptGroup, SamplingParams
 
     rng = random.Random(cfg.seed)
@@ -249,6 +272,7 @@ def _groups(cfg: FleetConfig, count: int) -> list[Any]:
                 n=cfg.n,
                 sampling=SamplingParams(max_tokens=cfg.max_tokens, seed=g * cfg.n),
                 prompt_key=f"p{g}",
+                stream_samples=stream_samples,
             )
         )
     return groups
@@ -274,7 +298,7 @@ def _run_row(
             "--redis-url",
             redis_url,
             "--policy",
-            policy,
+            policy.removesuffix(STREAM),
             "--predictor-namespace",
             f"bench-fleet-{uuid.uuid4().hex[:8]}",
             "--max-n",
@@ -315,7 +339,9 @@ def _run_row(
         )
         start_s, rss_mb = _wait_ready(fleet)
         count = cfg.groups_per_engine * engines
-        groups = _groups(cfg, count)
+        streaming = policy.endswith(STREAM)
+        groups = _groups(cfg, count, streaming)
+        leads: list[float] = []
         sched_proc = psutil.Process(scheduler.popen.pid)
         fleet_proc = psutil.Process(fleet.popen.pid)
         with RolloutClient(scheduler.address, redis_url, f"fleet-{uuid.uuid4().hex[:8]}") as client:
@@ -340,6 +366,8 @@ def _run_row(
                         f"{len(result.samples)} samples: {result.error}"
                     )
                 seen.add(result.group_id)
+                if streaming:
+                    leads += (result.finished_at - s.finished_at for s in result.samples)
                 samples += len(result.samples)
                 tokens += sum(len(s.token_ids) for s in result.samples)
                 new_tokens += sum(v.length for s in result.samples for v in s.versions if v.version)
@@ -350,6 +378,9 @@ def _run_row(
             wall_s = time.monotonic() - started
             sched_cpu = _cpu_s(sched_proc) - sched_before
             fleet_cpu = _cpu_s(fleet_proc) - fleet_before
+            streamed = _samples_streamed(redis_url, client.run_id) if streaming else 0
+        if streaming and streamed != samples:
+            raise RuntimeError(f"{streamed} samples in the samples stream, {samples} delivered")
         if len(seen) != count:
             raise RuntimeError(
                 f"{engines} engines: {len(seen)} of {count} groups arrived within "
@@ -390,7 +421,22 @@ def _run_row(
         publish_wall_s=None if publish is None else publish[0],
         publish_engines_updated=0 if publish is None else publish[1],
         new_version_tokens=new_tokens,
+        samples_streamed=streamed,
+        sample_lead_simulated_s=(
+            statistics.fmean(leads) / cfg.time_scale if streaming and leads else None
+        ),
     )
+
+
+def _samples_streamed(redis_url: str, run_id: str) -> int:
+    import redis
+    from rollserve.client.wire import samples_stream_key
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.xlen(samples_stream_key(run_id)))
+    finally:
+        client.close()
 
 
 def _publish(client: Any, engines: int, log_dir: Path, *, weights: bool) -> tuple[float, int]:

@@ -34,14 +34,16 @@ def _engine_counts(text: str) -> tuple[int, ...]:
 
 
 def _policies(text: str) -> tuple[str, ...]:
+    from rollserve.bench.fleet import STREAM
     from rollserve.scheduler.core.policy import policy_names
 
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     known = policy_names()
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name.removesuffix(STREAM) not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give scheduler policies from {', '.join(known)}, comma-separated"
+            f"{text!r}: give scheduler policies from {', '.join(known)} (each also as "
+            f"NAME{STREAM}: its groups streaming their samples), comma-separated"
         )
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r} names a policy twice")
@@ -88,7 +90,8 @@ def add_bench_fleet(bench_sub: Any) -> None:
         type=_policies,
         default=defaults.policies,
         help="scheduler placement policies, comma-separated: a row each per engine count, "
-        f"side by side (default: {','.join(defaults.policies)})",
+        "side by side; NAME+stream: its groups submitted with stream_samples "
+        f"(default: {','.join(defaults.policies)})",
     )
     fleet.add_argument("--profile", default=defaults.profile, help="sim cost profile")
     fleet.add_argument(
