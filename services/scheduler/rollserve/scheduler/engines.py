@@ -190,7 +190,6 @@ class EngineHandle:
         resumption: int = 0,
         *,
         earlier_outputs: Sequence[Sequence[int]] = (),
-        priority: int | None = None,
     ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
         """Starts generating samples ``indices`` of the group (all n: no sample_indices).
 
@@ -201,8 +200,7 @@ class EngineHandle:
         so sample ``i`` resumes on seed ``seed + n * resumption + i``, a stream of its own
         (the same seed would replay the random draws its first tokens were sampled with).
         ``earlier_outputs``: outputs of the prompt for the engine's drafter (see
-        :mod:`rollserve.scheduler.outputs`). ``priority``: vLLM's (lower first; it also
-        preempts the higher values first when KV runs out); the group's own when None."""
+        :mod:`rollserve.scheduler.outputs`)."""
         s = spec.sampling
         sampling = pb.SamplingParams(
             temperature=s.temperature,
@@ -220,7 +218,7 @@ class EngineHandle:
             prompt_token_ids=[*spec.prompt_token_ids, *resumed],
             n=spec.n,
             sampling=sampling,
-            priority=spec.priority if priority is None else priority,
+            priority=spec.priority,
             sample_indices=[] if len(set(indices)) == spec.n else indices,
             earlier_outputs=[pb.EarlierOutput(token_ids=o) for o in earlier_outputs],
         )

@@ -227,9 +227,6 @@ class _Call:
     engine: EngineHandle
     indices: tuple[int, ...]
     resumed: tuple[int, ...] = ()
-    # What the engine is told (vLLM's queue and preemption order): the group's priority as
-    # the plan saw it, counted from its run's (``_priority_bases``).
-    priority: int = 0
     task: asyncio.Task[None] | None = None
     # Samples an Abort was sent for and whose Complete has not come yet -> the engine to
     # resume each on ("": the queue).
@@ -1272,14 +1269,8 @@ class SchedulerRuntime:
         if not record.pending:
             del self._queue[key]
         self._calls_started += 1
-        view = self._views.get(key)
         call = _Call(
-            f"{key}#{self._boot}.{self._calls_started}",
-            record,
-            engine,
-            tuple(indices),
-            resumed,
-            record.spec.priority if view is None else view[3].priority,
+            f"{key}#{self._boot}.{self._calls_started}", record, engine, tuple(indices), resumed
         )
         task = asyncio.create_task(self._run_call(call), name=f"call {call.request_id}")
         call.task = task
@@ -1395,7 +1386,6 @@ class SchedulerRuntime:
             call.resumed,
             resumption,
             earlier_outputs=earlier,
-            priority=call.priority,
         )
         try:
             await self._consume(call, stream)
