@@ -31,6 +31,7 @@ from rollserve.client import (
     SchedulerUnavailable,
     StepBatch,
     StepBatcher,
+    StreamUnavailable,
 )
 from rollserve.client.consumer import ReceivedBase
 
@@ -612,3 +613,37 @@ async def test_the_async_batcher_keeps_the_same_groups() -> None:
     assert [ids(b) for b in batches] == [ids(b) for b in sync]
     assert [b.filtered for b in batches] == [b.filtered for b in sync]
     assert sum(b.filtered for b in sync) > 0
+
+
+def test_a_group_turned_away_whose_ack_failed_is_acked_when_read_again() -> None:
+    class AckFailsOnce(FakeRun):
+        failed = False
+
+        def ack(self, *received: ReceivedBase) -> int:
+            if not self.failed and [r.group_id for r in received] == ["g1"]:
+                self.failed = True
+                raise StreamUnavailable("XACK: Redis went away")
+            return super().ack(*received)
+
+    run = AckFailsOnce({f"g{i}": float(i + 1) for i in range(10)})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, keep=even)
+    with pytest.raises(StreamUnavailable):
+        next(batcher)
+    run.inject("g1", at=run.now)  # still pending: the next read has it again
+    batch = next(batcher)
+    assert ids(batch) == ["g0", "g2"]
+    assert run.acked.count("g1") == 1 and batcher.state.filtered == 1
+
+
+def test_a_scheduler_that_cannot_take_a_replacement_does_not_end_the_wait() -> None:
+    class SubmitFailsLater(FakeRun):
+        def submit(self, groups: Sequence[PromptGroup]) -> int:
+            if self.submitted:  # the first launch went through
+                raise SchedulerUnavailable("the scheduler is restarting")
+            return super().submit(groups)
+
+    run = SubmitFailsLater({f"g{i}": float(i + 1) for i in range(10)})
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=1.0, keep=even)
+    batch = next(batcher)  # g1 turned away; its replacement waits for a retry
+    assert ids(batch) == ["g0", "g2"] and batch.filtered == 1
+    assert [g.group_id for g in run.submitted] == ["g0", "g1", "g2", "g3"]

@@ -12,7 +12,7 @@ import pytest
 from rollserve.scheduler.runtime import SchedulerRuntime
 
 from tests.unit.builders import spec
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import AbortOutcome, FakeEngine
 from tests.unit.test_runtime import eventually, make_runtime, new_run, read_stream, running
 
 
@@ -53,3 +53,40 @@ async def test_a_run_further_on_is_not_put_behind_one_with_lower_step_numbers(
     a, b = new_run(), new_run()
     got = await order_of_runs(redis_url, policy, [(a, "a100", 100), (b, "b3", 3), (b, "b2", 2)])
     assert got == ["a100", "b2", "b3"], got
+
+
+async def test_a_run_s_carried_over_work_stays_more_urgent_with_nothing_of_it_queued(
+    redis_url: str,
+) -> None:
+    # Run a runs a100 (carried over from step 100) and a101, with nothing queued; run b
+    # queues b3. The engine running a100 must look more urgent than anything queued (rl
+    # keeps new work off it), the one running a101 not.
+    engines = [
+        await FakeEngine(f"e{i}", max_num_seqs=1, holds=(0,), on_abort=AbortOutcome.IGNORED).start()
+        for i in range(2)
+    ]
+    runtime = await make_runtime(redis_url, engines, policy="rl", capacity_factor=1.0)
+    a, b = new_run(), new_run()
+    try:
+        for group_id, priority in (("a100", 100), ("a101", 101)):
+            given = dataclasses.replace(spec(group_id, n=1, run_id=a), priority=priority)
+            await runtime.submit(a, [given])
+        await eventually(running(runtime, 2), "a's two groups running")
+        await runtime.submit(b, [dataclasses.replace(spec("b3", n=1, run_id=b), priority=3)])
+        snapshot = runtime.snapshot()
+        where = {
+            call.record.spec.group_id: engine_id
+            for calls in runtime._calls.values()
+            for call in calls.values()
+            for engine_id in [call.engine.engine_id]
+        }
+        for run in (a, b):  # (nothing left pending for the next tests' schedulers)
+            await runtime.delete_run(run)
+    finally:
+        await runtime.stop()
+        for engine in engines:
+            await engine.stop()
+    [queued] = snapshot.queue
+    urgent = {e.engine_id: e.urgent_priority for e in snapshot.engines}
+    assert queued.priority == 0
+    assert urgent[where["a100"]] == -1 and urgent[where["a101"]] == 0

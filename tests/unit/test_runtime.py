@@ -1801,3 +1801,26 @@ async def test_a_submit_whose_caller_goes_while_redis_writes_still_queues_the_gr
         await runtime.stop()
     assert sorted(r.group_id for r in results) == ["g0", "g1"]
     assert all(r.status == GroupStatus.DELIVERED for r in results)
+
+
+async def test_a_call_that_fails_in_the_scheduler_fails_its_group_instead_of_hanging(
+    redis_url: str, engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(A bug of the scheduler's, stood for by a request that cannot be built.)"""
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    handle = runtime._engines[engine.engine_id]
+
+    def generate(*args: object, **kwargs: object) -> Any:
+        raise ValueError("Value out of range: 4294967294")
+
+    handle.generate = generate  # type: ignore[method-assign]
+    try:
+        await runtime.submit(run, specs(run, 1))
+        [result] = await read_stream(redis_url, run, 1)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+    assert result.status == GroupStatus.FAILED and "Value out of range" in result.error
+    assert (status.inflight_groups, status.queue_depth) == (0, 0)
+    assert "failed in the scheduler" in caplog.text

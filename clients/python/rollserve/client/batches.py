@@ -212,6 +212,7 @@ class BatcherState(Generic[R]):
         self.launched_now = 0  # groups launched at the current step
         self.filtered_now = 0  # groups filtered out at the current step
         self.filtered = 0  # groups filtered out, in all
+        self._turned_away: set[str] = set()  # filtered out, their entries not yet acked
         self._running: dict[str, int] = {}  # group id -> launch step; not finished yet
         self._finished: dict[str, _Finished[R]] = {}  # in finish order; not handed out yet
 
@@ -247,17 +248,24 @@ class BatcherState(Generic[R]):
         is turned away (dynamic sampling): it leaves the outstanding groups, and the next
         top-up launches another in its place."""
         group_id = received.group_id
+        if group_id in self._turned_away:  # read again: its ack did not go through
+            return Arrival.FILTERED
         launch_step = self._running.pop(group_id, None)
         if launch_step is not None:
             if not keep:
                 self.filtered_now += 1
                 self.filtered += 1
+                self._turned_away.add(group_id)
                 return Arrival.FILTERED
             self._finished[group_id] = _Finished(received, launch_step)
             return Arrival.NEW
         if group_id in self._finished:
             return Arrival.DUPLICATE
         return Arrival.UNKNOWN
+
+    def turned_away_acked(self, group_id: str) -> None:
+        """The entry of a group filtered out was acknowledged."""
+        self._turned_away.discard(group_id)
 
     def is_due(self, launch_step: int) -> bool:
         """A group of this launch step must be in the current step's batch."""
@@ -618,6 +626,16 @@ class StepBatcher(Generic[R]):
             return
         self._launcher.submitted(launch)
 
+    def _replace(self) -> None:
+        """Launches a group in the place of one filtered out; a scheduler that cannot take it
+        now does not end the wait (the batch may fill without it): the next step retries."""
+        try:
+            self._top_up()
+        except GroupsRefused:
+            raise
+        except RolloutError as exc:
+            log.warning("launching in the place of a group filtered out: %s; retried later", exc)
+
     def _wait_ready(self) -> None:
         state = self.state
         if state.ready():
@@ -629,7 +647,8 @@ class StepBatcher(Generic[R]):
                 _note(arrival, received, self._unknown)
                 if arrival is Arrival.FILTERED:
                     self._client.ack(received)
-                    self._top_up()  # another group in its place
+                    state.turned_away_acked(received.group_id)
+                    self._replace()
                 elif arrival is Arrival.DUPLICATE or (
                     arrival is Arrival.UNKNOWN and self._unknown == "discard"
                 ):
@@ -736,6 +755,15 @@ class AsyncStepBatcher(Generic[R]):
             return
         self._launcher.submitted(launch)
 
+    async def _replace(self) -> None:
+        """See :meth:`StepBatcher._replace`."""
+        try:
+            await self._top_up()
+        except GroupsRefused:
+            raise
+        except RolloutError as exc:
+            log.warning("launching in the place of a group filtered out: %s; retried later", exc)
+
     async def _wait_ready(self) -> None:
         state = self.state
         if state.ready():
@@ -747,7 +775,8 @@ class AsyncStepBatcher(Generic[R]):
                 _note(arrival, received, self._unknown)
                 if arrival is Arrival.FILTERED:
                     await self._client.ack(received)
-                    await self._top_up()  # another group in its place
+                    state.turned_away_acked(received.group_id)
+                    await self._replace()
                 elif arrival is Arrival.DUPLICATE or (
                     arrival is Arrival.UNKNOWN and self._unknown == "discard"
                 ):

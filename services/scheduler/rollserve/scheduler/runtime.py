@@ -1043,9 +1043,10 @@ class SchedulerRuntime:
 
     def _priority_bases(self) -> dict[str, int]:
         """Per run, what its priorities count from: the lowest of its queued groups', or
-        with none queued, of its running groups'. Priorities order a run's own groups;
-        counted so, runs share the engines on equal terms (a trainer whose step numbers are
-        its priorities, as ``StepBatcher`` submits, does not go before one further on)."""
+        with none queued, the highest of its running groups' (its newest work: what runs
+        of earlier steps stays more urgent). Priorities order a run's own groups; counted
+        so, runs share the engines on equal terms (a trainer whose step numbers are its
+        priorities, as ``StepBatcher`` submits, does not go before one further on)."""
         bases: dict[str, int] = {}
         for key in self._queue:
             spec = self._groups[key].spec
@@ -1058,7 +1059,7 @@ class SchedulerRuntime:
                 spec = call.record.spec
                 if spec.run_id not in bases:
                     base = running.get(spec.run_id)
-                    if base is None or spec.priority < base:
+                    if base is None or spec.priority > base:
                         running[spec.run_id] = spec.priority
         return bases | running
 
@@ -1148,9 +1149,12 @@ class SchedulerRuntime:
                 and cached[0] is record
                 and cached[1] == record.revision
                 and cached[2] == predicted
-                and cached[3].priority == priority
             ):
-                queue.append(cached[3])
+                view = cached[3]
+                if view.priority != priority:  # its run's base moved
+                    view = dataclasses.replace(view, priority=priority)
+                    self._views[key] = (record, record.revision, predicted, view)
+                queue.append(view)
                 continue
             view = self._queued_view(record, predicted, priority)
             self._views[key] = (record, record.revision, predicted, view)
@@ -1369,6 +1373,11 @@ class SchedulerRuntime:
     async def _run_call(self, call: _Call) -> None:
         try:
             await self._attempt(call)
+        except (asyncio.CancelledError, LeaseLost):
+            raise
+        except Exception as exc:  # a bug: the group fails with the reason, it does not hang
+            log.exception("call %s failed in the scheduler", call.request_id)
+            await self._end(call.record, f"the scheduler failed its call: {exc!r}")
         finally:
             # Leave _calls in the same step as the call's last state change (no await in
             # between), so no other task ever sees it running after it has ended.
