@@ -107,3 +107,32 @@ def test_batches_over_the_real_stream(r: redis.Redis, redis_url: str) -> None:
         pending = r.xpending(stream_key(run_id), GROUP)["pending"]
         assert pending == 0  # every entry read was acknowledged, used or not
         assert client.in_hand == 0
+
+
+def test_dynamic_sampling_over_the_real_stream(r: redis.Redis, redis_url: str) -> None:
+    # keep turns away every group whose index is 1 mod 4: the batcher acknowledges each such
+    # entry as the real reader hands it over and submits another in its place, mid-read.
+    run_id = f"test-{uuid.uuid4().hex[:12]}"
+    client = ScriptedRun(redis_url, run_id, r)
+    with client:
+        batcher = StepBatcher(
+            client,
+            prompt_groups(),
+            batch_size=4,
+            oversample=0.5,
+            max_staleness=1,
+            batch_timeout_s=WAIT_S,
+            keep=lambda result: int(result.group_id.removeprefix("g")) % 4 != 1,
+        )
+        batches = []
+        for _, batch in zip(range(5), batcher, strict=False):
+            batcher.ack(batch)
+            batches.append(batch)
+        delivered = [g.group_id for b in batches for g in b.groups]
+        assert [len(b) for b in batches] == [4] * 5
+        assert len(set(delivered)) == 20
+        assert all(int(g.removeprefix("g")) % 4 != 1 for g in delivered)
+        assert sum(b.filtered for b in batches) == batcher.state.filtered > 0
+        batcher.cancel_outstanding(drain_timeout_s=WAIT_S)
+        assert r.xpending(stream_key(run_id), GROUP)["pending"] == 0
+        assert client.in_hand == 0
