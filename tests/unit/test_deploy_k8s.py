@@ -194,3 +194,22 @@ def test_every_volume_claim_is_one_defined_here() -> None:
         ):
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims, volume
+
+
+def test_only_the_scheduler_reaches_the_engines_grpc_port() -> None:
+    """The engines' API asks for no credentials (docs/access.md): a NetworkPolicy keeps all
+    but the scheduler's pods off it, and lets Prometheus scrape."""
+    policy = find("NetworkPolicy", "rollserve-engines")
+    engines, scheduler = engine_workload(), scheduler_workload()
+    engine_labels = engines["spec"]["template"]["metadata"]["labels"]
+    scheduler_labels = scheduler["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    assert not policy["spec"]["podSelector"]["matchLabels"].items() <= scheduler_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = policy["spec"]["ingress"]
+    (source,) = grpc_rule["from"]
+    assert source["podSelector"]["matchLabels"].items() <= scheduler_labels.items()
+    named = {p["name"] for p in container(engines)["ports"]}
+    assert [p["port"] for p in grpc_rule["ports"]] == ["grpc"] and "grpc" in named
+    assert "from" not in metrics_rule
+    assert [p["port"] for p in metrics_rule["ports"]] == ["metrics"] and "metrics" in named

@@ -16,6 +16,7 @@ from rollserve.client.batches import (
     StepBatcher,
 )
 from rollserve.client.client import ReceivedGroup, ReceivedSample, RolloutClient
+from rollserve.client.credentials import SchedulerCredentials
 from rollserve.client.errors import (
     AlreadySubmitted,
     InvalidArgument,
@@ -23,6 +24,7 @@ from rollserve.client.errors import (
     RolloutError,
     SchedulerUnavailable,
     StreamUnavailable,
+    Unauthenticated,
     UndecodableEntry,
 )
 from rollserve.client.types import (
@@ -74,11 +76,13 @@ __all__ = [
     "Sample",
     "SampleResult",
     "SamplingParams",
+    "SchedulerCredentials",
     "SchedulerStatus",
     "SchedulerUnavailable",
     "StepBatch",
     "StepBatcher",
     "StreamUnavailable",
+    "Unauthenticated",
     "UndecodableEntry",
     "VersionSegment",
     "samples_stream_key",

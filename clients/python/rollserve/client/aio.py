@@ -64,6 +64,7 @@ from rollserve.client.consumer import (
     parse_xreadgroup,
     redis_client,
 )
+from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
@@ -149,6 +150,7 @@ class AsyncRolloutClient:
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
         heartbeat: bool = True,
         reads: StreamKind = "groups",
+        credentials: SchedulerCredentials = NO_CREDENTIALS,
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -164,7 +166,8 @@ class AsyncRolloutClient:
         self._rpc_timeout_s = rpc_timeout_s
         self._state = ConsumerState(self.config)
         self._redis = redis_client(redis.asyncio.Redis.from_url, redis_url, block_ms)
-        self._channel = grpc.aio.insecure_channel(scheduler_address)
+        self._channel = credentials.aio_channel(scheduler_address)
+        self._metadata = credentials.metadata
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._park_script = self._redis.register_script(PARK_SCRIPT)
@@ -192,7 +195,9 @@ class AsyncRolloutClient:
         """Queues the groups; all or none. Returns how many the scheduler accepted."""
         request = submit_request(self.run_id, groups)
         try:
-            response = await self._stub.Submit(request, timeout=self._rpc_timeout_s)
+            response = await self._stub.Submit(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Submit") from exc
         return response.accepted
@@ -201,7 +206,9 @@ class AsyncRolloutClient:
         """Cancels queued or running groups; cancelled groups are never delivered."""
         request = cancel_request(self.run_id, group_ids)
         try:
-            response = await self._stub.Cancel(request, timeout=self._rpc_timeout_s)
+            response = await self._stub.Cancel(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
@@ -211,7 +218,9 @@ class AsyncRolloutClient:
         check_run_id(self.run_id)
         request = pb.DeleteRunRequest(run_id=self.run_id)
         try:
-            response = await self._stub.DeleteRun(request, timeout=self._rpc_timeout_s)
+            response = await self._stub.DeleteRun(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "DeleteRun") from exc
         return DeleteRunResult.from_proto(response)
@@ -224,14 +233,18 @@ class AsyncRolloutClient:
         request = publish_version_request(self.run_id, version, weights_path)
         timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
         try:
-            response = await self._stub.PublishVersion(request, timeout=timeout)
+            response = await self._stub.PublishVersion(
+                request, timeout=timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "PublishVersion") from exc
         return PublishResult.from_proto(response)
 
     async def status(self) -> SchedulerStatus:
         try:
-            response = await self._stub.Status(pb.StatusRequest(), timeout=self._rpc_timeout_s)
+            response = await self._stub.Status(
+                pb.StatusRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Status") from exc
         return SchedulerStatus.from_proto(response)

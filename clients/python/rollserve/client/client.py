@@ -58,6 +58,7 @@ from rollserve.client.consumer import (
     parse_xreadgroup,
     redis_client,
 )
+from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
 from rollserve.client.types import (
     CancelResult,
@@ -142,6 +143,8 @@ class RolloutClient:
         (``samples()``: each sample of the groups submitted with ``stream_samples``, as it
         finished; the stream ``rollserve:{run_id}:samples``, with consumer groups of its
         own). To read both, use a client for each.
+    credentials: what the scheduler asks of its callers: TLS, a bearer token, a client
+        certificate (``SchedulerCredentials``); by default none, over plaintext.
 
     Not for concurrent iteration from several threads; ``ack``/``done`` may be
     called from another thread than the one iterating.
@@ -162,6 +165,7 @@ class RolloutClient:
         dedupe_capacity: int = DEFAULT_DEDUPE_CAPACITY,
         heartbeat: bool = True,
         reads: StreamKind = "groups",
+        credentials: SchedulerCredentials = NO_CREDENTIALS,
     ) -> None:
         self.config = ConsumerConfig(
             run_id=run_id,
@@ -178,7 +182,8 @@ class RolloutClient:
         self._state = ConsumerState(self.config)
         self._lock = threading.Lock()  # guards _state and _beater
         self._redis = redis_client(redis.Redis.from_url, redis_url, block_ms)
-        self._channel = grpc.insecure_channel(scheduler_address)
+        self._channel = credentials.channel(scheduler_address)
+        self._metadata = credentials.metadata
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat_script = self._redis.register_script(HEARTBEAT_SCRIPT)
         self._park_script = self._redis.register_script(PARK_SCRIPT)
@@ -206,7 +211,9 @@ class RolloutClient:
         """Queues the groups; all or none. Returns how many the scheduler accepted."""
         request = submit_request(self.run_id, groups)
         try:
-            response = self._stub.Submit(request, timeout=self._rpc_timeout_s)
+            response = self._stub.Submit(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Submit") from exc
         return response.accepted
@@ -215,7 +222,9 @@ class RolloutClient:
         """Cancels queued or running groups; cancelled groups are never delivered."""
         request = cancel_request(self.run_id, group_ids)
         try:
-            response = self._stub.Cancel(request, timeout=self._rpc_timeout_s)
+            response = self._stub.Cancel(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Cancel") from exc
         return CancelResult.from_proto(response)
@@ -228,7 +237,9 @@ class RolloutClient:
         check_run_id(self.run_id)
         request = pb.DeleteRunRequest(run_id=self.run_id)
         try:
-            response = self._stub.DeleteRun(request, timeout=self._rpc_timeout_s)
+            response = self._stub.DeleteRun(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "DeleteRun") from exc
         return DeleteRunResult.from_proto(response)
@@ -255,14 +266,16 @@ class RolloutClient:
         request = publish_version_request(self.run_id, version, weights_path)
         timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
         try:
-            response = self._stub.PublishVersion(request, timeout=timeout)
+            response = self._stub.PublishVersion(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "PublishVersion") from exc
         return PublishResult.from_proto(response)
 
     def status(self) -> SchedulerStatus:
         try:
-            response = self._stub.Status(pb.StatusRequest(), timeout=self._rpc_timeout_s)
+            response = self._stub.Status(
+                pb.StatusRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "Status") from exc
         return SchedulerStatus.from_proto(response)

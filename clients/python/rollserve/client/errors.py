@@ -42,6 +42,11 @@ class SchedulerUnavailable(RolloutError):
     """
 
 
+class Unauthenticated(RolloutError):
+    """The scheduler wants credentials the client did not show, or does not accept those it
+    showed (a token not in its tokens file): see ``SchedulerCredentials``."""
+
+
 class StreamUnavailable(RolloutError):
     """Redis, which carries the finished groups, cannot be reached."""
 
@@ -70,6 +75,7 @@ _BY_CODE: dict[grpc.StatusCode, type[RolloutError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: SchedulerUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: SchedulerUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

@@ -96,8 +96,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from rollserve.cli.status import run_status
+    from rollserve.client.credentials import SchedulerCredentials
 
-    return run_status(args.scheduler, args.timeout_s, args.json, Console())
+    try:
+        credentials = SchedulerCredentials.from_files(
+            token_file=args.token_file,
+            ca_file=args.ca_file,
+            cert_file=args.cert_file,
+            key_file=args.key_file,
+            tls=args.tls,
+        )
+    except ValueError as exc:
+        print(f"rollserve status: {exc}", file=sys.stderr)
+        return 2
+    return run_status(args.scheduler, args.timeout_s, args.json, Console(), credentials)
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -340,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of the scheduler (default: the dev stack's)",
     )
     status.add_argument("--timeout-s", type=positive_float, default=10.0)
+    status.add_argument(
+        "--token-file", help="file holding a token of the scheduler's --auth-tokens-file"
+    )
+    status.add_argument("--tls", action="store_true", help="over TLS, trusting the system's CAs")
+    status.add_argument("--ca-file", help="over TLS, trusting these PEM CA certificates")
+    status.add_argument("--cert-file", help="PEM certificate for mutual TLS")
+    status.add_argument("--key-file", help="PEM key of --cert-file")
     status.add_argument("--json", action="store_true", help="print it as JSON, for scripts")
     status.set_defaults(func=_cmd_status)
 

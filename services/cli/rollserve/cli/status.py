@@ -12,6 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.client.types import EngineStatus, SchedulerStatus
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -20,21 +21,33 @@ UNREACHABLE_EXIT_CODE = 1  # the scheduler did not answer (exit 2 is argparse's)
 MAX_ERROR_CHARS = 300  # of an engine's last error shown (--json has it whole)
 
 
-def fetch(address: str, timeout_s: float) -> SchedulerStatus:
-    """The scheduler's status; grpc.RpcError when it does not answer within ``timeout_s``."""
-    with grpc.insecure_channel(address) as channel:
-        reply = pb_grpc.SchedulerStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+def fetch(
+    address: str, timeout_s: float, credentials: SchedulerCredentials = NO_CREDENTIALS
+) -> SchedulerStatus:
+    """The scheduler's status; grpc.RpcError when it does not answer within ``timeout_s``
+    (or refuses ``credentials``)."""
+    with credentials.channel(address) as channel:
+        reply = pb_grpc.SchedulerStub(channel).Status(
+            pb.StatusRequest(), timeout=timeout_s, metadata=credentials.metadata
+        )
     return SchedulerStatus.from_proto(reply)
 
 
-def run_status(address: str, timeout_s: float, as_json: bool, console: Console) -> int:
+def run_status(
+    address: str,
+    timeout_s: float,
+    as_json: bool,
+    console: Console,
+    credentials: SchedulerCredentials = NO_CREDENTIALS,
+) -> int:
     try:
-        status = fetch(address, timeout_s)
+        status = fetch(address, timeout_s, credentials)
     except grpc.RpcError as exc:
         code = exc.code().name if isinstance(exc, grpc.Call) else "error"
         details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        what = "refused the call" if code == "UNAUTHENTICATED" else "did not answer"
         console.print(
-            f"rollserve status: the scheduler at {address} did not answer: {code}: {details}",
+            f"rollserve status: the scheduler at {address} {what}: {code}: {details}",
             markup=False,
             highlight=False,
         )

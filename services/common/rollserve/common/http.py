@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
@@ -55,7 +56,8 @@ class HttpServer:
     """``GET /metrics`` on ``host:port`` (0 picks a free port), each scrape formatting what
     ``snapshot()`` returns (see `Snapshot`); and ``routes`` besides, through ``middlewares``,
     which read bodies of ``max_body_bytes`` at most (larger ones answer 413). ``stop`` waits
-    ``drain_s`` at most for requests in progress (then cancels them)."""
+    ``drain_s`` at most for requests in progress (then cancels them). With ``ssl_context``
+    it takes HTTPS only."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class HttpServer:
         middlewares: Sequence[Middleware] = (),
         max_body_bytes: int = 1024**2,
         drain_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._snapshot = snapshot
         self.host = host
@@ -80,6 +83,8 @@ class HttpServer:
             app, access_log=None, handle_signals=False, logger=log, shutdown_timeout=drain
         )
         self.port = 0  # the bound port, once started
+        self._ssl_context = ssl_context
+        self.scheme = "http" if ssl_context is None else "https"
 
     async def start(self) -> int:
         """Binds and serves; returns the port. Raises OSError when the port cannot be bound.
@@ -99,7 +104,7 @@ class HttpServer:
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
         try:
-            await web.SockSite(self._runner, sock).start()
+            await web.SockSite(self._runner, sock, ssl_context=self._ssl_context).start()
         except BaseException:
             sock.close()
             await self._runner.cleanup()
@@ -123,6 +128,6 @@ async def start_http(server: HttpServer, service: str, field: str = "metrics_por
         raise SystemExit(
             f"{field} {server.wanted_port}: could not bind {server.host}: {exc}"
         ) from exc
-    url = f"http://{join_host_port(server.host, bound)}"
+    url = f"{server.scheme}://{join_host_port(server.host, bound)}"
     log.info("%s: Prometheus metrics at %s/metrics", service, url)
     return server

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
+from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.common.http import HttpServer, start_http
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -151,7 +152,12 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
                 ready(port)
             if settings.scheduler_address is not None:
                 link = asyncio.create_task(
-                    stay_registered(settings.scheduler_address, settings.engine_id, address),
+                    stay_registered(
+                        settings.scheduler_address,
+                        settings.engine_id,
+                        address,
+                        settings.scheduler_credentials(),
+                    ),
                     name="scheduler-link",
                 )
             died = await _until_stop_or_death(stop, backend)
@@ -270,19 +276,28 @@ def _heartbeat_period_s(told_ms: int, otherwise_s: float) -> float:
     return max(told_ms / 1000, MIN_HEARTBEAT_INTERVAL_S) if told_ms > 0 else otherwise_s
 
 
-async def stay_registered(scheduler_address: str, engine_id: str, address: str) -> None:
-    """Registers with the scheduler and heartbeats; on failure logs, backs off, registers again.
+async def stay_registered(
+    scheduler_address: str,
+    engine_id: str,
+    address: str,
+    credentials: SchedulerCredentials = NO_CREDENTIALS,
+) -> None:
+    """Registers with the scheduler and heartbeats, showing ``credentials``; on failure logs,
+    backs off, registers again.
 
-    Runs until cancelled; a scheduler that is down or restarting is never fatal to the engine.
+    Runs until cancelled; a scheduler that is down or restarting, or refuses the credentials
+    (until its tokens file has the token), is never fatal to the engine.
     """
     retry_s = SCHEDULER_RETRY_MIN_S
-    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+    metadata = credentials.metadata
+    async with credentials.aio_channel(scheduler_address) as channel:
         stub = pb_grpc.SchedulerStub(channel)
         while True:
             try:
                 reply = await stub.RegisterEngine(
                     pb.RegisterEngineRequest(engine_id=engine_id, address=address),
                     timeout=SCHEDULER_RPC_TIMEOUT_S,
+                    metadata=metadata,
                 )
                 interval_s = _heartbeat_period_s(
                     reply.heartbeat_interval_ms, DEFAULT_HEARTBEAT_INTERVAL_S
@@ -296,7 +311,9 @@ async def stay_registered(scheduler_address: str, engine_id: str, address: str) 
                 while True:
                     await asyncio.sleep(interval_s)
                     beat = await stub.Heartbeat(
-                        pb.HeartbeatRequest(engine_id=engine_id), timeout=SCHEDULER_RPC_TIMEOUT_S
+                        pb.HeartbeatRequest(engine_id=engine_id),
+                        timeout=SCHEDULER_RPC_TIMEOUT_S,
+                        metadata=metadata,
                     )
                     # The scheduler's fleet may have grown or shrunk since.
                     interval_s = _heartbeat_period_s(beat.heartbeat_interval_ms, interval_s)

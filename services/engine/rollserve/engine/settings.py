@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
+from rollserve.client.credentials import SchedulerCredentials
 from rollserve.engine.cpu_features import emulates_bf16
 from rollserve.engine.host_memory import host_memory_bytes
 
@@ -76,7 +77,61 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
 
-class EngineSettings(BaseModel):
+class SchedulerLink(BaseModel):
+    """How an engine (vLLM's or a simulated one) reaches the scheduler it registers with."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheduler_address: str | None = Field(
+        None,
+        pattern=_HOST_PORT,
+        description="host:port of the scheduler to register with and heartbeat; none if unset.",
+    )
+    scheduler_token_file: str | None = Field(
+        None,
+        description="File holding the bearer token registrations carry (one of the "
+        "scheduler's --auth-tokens-file); none if unset.",
+    )
+    scheduler_tls: bool = Field(
+        False,
+        description="Reach the scheduler over TLS, its certificate checked against the "
+        "system's CAs (implied by scheduler_ca_file).",
+    )
+    scheduler_ca_file: str | None = Field(
+        None, description="PEM CA certificates that signed the scheduler's (TLS)."
+    )
+    scheduler_cert_file: str | None = Field(
+        None,
+        description="PEM certificate chain shown to a scheduler that asks for one (mutual TLS).",
+    )
+    scheduler_key_file: str | None = Field(None, description="PEM key of scheduler_cert_file.")
+
+    @model_validator(mode="after")
+    def _readable_scheduler_credentials(self) -> SchedulerLink:
+        files = {
+            "scheduler_token_file": self.scheduler_token_file,
+            "scheduler_ca_file": self.scheduler_ca_file,
+            "scheduler_cert_file": self.scheduler_cert_file,
+        }
+        given = [name for name, path in files.items() if path is not None]
+        if self.scheduler_address is None and (given or self.scheduler_tls):
+            named = ", ".join(given or ["scheduler_tls"])
+            raise ValueError(f"{named}: for a scheduler; give scheduler_address too")
+        self.scheduler_credentials()  # (its ValueError names the file)
+        return self
+
+    def scheduler_credentials(self) -> SchedulerCredentials:
+        """What registrations show the scheduler (the files read now)."""
+        return SchedulerCredentials.from_files(
+            token_file=self.scheduler_token_file,
+            ca_file=self.scheduler_ca_file,
+            cert_file=self.scheduler_cert_file,
+            key_file=self.scheduler_key_file,
+            tls=self.scheduler_tls,
+        )
+
+
+class EngineSettings(SchedulerLink):
     """Settings of one engine process (`python -m rollserve.engine --help` lists them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -180,11 +235,6 @@ class EngineSettings(BaseModel):
             "of CPU when messages come spaced out, a third of that back to back, as one tick "
             "sends them); only progress waits for it."
         ),
-    )
-    scheduler_address: str | None = Field(
-        None,
-        pattern=_HOST_PORT,
-        description="host:port of the scheduler to register with and heartbeat; none if unset.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where vLLM runs; auto picks cpu unless torch sees a GPU."

@@ -95,6 +95,17 @@ _REFUSALS = {
     "500": "a bug: the handler raised (its traceback is in the scheduler's log)",
 }
 
+_UNAUTHENTICATED = (
+    "no bearer token, or one the scheduler does not accept (only a scheduler started with "
+    "--auth-tokens-file asks for one)"
+)
+_BEARER = {
+    "type": "http",
+    "scheme": "bearer",
+    "description": "a token of the scheduler's --auth-tokens-file, where it was started with "
+    "one; /healthz, /metrics and /openapi.json need none",
+}
+
 _INT32: dict[str, Any] = {"format": "int32", "minimum": -(2**31), "maximum": 2**31 - 1}
 _UINT32: dict[str, Any] = {"format": "int32", "minimum": 0, "maximum": 2**32 - 1}
 _INT64: dict[str, Any] = {"format": "int64"}
@@ -145,6 +156,11 @@ def openapi_document(version: str) -> dict[str, Any]:
             for status in route.refusals:
                 why = _REFUSALS[status]
                 operation["responses"][status] = {"description": why, "content": _content("Error")}
+        operation["responses"]["401"] = {
+            "description": _UNAUTHENTICATED,
+            "content": _content("Error"),
+        }
+        operation["security"] = [{}, {"bearer": []}]  # (a token where the scheduler asks one)
         paths.setdefault(path, {})[route.method] = operation
     paths["/healthz"] = {"get": _HEALTH}
     return {
@@ -156,7 +172,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "proto/rollserve/v1/rollserve.proto); docs/http-api.md says more.",
         },
         "paths": paths,
-        "components": {"schemas": schemas},
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": _BEARER}},
     }
 
 

@@ -10,11 +10,14 @@ holds them exactly (as strings beyond 2**53), a field the message does not have 
     POST /v1/runs/{run_id}/groups    SubmitRequest (its run_id the path's)  SubmitResponse
     POST /v1/runs/{run_id}/cancel    CancelRequest                          CancelResponse
     POST /v1/runs/{run_id}/versions  PublishVersionRequest                  PublishVersionResponse
+    DELETE /v1/runs/{run_id}         DeleteRunRequest (no body needed)      DeleteRunResponse
     GET  /v1/status                                                         StatusResponse
     GET  /healthz                    {"status": "SERVING"}, or 503 "NOT_SERVING" while stopping
     GET  /openapi.json               the OpenAPI 3.1 document of these (``openapi``)
 
 Once the scheduler begins to stop, calls answer 503 (as gRPC takes no new call then).
+A scheduler with a tokens file answers 401 to a call without one of its tokens in
+``Authorization: Bearer``, but for the paths of ``OPEN_PATHS``; one with TLS takes HTTPS only.
 
 A body may leave ``run_id`` out; one that gives it must give the path's. Engines register
 over gRPC only (they speak it anyway).
@@ -269,6 +272,15 @@ def _dumps(response: Message) -> str:
         unquote_int64_if_possible=True,
     )
     return json.dumps(document)
+
+
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+"""Paths answered without a token when the scheduler asks for one (probes, scrapers, tools)."""
+
+
+def unauthenticated(reason: str) -> web.Response:
+    """The answer to a call without an accepted token (401)."""
+    return _error(HTTPStatus.UNAUTHORIZED, "UNAUTHENTICATED", reason)
 
 
 def _error(status: int, name: str, message: str) -> web.Response:

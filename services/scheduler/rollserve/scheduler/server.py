@@ -18,6 +18,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
+from rollserve.common.access import GrpcTokenCheck, ServerTls, TokenFile, http_token_check
 from rollserve.common.http import HttpServer, start_http
 from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
@@ -25,7 +26,7 @@ from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
 from rollserve.scheduler.metrics import status_registry
-from rollserve.scheduler.rest import RestApi, json_errors
+from rollserve.scheduler.rest import OPEN_PATHS, RestApi, json_errors, unauthenticated
 from rollserve.scheduler.runtime import SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import Store
@@ -127,7 +128,10 @@ async def serve(
     except (LeaseHeld, LeaseLost) as exc:
         raise SystemExit(f"rollserve scheduler: {exc}") from exc
 
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    tls, tokens = settings.server_tls(), settings.token_file()
+    server = grpc.aio.server(
+        options=CHANNEL_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+    )
     api = SchedulerApi(runtime)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(api), server)
     health_servicer = health_aio.HealthServicer()
@@ -137,20 +141,28 @@ async def serve(
     )
     address = f"{settings.host}:{settings.port}"
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.grpc_credentials())
     except RuntimeError as exc:  # grpcio raises where it cannot bind
         await runtime.stop()
         raise SystemExit(f"port {settings.port}: could not bind {address}: {exc}") from exc
     rest = RestApi(api)
     try:
-        http = await _serve_http(settings, runtime, rest)
+        http = await _serve_http(settings, runtime, rest, tls, tokens)
     except BaseException:
         await runtime.stop()
         raise
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    print(f"rollserve-scheduler ready address={settings.host}:{port}", flush=True)
+    print(
+        f"rollserve-scheduler ready address={settings.host}:{port} "
+        f"tls={'off' if tls is None else 'mutual' if tls.client_ca_file else 'on'} "
+        f"tokens={'off' if tokens is None else len(tokens.names)}",
+        flush=True,
+    )
     if ready is not None:
         ready(port)
 
@@ -182,10 +194,14 @@ async def serve(
 
 
 async def _serve_http(
-    settings: SchedulerSettings, runtime: SchedulerRuntime, rest: RestApi
+    settings: SchedulerSettings,
+    runtime: SchedulerRuntime,
+    rest: RestApi,
+    tls: ServerTls | None,
+    tokens: TokenFile | None,
 ) -> HttpServer | None:
-    """The HTTP API and the Prometheus endpoint on ``settings.http_port``, serving; None
-    without one."""
+    """The HTTP API and the Prometheus endpoint on ``settings.http_port``, serving, over
+    ``tls`` (None: plaintext) and asking for ``tokens`` (None: none); None without a port."""
     if settings.http_port is None:
         return None
 
@@ -197,7 +213,10 @@ async def _serve_http(
         settings.host,
         settings.http_port,
         routes=rest.routes(),
-        middlewares=(json_errors,),
+        middlewares=(json_errors,)
+        if tokens is None
+        else (json_errors, http_token_check(tokens, OPEN_PATHS, unauthenticated)),
+        ssl_context=None if tls is None else tls.ssl_context(),
         max_body_bytes=settings.max_http_body_bytes,
         drain_s=settings.shutdown_grace_s,
     )
@@ -220,6 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=32 * 2**20,
         help="largest request body the HTTP API reads (larger: 413)",
+    )
+    p.add_argument(
+        "--tls-cert-file",
+        help="PEM certificate chain: the gRPC and HTTP servers take TLS connections only",
+    )
+    p.add_argument("--tls-key-file", help="PEM key of --tls-cert-file")
+    p.add_argument(
+        "--tls-client-ca-file",
+        help="PEM CA certificates: callers must show a certificate one signed (mutual TLS)",
+    )
+    p.add_argument(
+        "--auth-tokens-file",
+        help="file of NAME:TOKEN lines: calls must carry one as 'authorization: Bearer TOKEN' "
+        "(health checks, /metrics and /openapi.json excepted); read again when it changes",
     )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(
@@ -404,6 +437,10 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         port=args.port,
         http_port=args.http_port,
         max_http_body_bytes=args.max_http_body_bytes,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
+        auth_tokens_file=args.auth_tokens_file,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,

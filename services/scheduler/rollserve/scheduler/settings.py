@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rollserve.common.access import ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 
@@ -40,6 +41,24 @@ class SchedulerSettings(BaseModel):
         le=2**31,
         description="largest request body the HTTP API reads (a larger one is answered 413); "
         "a Submit's JSON takes about 7 bytes a prompt token",
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate chain of the gRPC and HTTP servers, which then take TLS "
+        "connections only (with tls_key_file); None: plaintext",
+    )
+    tls_key_file: str | None = Field(None, description="PEM key of tls_cert_file")
+    tls_client_ca_file: str | None = Field(
+        None,
+        description="PEM CA certificates: callers must show a certificate one of them signed "
+        "(mutual TLS; needs tls_cert_file); None: callers show none",
+    )
+    auth_tokens_file: str | None = Field(
+        None,
+        description="file of NAME:TOKEN lines: every call (gRPC and HTTP; not health checks, "
+        "reflection, /metrics nor /openapi.json) must carry one as 'authorization: Bearer "
+        "TOKEN', engines' registrations included; read again when it changes; None: no token "
+        "asked",
     )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
@@ -243,6 +262,28 @@ class SchedulerSettings(BaseModel):
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port ({self.http_port}) is the gRPC port; give it another")
         return self
+
+    @model_validator(mode="after")
+    def _readable_credentials(self) -> SchedulerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS"
+            )
+        self.server_tls()  # (their errors name the file and what is wrong)
+        self.token_file()
+        return self
+
+    def server_tls(self) -> ServerTls | None:
+        """The servers' TLS (files read and checked now); None: plaintext."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return ServerTls.load(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def token_file(self) -> TokenFile | None:
+        """The tokens calls must carry (read now); None: none asked."""
+        return None if self.auth_tokens_file is None else TokenFile(self.auth_tokens_file)
 
     @model_validator(mode="after")
     def _lease_outwaits_a_crash(self) -> SchedulerSettings:

@@ -560,9 +560,12 @@ async def serve(
         if ready is not None:
             ready(FleetStarted({s.engine_id: s.address for s in served}, start_s, rss_mb))
         if settings.scheduler_address is not None:
+            credentials = settings.scheduler_credentials()
             links = [
                 asyncio.create_task(
-                    stay_registered(settings.scheduler_address, s.engine_id, s.address),
+                    stay_registered(
+                        settings.scheduler_address, s.engine_id, s.address, credentials
+                    ),
                     name=f"scheduler-link {s.engine_id}",
                 )
                 for s in served

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
-from rollserve.engine.settings import _HOST_PORT
+from rollserve.engine.settings import SchedulerLink
 from rollserve.sim.profile import CostProfile, load_profile
 from rollserve.sim.responses import LengthModel, load_lengths
 
@@ -15,7 +15,7 @@ __all__ = ["SimSettings"]
 MAX_PORT = 65535
 
 
-class SimSettings(BaseModel):
+class SimSettings(SchedulerLink):
     """Settings of one sim engine, or of a fleet of them in one process.
 
     Every duration is simulated time except ``shutdown_grace_s``: the engines step in real
@@ -40,11 +40,6 @@ class SimSettings(BaseModel):
     )
     advertise_host: str | None = Field(
         None, min_length=1, description="Host the scheduler should dial (default: host)."
-    )
-    scheduler_address: str | None = Field(
-        None,
-        pattern=_HOST_PORT,
-        description="host:port of the scheduler to register with and heartbeat; none if unset.",
     )
     profile: str = Field(
         "gpu-h100-llama8b",

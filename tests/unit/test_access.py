@@ -1,0 +1,398 @@
+"""Who may call the scheduler: bearer tokens (``--auth-tokens-file``), TLS and mutual TLS
+(``--tls-*``), over gRPC and HTTP, with the SDK, an engine's registration and ``rollserve
+status`` as the callers (``rollserve.common.access``, ``rollserve.client.credentials``).
+
+Faked: nothing over the wire (the scheduler is served as ``rollserve scheduler`` serves it, on
+the session's Redis, with no engine but those a test registers); the tokens file's reload runs
+on a fake clock. Certificates are made for each test (``tests.unit.certs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
+from rich.console import Console
+from rollserve.cli.stack import free_port
+from rollserve.cli.status import UNREACHABLE_EXIT_CODE, run_status
+from rollserve.client import (
+    AsyncRolloutClient,
+    PromptGroup,
+    RolloutClient,
+    SamplingParams,
+    SchedulerCredentials,
+    SchedulerUnavailable,
+    Unauthenticated,
+)
+from rollserve.client.credentials import NO_CREDENTIALS
+from rollserve.common.access import TokenFile, parse_tokens
+from rollserve.engine.server import stay_registered
+from rollserve.engine.settings import EngineSettings, SchedulerLink
+from rollserve.scheduler.settings import SchedulerSettings
+from rollserve.sim.settings import SimSettings
+from rollserve.v1 import rollserve_pb2 as pb
+from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+from tests.served import ServedScheduler, served_scheduler
+from tests.unit.certs import Pki, make_pki
+
+TIMEOUT_S = 30.0
+TOKEN = "trainer-token-0123456789abcdef"
+ENGINE_TOKEN = "engine-token-0123456789abcdef"
+SECRET = "s3cr3t-never-shown-0123456789"
+
+
+@pytest.fixture
+def tokens_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text(f"# who may call\ntrainer:{TOKEN}\n\nengines:{ENGINE_TOKEN}\n")
+    return path
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path)
+
+
+@asynccontextmanager
+async def scheduler(redis_url: str, **given: Any) -> AsyncIterator[tuple[ServedScheduler, int]]:
+    """A scheduler served with ``given`` settings and an HTTP port: (it, the HTTP port)."""
+    http_port = free_port()
+    settings = SchedulerSettings(
+        port=0,
+        http_port=http_port,
+        redis_url=redis_url,
+        predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
+        shutdown_grace_s=0.0,
+        **given,
+    )
+    async with served_scheduler(settings, TIMEOUT_S) as served:
+        yield served, http_port
+
+
+def group(group_id: str) -> PromptGroup:
+    return PromptGroup(
+        group_id=group_id, prompt_token_ids=[1, 2, 3], n=2, sampling=SamplingParams(max_tokens=4)
+    )
+
+
+def client(
+    redis_url: str, port: int, credentials: SchedulerCredentials = NO_CREDENTIALS
+) -> AsyncRolloutClient:
+    return AsyncRolloutClient(
+        f"localhost:{port}",
+        redis_url,
+        f"run-{uuid.uuid4().hex[:8]}",
+        credentials=credentials,
+        rpc_timeout_s=10.0,
+    )
+
+
+# ------------------------------------------------------------------ tokens file
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("", "no token in it"),
+        ("# only a comment\n", "no token in it"),
+        (f"{SECRET}\n", "line 1: expected NAME:TOKEN"),
+        (f"bad name:{SECRET}\n", "line 1: the name 'bad name' must be"),
+        ("short:abc\n", "line 1: the token of 'short' must be 16 to 4096"),
+        (f"x:{SECRET} tail\n", "the token of 'x' must be"),
+        (f"a:{SECRET}\n\na:{SECRET}x\n", "line 3: the name 'a' is given twice"),
+        (f"a:{SECRET}\nb:{SECRET}\n", "line 2: the token of 'b' is 'a''s too"),
+    ],
+)
+def test_a_tokens_file_that_does_not_parse_is_refused_naming_the_line(text: str, said: str) -> None:
+    with pytest.raises(ValueError, match=r"^tokens\.txt") as raised:
+        parse_tokens(text, "tokens.txt")
+    assert said in str(raised.value)
+    assert SECRET not in str(raised.value)
+
+
+def test_a_call_is_told_whose_token_it_carries_or_why_it_is_refused(tokens_file: Path) -> None:
+    tokens = TokenFile(tokens_file)
+    assert tokens.names == ("engines", "trainer")
+    assert tokens.caller(f"Bearer {TOKEN}") == ("trainer", "")
+    assert tokens.caller(f"bearer  {ENGINE_TOKEN} ") == ("engines", "")
+    assert tokens.caller(None)[1].startswith("no credentials")
+    assert tokens.caller(TOKEN)[1] == "the authorization must read 'Bearer <token>'"
+    assert tokens.caller(f"Basic {TOKEN}")[1] == "the authorization must read 'Bearer <token>'"
+    name, why = tokens.caller(f"Bearer {TOKEN}x")
+    assert name is None and "not one the server accepts" in why
+    assert tokens.caller(f"Bearer {TOKEN[:-1]}")[0] is None
+
+
+def test_a_changed_tokens_file_is_read_again_and_a_broken_one_keeps_the_old_tokens(
+    tokens_file: Path,
+) -> None:
+    now = [0.0]
+    tokens = TokenFile(tokens_file, reload_interval_s=5.0, clock=lambda: now[0])
+    tokens_file.write_text(f"trainer:{SECRET}\n")  # rotated: the old token is gone
+    now[0] = 4.9
+    assert tokens.caller(f"Bearer {TOKEN}")[0] == "trainer"  # not looked at again yet
+    now[0] = 5.0
+    assert tokens.caller(f"Bearer {TOKEN}")[0] is None
+    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"
+    tokens_file.write_text("not a token line\n")
+    now[0] = 10.0
+    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"  # kept; the log says why
+    tokens_file.unlink()
+    now[0] = 15.0
+    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_the_schedulers_credentials_settings_are_checked_at_start(
+    tmp_path: Path, tokens_file: Path, pki: Pki
+) -> None:
+    def refused(**given: Any) -> str:
+        with pytest.raises(ValidationError) as raised:
+            SchedulerSettings(redis_url="redis://x", **given)
+        return str(raised.value)
+
+    assert "tls_cert_file and tls_key_file: give both" in refused(
+        tls_cert_file=str(pki.server_cert)
+    )
+    assert "tls_client_ca_file needs tls_cert_file" in refused(tls_client_ca_file=str(pki.ca))
+    missing = tmp_path / "missing"
+    assert f"{missing}: cannot read the tokens file" in refused(auth_tokens_file=str(missing))
+    mismatched = refused(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.client_key))
+    assert f"the certificate {pki.server_cert} and the key {pki.client_key}" in mismatched
+    assert "not PEM certificates" in refused(
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_client_ca_file=str(tokens_file),
+    )
+    fine = SchedulerSettings(
+        redis_url="redis://x",
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_client_ca_file=str(pki.ca),
+        auth_tokens_file=str(tokens_file),
+    )
+    tls = fine.server_tls()
+    assert tls is not None and tls.client_ca_file == pki.ca
+
+
+def test_an_engines_scheduler_credentials_are_checked_at_start(tmp_path: Path, pki: Pki) -> None:
+    # (vLLM's engines and the simulated ones take the same settings of their link)
+    assert issubclass(EngineSettings, SchedulerLink) and issubclass(SimSettings, SchedulerLink)
+    settings = SimSettings
+    token = tmp_path / "token"
+    token.write_text(f"{ENGINE_TOKEN}\n")
+    with pytest.raises(ValidationError, match="scheduler_token_file: for a scheduler"):
+        settings(scheduler_token_file=str(token))
+    with pytest.raises(ValidationError, match=r"token_file .*empty"):
+        (tmp_path / "empty").write_text("\n")
+        settings(scheduler_address="localhost:1", scheduler_token_file=str(tmp_path / "empty"))
+    with pytest.raises(ValidationError, match="cert_pem and key_pem: give both"):
+        settings(scheduler_address="localhost:1", scheduler_cert_file=str(pki.client_cert))
+    made = settings(
+        scheduler_address="localhost:1",
+        scheduler_token_file=str(token),
+        scheduler_ca_file=str(pki.ca),
+    )
+    credentials = made.scheduler_credentials()
+    assert credentials.secure and credentials.metadata == (
+        ("authorization", f"Bearer {ENGINE_TOKEN}"),
+    )
+    assert ENGINE_TOKEN not in repr(credentials)
+
+
+def test_the_sdks_credentials_refuse_what_no_scheduler_could_take(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="token: must be visible ASCII"):
+        SchedulerCredentials(token=f"Bearer {TOKEN}")
+    with pytest.raises(ValueError, match="server_name: only for TLS"):
+        SchedulerCredentials(server_name="localhost")
+    with pytest.raises(ValueError, match=r"ca_file .*missing: cannot read it"):
+        SchedulerCredentials.from_files(ca_file=tmp_path / "missing")
+
+
+# ------------------------------------------------------------------ over the wire
+
+
+async def test_a_scheduler_with_tokens_refuses_calls_without_one_and_takes_those_with_one(
+    redis_url: str, tokens_file: Path
+) -> None:
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, http_port):
+        for credentials in (SchedulerCredentials(), SchedulerCredentials(token=SECRET)):
+            async with client(redis_url, served.port, credentials) as anonymous:
+                with pytest.raises(Unauthenticated) as raised:
+                    await anonymous.submit([group("g0")])
+                assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(Unauthenticated):
+                    await anonymous.status()
+        async with client(redis_url, served.port, SchedulerCredentials(token=TOKEN)) as trainer:
+            assert await trainer.submit([group("g0")]) == 1
+            assert (await trainer.status()).queue_depth >= 1
+            assert (await trainer.cancel(["g0"])).cancelled == ("g0",)
+            await trainer.delete_run()  # (nothing left for the next tests' schedulers)
+
+        # Health checks need no token (orchestrators probe without one).
+        async with grpc.aio.insecure_channel(f"localhost:{served.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        # The sync client says the same.
+        def sync_calls() -> None:
+            with (
+                RolloutClient(f"localhost:{served.port}", redis_url, "sync-run") as anonymous,
+                pytest.raises(Unauthenticated, match="no credentials"),
+            ):
+                anonymous.status()
+            credentials = SchedulerCredentials(token=TOKEN)
+            with RolloutClient(
+                f"localhost:{served.port}", redis_url, "sync-run", credentials=credentials
+            ) as trainer:
+                trainer.status()
+
+        await asyncio.to_thread(sync_calls)
+
+        # HTTP: 401 with a challenge, but for the probes' and tools' paths.
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{http_port}"
+            async with http.get(f"{url}/v1/status") as reply:
+                assert reply.status == 401
+                assert reply.headers["WWW-Authenticate"] == 'Bearer realm="rollserve"'
+                error = (await reply.json())["error"]
+                assert error["status"] == "UNAUTHENTICATED"
+                assert error["message"].startswith("no credentials")
+            wrong = {"Authorization": f"Bearer {SECRET}"}
+            async with http.delete(f"{url}/v1/runs/some-run", headers=wrong) as reply:
+                assert reply.status == 401
+                assert 'error="invalid_token"' in reply.headers["WWW-Authenticate"]
+            right = {"Authorization": f"Bearer {TOKEN}"}
+            async with http.get(f"{url}/v1/status", headers=right) as reply:
+                assert reply.status == 200
+            for path in ("/healthz", "/metrics", "/openapi.json"):
+                async with http.get(f"{url}{path}") as reply:
+                    assert reply.status == 200, path
+
+
+async def test_an_engine_registers_with_a_token_of_the_file_and_not_without_one(
+    redis_url: str, tokens_file: Path
+) -> None:
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, _):
+        address = f"localhost:{served.port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.SchedulerStub(channel)
+            request = pb.RegisterEngineRequest(engine_id="intruder", address="127.0.0.1:9")
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.RegisterEngine(request, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+            credentials = SchedulerCredentials(token=ENGINE_TOKEN)
+            link = asyncio.create_task(
+                stay_registered(address, "sim-0", "127.0.0.1:9", credentials)
+            )
+            try:
+                for _ in range(200):
+                    status = await stub.Status(
+                        pb.StatusRequest(), timeout=10, metadata=credentials.metadata
+                    )
+                    if any(e.engine_id == "sim-0" for e in status.engines):
+                        break
+                    await asyncio.sleep(0.05)
+                names = [e.engine_id for e in status.engines]
+                assert "sim-0" in names and "intruder" not in names
+            finally:
+                link.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await link
+
+
+async def test_a_tls_scheduler_takes_callers_that_trust_its_ca_over_grpc_and_https(
+    redis_url: str, tokens_file: Path, pki: Pki
+) -> None:
+    tls = {"tls_cert_file": str(pki.server_cert), "tls_key_file": str(pki.server_key)}
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file), **tls) as (
+        served,
+        http_port,
+    ):
+        trusted = SchedulerCredentials.from_files(ca_file=pki.ca)
+        trusted = SchedulerCredentials(token=TOKEN, ca_pem=trusted.ca_pem)
+        async with client(redis_url, served.port, trusted) as trainer:
+            assert await trainer.submit([group("g0")]) == 1
+            await trainer.delete_run()
+        # Plaintext reaches no TLS server, nor does a client that trusts another CA.
+        for credentials in (
+            SchedulerCredentials(token=TOKEN),
+            SchedulerCredentials.from_files(ca_file=pki.other_ca),
+        ):
+            async with client(redis_url, served.port, credentials) as stranger:
+                with pytest.raises(SchedulerUnavailable):
+                    await stranger.status()
+
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        async with aiohttp.ClientSession() as http:
+            url = f"https://localhost:{http_port}"
+            right = {"Authorization": f"Bearer {TOKEN}"}
+            async with http.get(f"{url}/v1/status", headers=right, ssl=context) as reply:
+                assert reply.status == 200
+            async with http.get(f"{url}/healthz", ssl=context) as reply:
+                assert reply.status == 200
+            with pytest.raises(aiohttp.ClientError):
+                async with http.get(f"http://localhost:{http_port}/healthz"):
+                    pass
+
+        # rollserve status, as a script would call it (in a thread: it blocks).
+        console = Console(record=True, width=200)
+        code = await asyncio.to_thread(
+            run_status, f"localhost:{served.port}", 10.0, True, console, trusted
+        )
+        assert code == 0
+        code = await asyncio.to_thread(
+            run_status,
+            f"localhost:{served.port}",
+            10.0,
+            True,
+            console,
+            SchedulerCredentials(ca_pem=trusted.ca_pem),
+        )
+        assert code == UNREACHABLE_EXIT_CODE
+        assert "refused the call: UNAUTHENTICATED" in console.export_text()
+
+
+async def test_a_mutual_tls_scheduler_wants_a_certificate_its_client_ca_signed(
+    redis_url: str, pki: Pki
+) -> None:
+    tls = {
+        "tls_cert_file": str(pki.server_cert),
+        "tls_key_file": str(pki.server_key),
+        "tls_client_ca_file": str(pki.ca),
+    }
+    async with scheduler(redis_url, **tls) as (served, http_port):
+        without = SchedulerCredentials.from_files(ca_file=pki.ca)
+        async with client(redis_url, served.port, without) as stranger:
+            with pytest.raises(SchedulerUnavailable):
+                await stranger.status()
+        mutual = SchedulerCredentials.from_files(
+            ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key
+        )
+        async with client(redis_url, served.port, mutual) as trainer:
+            await trainer.status()
+
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(aiohttp.ClientError):
+                async with http.get(f"https://localhost:{http_port}/v1/status", ssl=context):
+                    pass
+            context.load_cert_chain(pki.client_cert, pki.client_key)
+            async with http.get(f"https://localhost:{http_port}/v1/status", ssl=context) as reply:
+                assert reply.status == 200
