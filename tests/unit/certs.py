@@ -122,3 +122,13 @@ def make_pki(folder: Path) -> Pki:
         client_cert=folder / "client.pem",
         client_key=folder / "client-key.pem",
     )
+
+
+def encrypt_key(key_file: Path, password: bytes) -> bytes:
+    """The PEM key of ``key_file``, encrypted with ``password``."""
+    key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(password),
+    )

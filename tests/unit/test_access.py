@@ -39,12 +39,13 @@ from rollserve.common.access import TokenFile, parse_tokens
 from rollserve.engine.server import stay_registered
 from rollserve.engine.settings import EngineSettings, SchedulerLink
 from rollserve.scheduler.settings import SchedulerSettings
+from rollserve.sim.server import parse_settings as sim_parse_settings
 from rollserve.sim.settings import SimSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.served import ServedScheduler, served_scheduler
-from tests.unit.certs import Pki, make_pki
+from tests.unit.certs import Pki, encrypt_key, make_pki
 
 TIMEOUT_S = 30.0
 TOKEN = "trainer-token-0123456789abcdef"
@@ -172,6 +173,10 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
     assert f"{missing}: cannot read the tokens file" in refused(auth_tokens_file=str(missing))
     mismatched = refused(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.client_key))
     assert f"the certificate {pki.server_cert} and the key {pki.client_key}" in mismatched
+    encrypted = tmp_path / "encrypted-key.pem"
+    encrypted.write_bytes(encrypt_key(pki.server_key, b"pass phrase"))
+    said = refused(tls_cert_file=str(pki.server_cert), tls_key_file=str(encrypted))
+    assert "the key is encrypted; give it unencrypted" in said
     assert "not PEM certificates" in refused(
         tls_cert_file=str(pki.server_cert),
         tls_key_file=str(pki.server_key),
@@ -196,9 +201,14 @@ def test_an_engines_scheduler_credentials_are_checked_at_start(tmp_path: Path, p
     token.write_text(f"{ENGINE_TOKEN}\n")
     with pytest.raises(ValidationError, match="scheduler_token_file: for a scheduler"):
         settings(scheduler_token_file=str(token))
-    with pytest.raises(ValidationError, match=r"token_file .*empty"):
+    with pytest.raises(ValidationError, match=r"token_file .*\(it is empty\)"):
         (tmp_path / "empty").write_text("\n")
         settings(scheduler_address="localhost:1", scheduler_token_file=str(tmp_path / "empty"))
+    with pytest.raises(ValidationError, match="scheduler_key_file: for a scheduler"):
+        settings(scheduler_key_file=str(pki.client_key))
+    with pytest.raises(ValidationError, match=r"token_file .*: it must hold the token alone"):
+        (tmp_path / "two-lines").write_text(f"engines:{ENGINE_TOKEN}\nmore\n")
+        settings(scheduler_address="localhost:1", scheduler_token_file=str(tmp_path / "two-lines"))
     with pytest.raises(ValidationError, match="cert_pem and key_pem: give both"):
         settings(scheduler_address="localhost:1", scheduler_cert_file=str(pki.client_cert))
     made = settings(
@@ -206,6 +216,8 @@ def test_an_engines_scheduler_credentials_are_checked_at_start(tmp_path: Path, p
         scheduler_token_file=str(token),
         scheduler_ca_file=str(pki.ca),
     )
+    # (a bare --scheduler-tls, as the engine's flag takes it)
+    assert sim_parse_settings(["--scheduler-address", "h:1", "--scheduler-tls"], True).scheduler_tls
     credentials = made.scheduler_credentials()
     assert credentials.secure and credentials.metadata == (
         ("authorization", f"Bearer {ENGINE_TOKEN}"),
@@ -285,36 +297,74 @@ async def test_a_scheduler_with_tokens_refuses_calls_without_one_and_takes_those
                     assert reply.status == 200, path
 
 
-async def test_an_engine_registers_with_a_token_of_the_file_and_not_without_one(
-    redis_url: str, tokens_file: Path
+async def test_an_engine_registers_with_a_token_of_the_file_and_reads_its_own_again(
+    redis_url: str, tokens_file: Path, tmp_path: Path
 ) -> None:
     async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, _):
         address = f"localhost:{served.port}"
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.SchedulerStub(channel)
             request = pb.RegisterEngineRequest(engine_id="intruder", address="127.0.0.1:9")
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await stub.RegisterEngine(request, timeout=10)
-            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            for metadata in ((), (("authorization", f"Bearer {SECRET}"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stub.RegisterEngine(request, timeout=10, metadata=metadata)
+                assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-            credentials = SchedulerCredentials(token=ENGINE_TOKEN)
-            link = asyncio.create_task(
-                stay_registered(address, "sim-0", "127.0.0.1:9", credentials)
+            # The engine's token file holds a token the scheduler does not take, then the
+            # right one (a rotation reached the engine's Secret later than the scheduler's):
+            # the engine registers at its next attempt, without a restart.
+            token_file = tmp_path / "engine-token"
+            token_file.write_text(f"{SECRET}\n")
+            link_settings = SchedulerLink(
+                scheduler_address=address, scheduler_token_file=str(token_file)
             )
+            link = asyncio.create_task(
+                stay_registered(
+                    address, "sim-0", "127.0.0.1:9", link_settings.scheduler_credentials
+                )
+            )
+            shown = SchedulerCredentials(token=ENGINE_TOKEN).metadata
+
+            async def engines() -> list[str]:
+                status = await stub.Status(pb.StatusRequest(), timeout=10, metadata=shown)
+                return [e.engine_id for e in status.engines]
+
             try:
+                await asyncio.sleep(0.3)  # (its first attempt was refused)
+                assert await engines() == []
+                token_file.write_text(f"{ENGINE_TOKEN}\n")
                 for _ in range(200):
-                    status = await stub.Status(
-                        pb.StatusRequest(), timeout=10, metadata=credentials.metadata
-                    )
-                    if any(e.engine_id == "sim-0" for e in status.engines):
+                    if await engines():
                         break
                     await asyncio.sleep(0.05)
-                names = [e.engine_id for e in status.engines]
-                assert "sim-0" in names and "intruder" not in names
+                assert await engines() == ["sim-0"]
             finally:
                 link.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await link
+
+
+async def test_a_call_that_gives_its_authorization_twice_is_refused(
+    redis_url: str, tokens_file: Path
+) -> None:
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, http_port):
+        good, bad = f"Bearer {TOKEN}", f"Bearer {SECRET}"
+        async with grpc.aio.insecure_channel(f"localhost:{served.port}") as channel:
+            stub = pb_grpc.SchedulerStub(channel)
+            await stub.Status(pb.StatusRequest(), timeout=10, metadata=(("authorization", good),))
+            for pair in ((good, bad), (bad, good), (good, good)):
+                metadata = tuple(("authorization", value) for value in pair)
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
+                assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "more than once" in (raised.value.details() or "")
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{http_port}/v1/status"
+            for pair in ((good, bad), (bad, good)):
+                headers = [("Authorization", value) for value in pair]
+                async with http.get(url, headers=headers) as reply:
+                    assert reply.status == 401
+                    assert "more than once" in (await reply.json())["error"]["message"]
 
 
 async def test_a_tls_scheduler_takes_callers_that_trust_its_ca_over_grpc_and_https(

@@ -58,7 +58,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["FleetConfig", "FleetRow", "run_fleet"]
+__all__ = [
+    "FleetConfig",
+    "FleetRow",
+    "prompt_groups",
+    "run_fleet",
+    "start_fleet",
+    "start_scheduler",
+    "wait_ready",
+    "wait_registered",
+]
 
 FLEET_START_TIMEOUT_S = 300.0
 REGISTER_TIMEOUT_S = 120.0
@@ -257,7 +266,11 @@ def _publish_cell(row: FleetRow, load_wall_s: float) -> str:
     return f"{row.publish_wall_s:.2f} ({row.publish_wall_s - load_wall_s:+.2f})"
 
 
-def _groups(cfg: FleetConfig, count: int, stream_samples: bool = False) -> list[Any]:
+def prompt_groups(
+    cfg: FleetConfig, count: int, stream_samples: bool = False, prefix: str = "g"
+) -> list[Any]:
+    """``count`` groups of ``cfg.n`` samples, random prompts of log-normal lengths (ids
+    ``<prefix><i>``)."""
     from rollserve.client import PromptGroup, SamplingParams
 
     rng = random.Random(cfg.seed)
@@ -267,11 +280,11 @@ def _groups(cfg: FleetConfig, count: int, stream_samples: bool = False) -> list[
         length = min(PROMPT_LEN_MAX, max(16, length))
         groups.append(
             PromptGroup(
-                group_id=f"g{g}",
+                group_id=f"{prefix}{g}",
                 prompt_token_ids=[rng.randrange(PROMPT_VOCAB) for _ in range(length)],
                 n=cfg.n,
                 sampling=SamplingParams(max_tokens=cfg.max_tokens, seed=g * cfg.n),
-                prompt_key=f"p{g}",
+                prompt_key=f"{prefix}p{g}",
                 stream_samples=stream_samples,
             )
         )
@@ -282,70 +295,26 @@ def _run_row(
     cfg: FleetConfig, policy: str, engines: int, redis_url: str, log_dir: Path
 ) -> FleetRow:
     import psutil
-    from rollserve.cli.stack import ManagedProcess, free_port, wait_serving
+    from rollserve.cli.stack import ManagedProcess
     from rollserve.client import GroupStatus, RolloutClient
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    scheduler = ManagedProcess.start(
-        "scheduler",
-        [
-            sys.executable,
-            "-m",
-            "rollserve.scheduler",
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            "--policy",
-            policy.removesuffix(STREAM),
-            "--predictor-namespace",
-            f"bench-fleet-{uuid.uuid4().hex[:8]}",
-            "--max-n",
-            str(max(64, cfg.n)),
-            # Rows share one Redis: a row's engines must not load an earlier row's weights.
-            "--forget-fleet-weights",
-        ],
-        log_dir,
+    scheduler = start_scheduler(
+        policy.removesuffix(STREAM), redis_url, log_dir, ("--max-n", str(max(64, cfg.n)))
     )
-    scheduler.address = f"127.0.0.1:{port}"
     fleet: ManagedProcess | None = None
     stats_path = log_dir / "fleet-stats.json"
     try:
-        wait_serving(scheduler.address, SCHEDULER_START_TIMEOUT_S, scheduler)
-        fleet = ManagedProcess.start(
-            "fleet",
-            [
-                sys.executable,
-                "-m",
-                "rollserve.sim",
-                "fleet",
-                "--engines",
-                str(engines),
-                "--profile",
-                cfg.profile,
-                "--time-scale",
-                str(cfg.time_scale),
-                "--response-median",
-                str(cfg.response_median),
-                "--seed",
-                str(cfg.seed),
-                "--scheduler-address",
-                scheduler.address,
-                "--stats-path",
-                str(stats_path),
-            ],
-            log_dir,
-        )
-        start_s, rss_mb = _wait_ready(fleet)
+        fleet = start_fleet(cfg, engines, scheduler.address, stats_path, log_dir)
+        start_s, rss_mb = wait_ready(fleet)
         count = cfg.groups_per_engine * engines
         streaming = policy.endswith(STREAM)
-        groups = _groups(cfg, count, streaming)
+        groups = prompt_groups(cfg, count, streaming)
         leads: list[float] = []
         sched_proc = psutil.Process(scheduler.popen.pid)
         fleet_proc = psutil.Process(fleet.popen.pid)
         with RolloutClient(scheduler.address, redis_url, f"fleet-{uuid.uuid4().hex[:8]}") as client:
-            _wait_registered(client, engines, fleet)
+            wait_registered(client, engines, fleet)
             idle_before = _cpu_s(sched_proc)
             time.sleep(IDLE_PROBE_S)
             idle_share = (_cpu_s(sched_proc) - idle_before) / IDLE_PROBE_S
@@ -428,6 +397,74 @@ def _run_row(
     )
 
 
+def start_scheduler(policy: str, redis_url: str, log_dir: Path, extra: tuple[str, ...] = ()) -> Any:
+    """The real scheduler (``python -m rollserve.scheduler``) on ``redis_url`` with no engines
+    at start and a length history of its own, serving; its ``address`` set."""
+    from rollserve.cli.stack import ManagedProcess, free_port, wait_serving
+
+    port = free_port()
+    scheduler = ManagedProcess.start(
+        "scheduler",
+        [
+            sys.executable,
+            "-m",
+            "rollserve.scheduler",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--policy",
+            policy,
+            "--predictor-namespace",
+            f"bench-fleet-{uuid.uuid4().hex[:8]}",
+            # Rows share one Redis: a row's engines must not load an earlier row's weights.
+            "--forget-fleet-weights",
+            *extra,
+        ],
+        log_dir,
+    )
+    scheduler.address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(scheduler.address, SCHEDULER_START_TIMEOUT_S, scheduler)
+    except BaseException:
+        scheduler.stop()
+        raise
+    return scheduler
+
+
+def start_fleet(
+    cfg: FleetConfig, engines: int, scheduler_address: str, stats_path: Path, log_dir: Path
+) -> Any:
+    """A sim fleet process of ``engines`` engines (``cfg``'s profile, time scale, response
+    lengths and seed) that register with the scheduler; its totals go to ``stats_path``."""
+    from rollserve.cli.stack import ManagedProcess
+
+    return ManagedProcess.start(
+        "fleet",
+        [
+            sys.executable,
+            "-m",
+            "rollserve.sim",
+            "fleet",
+            "--engines",
+            str(engines),
+            "--profile",
+            cfg.profile,
+            "--time-scale",
+            str(cfg.time_scale),
+            "--response-median",
+            str(cfg.response_median),
+            "--seed",
+            str(cfg.seed),
+            "--scheduler-address",
+            scheduler_address,
+            "--stats-path",
+            str(stats_path),
+        ],
+        log_dir,
+    )
+
+
 def _samples_streamed(redis_url: str, run_id: str) -> int:
     import redis
     from rollserve.client.wire import samples_stream_key
@@ -464,7 +501,7 @@ def _cpu_s(process: Any) -> float:
     return float(times.user + times.system)
 
 
-def _wait_ready(fleet: Any) -> tuple[float, float]:
+def wait_ready(fleet: Any) -> tuple[float, float]:
     """Waits for the fleet's ready line; returns its start seconds and peak memory (MB)."""
     from rollserve.cli.stack import StackError
 
@@ -480,7 +517,7 @@ def _wait_ready(fleet: Any) -> tuple[float, float]:
         time.sleep(0.1)
 
 
-def _wait_registered(client: Any, engines: int, fleet: Any) -> None:
+def wait_registered(client: Any, engines: int, fleet: Any) -> None:
     """Waits until the scheduler sees every engine of the fleet healthy."""
     from rollserve.cli.stack import StackError
 

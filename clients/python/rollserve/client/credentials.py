@@ -41,7 +41,7 @@ class SchedulerCredentials:
     token: the bearer token (one of the scheduler's tokens file), or None.
     tls: connect over TLS; implied by the fields below.
     ca_pem: the CA certificates that signed the scheduler's certificate (PEM); None trusts
-        the system's roots.
+        the public roots gRPC bundles (not the system's store: an internal CA goes here).
     cert_pem, key_pem: the client's certificate chain and key, for a scheduler that wants
         one (mutual TLS); both or neither.
     server_name: the name the scheduler's certificate must carry, when the address does not
@@ -82,8 +82,12 @@ class SchedulerCredentials:
         token = None
         if token_file is not None:
             token = _read(token_file, "token_file").decode("utf-8", "replace").strip()
-            if not token:
-                raise ValueError(f"token_file {os.fspath(token_file)}: it is empty")
+            if not _TOKEN.fullmatch(token):
+                raise ValueError(
+                    f"token_file {os.fspath(token_file)}: it must hold the token alone, "
+                    "visible ASCII characters without spaces"
+                    + (" (it is empty)" if not token else "")
+                )
         return cls(
             token=token,
             tls=tls,

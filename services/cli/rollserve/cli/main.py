@@ -355,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--token-file", help="file holding a token of the scheduler's --auth-tokens-file"
     )
-    status.add_argument("--tls", action="store_true", help="over TLS, trusting the system's CAs")
+    status.add_argument(
+        "--tls", action="store_true", help="over TLS, trusting gRPC's bundled public CAs"
+    )
     status.add_argument("--ca-file", help="over TLS, trusting these PEM CA certificates")
     status.add_argument("--cert-file", help="PEM certificate for mutual TLS")
     status.add_argument("--key-file", help="PEM key of --cert-file")
@@ -564,9 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--out-dir", type=output_dir, default=Path("bench-policies"))
     policies.add_argument("--json", type=output_file)
     policies.set_defaults(func=_cmd_bench_policies)
-    from rollserve.cli.sim import add_bench_fleet
+    from rollserve.cli.sim import add_bench_fleet, add_bench_tenants
 
     add_bench_fleet(bench_sub)
+    add_bench_tenants(bench_sub)
     from rollserve.bench.fidelity import add_bench_fidelity
 
     add_bench_fidelity(bench_sub)

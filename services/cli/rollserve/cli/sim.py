@@ -148,3 +148,83 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def add_bench_tenants(bench_sub: Any) -> None:
+    """Adds ``tenants`` to the ``rollserve bench`` subcommands."""
+    from rollserve.bench.tenants import TenantsConfig
+
+    defaults = TenantsConfig()
+    tenants = bench_sub.add_parser(
+        "tenants",
+        help="two runs on one sim fleet: a backlog and a synchronous trainer, with and "
+        "without fair share (simulated engines)",
+        description=(
+            "Per policy: trainer B's synchronous steps alone, then beside run A's backlog with "
+            "the scheduler's --no-fair-share, then with fair share. Engine time is simulated."
+        ),
+    )
+    tenants.add_argument(
+        "--engines", type=positive_int, default=defaults.engines, help="sim engines"
+    )
+    tenants.add_argument(
+        "--backlog",
+        type=positive_int,
+        default=defaults.backlog_groups,
+        help=f"groups run A queues at once ({defaults.backlog_groups})",
+    )
+    tenants.add_argument(
+        "--step-groups",
+        type=positive_int,
+        default=defaults.step_groups,
+        help=f"groups of each of B's steps ({defaults.step_groups})",
+    )
+    tenants.add_argument(
+        "--steps", type=positive_int, default=defaults.steps, help=f"B's steps ({defaults.steps})"
+    )
+    tenants.add_argument(
+        "--n", type=positive_int, default=defaults.n, help=f"samples per group ({defaults.n})"
+    )
+    tenants.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=defaults.time_scale,
+        help=f"real seconds per simulated second ({defaults.time_scale})",
+    )
+    tenants.add_argument(
+        "--policy",
+        type=_policies,
+        default=defaults.policies,
+        help=f"scheduler policies, comma-separated ({','.join(defaults.policies)})",
+    )
+    tenants.add_argument("--profile", default=defaults.profile, help="sim cost profile")
+    tenants.add_argument(
+        "--median",
+        type=positive_float,
+        default=defaults.response_median,
+        help=f"median response length, tokens ({defaults.response_median:g})",
+    )
+    tenants.add_argument("--seed", type=int, default=defaults.seed)
+    tenants.add_argument("--json", type=output_file, help="also write the results here")
+    tenants.set_defaults(func=_cmd_bench_tenants)
+
+
+def _cmd_bench_tenants(args: argparse.Namespace) -> int:
+    from rollserve.bench.tenants import TenantsConfig, run_tenants
+
+    run_tenants(
+        TenantsConfig(
+            engines=args.engines,
+            backlog_groups=args.backlog,
+            step_groups=args.step_groups,
+            steps=args.steps,
+            n=args.n,
+            time_scale=args.time_scale,
+            policies=args.policy,
+            profile=args.profile,
+            response_median=args.median,
+            seed=args.seed,
+            json_path=args.json,
+        )
+    )
+    return 0

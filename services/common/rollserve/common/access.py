@@ -51,6 +51,9 @@ REFUSAL_LOG_INTERVAL_S = 10.0  # one log line at most this often for refused cal
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TOKEN = re.compile(rf"[\x21-\x7e]{{{MIN_TOKEN_CHARS},{MAX_TOKEN_CHARS}}}")
 
+_TWICE = "the authorization is given more than once: give one"
+_NAME_SHOWN_CHARS = 80  # of a name that is not one, in the error
+
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 """gRPC methods called without a token: health checks and reflection."""
 
@@ -70,7 +73,8 @@ def parse_tokens(text: str, source: str) -> dict[str, str]:
             raise ValueError(f"{where}: expected NAME:TOKEN (no ':' found)")
         if not _NAME.fullmatch(name):
             raise ValueError(
-                f"{where}: the name {name[:80]!r} must be 1 to 64 letters, digits or '_.-'"
+                f"{where}: the name {name[:_NAME_SHOWN_CHARS]!r} must be 1 to 64 letters, "
+                "digits or '_.-'"
             )
         if not _TOKEN.fullmatch(token):
             raise ValueError(
@@ -222,10 +226,14 @@ class GrpcTokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method = handler_call_details.method
         if method.startswith(self._open):
             return await continuation(handler_call_details)
-        authorization = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                authorization = value if isinstance(value, str) else None
+        given = [
+            value
+            for key, value in handler_call_details.invocation_metadata or ()
+            if key == "authorization"
+        ]
+        if len(given) > 1:
+            return _refusing(method, _TWICE, self._log)
+        authorization = given[0] if given and isinstance(given[0], str) else None
         name, reason = self._tokens.caller(authorization)
         if name is not None:
             return await continuation(handler_call_details)
@@ -241,8 +249,9 @@ def _refusing(
         refusal_log(method, context.peer(), reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    # The request is not decoded (it is bytes to ``refuse``), whichever kind the method is:
-    # one handler of each kind would only differ in what grpc hands ``refuse``.
+    # grpc reads the request's first message before ``refuse`` runs (within the server's
+    # message size limit) but nothing decodes it: it is bytes to ``refuse``, whichever kind
+    # the method is, so one handler serves every kind.
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -260,8 +269,9 @@ def http_token_check(
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in open_paths:
             return await handler(request)
-        given = request.headers.get("Authorization")
-        name, reason = tokens.caller(given)
+        values = request.headers.getall("Authorization", [])
+        given = values[0] if values else None
+        name, reason = tokens.caller(given) if len(values) < 2 else (None, _TWICE)
         if name is not None:
             return await handler(request)
         refusal_log(f"{request.method} {request.path}", str(request.remote), reason)
@@ -273,6 +283,12 @@ def http_token_check(
         return response
 
     return check
+
+
+def _no_password() -> str:
+    """For an encrypted key: OpenSSL would ask a terminal for the password (and a service has
+    none to ask); gRPC takes unencrypted keys only anyway."""
+    raise ValueError("the key is encrypted; give it unencrypted (a file only the service reads)")
 
 
 @dataclass(frozen=True)
@@ -314,11 +330,11 @@ class ServerTls:
         self._read(self.cert_file, "the certificate")
         self._read(self.key_file, "the key")
         try:
-            context.load_cert_chain(self.cert_file, self.key_file)
-        except ssl.SSLError as exc:
+            context.load_cert_chain(self.cert_file, self.key_file, password=_no_password)
+        except (ssl.SSLError, OSError, ValueError) as exc:
             raise ValueError(
                 f"the certificate {self.cert_file} and the key {self.key_file}: not a PEM "
-                f"certificate chain and its key: {exc}"
+                f"certificate chain and its key, unencrypted: {exc}"
             ) from exc
         if self.client_ca_file is not None:
             self._read(self.client_ca_file, "the client CA")

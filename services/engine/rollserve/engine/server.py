@@ -156,7 +156,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
                         settings.scheduler_address,
                         settings.engine_id,
                         address,
-                        settings.scheduler_credentials(),
+                        settings.scheduler_credentials,
                     ),
                     name="scheduler-link",
                 )
@@ -280,59 +280,67 @@ async def stay_registered(
     scheduler_address: str,
     engine_id: str,
     address: str,
-    credentials: SchedulerCredentials = NO_CREDENTIALS,
+    credentials: Callable[[], SchedulerCredentials] = lambda: NO_CREDENTIALS,
 ) -> None:
-    """Registers with the scheduler and heartbeats, showing ``credentials``; on failure logs,
-    backs off, registers again.
+    """Registers with the scheduler and heartbeats, showing what ``credentials()`` gives;
+    on failure logs, backs off, and registers again with ``credentials()`` called again (so a
+    token file that was rotated counts from the next registration).
 
-    Runs until cancelled; a scheduler that is down or restarting, or refuses the credentials
-    (until its tokens file has the token), is never fatal to the engine.
+    Runs until cancelled; a scheduler that is down or restarting, or refuses the credentials,
+    or credentials that cannot be read for a while, are never fatal to the engine.
     """
     retry_s = SCHEDULER_RETRY_MIN_S
-    metadata = credentials.metadata
-    async with credentials.aio_channel(scheduler_address) as channel:
-        stub = pb_grpc.SchedulerStub(channel)
-        while True:
-            try:
-                reply = await stub.RegisterEngine(
-                    pb.RegisterEngineRequest(engine_id=engine_id, address=address),
-                    timeout=SCHEDULER_RPC_TIMEOUT_S,
-                    metadata=metadata,
-                )
-                interval_s = _heartbeat_period_s(
-                    reply.heartbeat_interval_ms, DEFAULT_HEARTBEAT_INTERVAL_S
-                )
-                logger.info(
-                    "registered with scheduler %s; heartbeat every %.2f s",
-                    scheduler_address,
-                    interval_s,
-                )
-                retry_s = SCHEDULER_RETRY_MIN_S
-                while True:
-                    await asyncio.sleep(interval_s)
-                    beat = await stub.Heartbeat(
-                        pb.HeartbeatRequest(engine_id=engine_id),
+    while True:
+        try:
+            shown = credentials()
+        except ValueError as exc:  # (a file that cannot be read now: its error names it)
+            logger.error(
+                "scheduler %s: %s; registering again in %.1f s", scheduler_address, exc, retry_s
+            )
+            shown = None
+        if shown is not None:
+            async with shown.aio_channel(scheduler_address) as channel:
+                stub = pb_grpc.SchedulerStub(channel)
+                try:
+                    reply = await stub.RegisterEngine(
+                        pb.RegisterEngineRequest(engine_id=engine_id, address=address),
                         timeout=SCHEDULER_RPC_TIMEOUT_S,
-                        metadata=metadata,
+                        metadata=shown.metadata,
                     )
-                    # The scheduler's fleet may have grown or shrunk since.
-                    interval_s = _heartbeat_period_s(beat.heartbeat_interval_ms, interval_s)
-            except grpc.aio.AioRpcError as exc:
-                logger.warning(
-                    "scheduler %s: %s (%s); registering again in %.1f s",
-                    scheduler_address,
-                    exc.code().name,
-                    exc.details(),
-                    retry_s,
-                )
-            except Exception:  # (a broken channel's own error): never the end of the link
-                logger.exception(
-                    "scheduler %s: the link broke; registering again in %.1f s",
-                    scheduler_address,
-                    retry_s,
-                )
-            await asyncio.sleep(retry_s)
-            retry_s = min(retry_s * 2, SCHEDULER_RETRY_MAX_S)
+                    interval_s = _heartbeat_period_s(
+                        reply.heartbeat_interval_ms, DEFAULT_HEARTBEAT_INTERVAL_S
+                    )
+                    logger.info(
+                        "registered with scheduler %s; heartbeat every %.2f s",
+                        scheduler_address,
+                        interval_s,
+                    )
+                    retry_s = SCHEDULER_RETRY_MIN_S
+                    while True:
+                        await asyncio.sleep(interval_s)
+                        beat = await stub.Heartbeat(
+                            pb.HeartbeatRequest(engine_id=engine_id),
+                            timeout=SCHEDULER_RPC_TIMEOUT_S,
+                            metadata=shown.metadata,
+                        )
+                        # The scheduler's fleet may have grown or shrunk since.
+                        interval_s = _heartbeat_period_s(beat.heartbeat_interval_ms, interval_s)
+                except grpc.aio.AioRpcError as exc:
+                    logger.warning(
+                        "scheduler %s: %s (%s); registering again in %.1f s",
+                        scheduler_address,
+                        exc.code().name,
+                        exc.details(),
+                        retry_s,
+                    )
+                except Exception:  # (a broken channel's own error): never the end of the link
+                    logger.exception(
+                        "scheduler %s: the link broke; registering again in %.1f s",
+                        scheduler_address,
+                        retry_s,
+                    )
+        await asyncio.sleep(retry_s)
+        retry_s = min(retry_s * 2, SCHEDULER_RETRY_MAX_S)
 
 
 # ---------------------------------------------------------------- command line

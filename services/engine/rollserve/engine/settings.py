@@ -94,8 +94,8 @@ class SchedulerLink(BaseModel):
     )
     scheduler_tls: bool = Field(
         False,
-        description="Reach the scheduler over TLS, its certificate checked against the "
-        "system's CAs (implied by scheduler_ca_file).",
+        description="Reach the scheduler over TLS, its certificate checked against gRPC's "
+        "bundled public CAs (implied by scheduler_ca_file, which names others).",
     )
     scheduler_ca_file: str | None = Field(
         None, description="PEM CA certificates that signed the scheduler's (TLS)."
@@ -112,6 +112,7 @@ class SchedulerLink(BaseModel):
             "scheduler_token_file": self.scheduler_token_file,
             "scheduler_ca_file": self.scheduler_ca_file,
             "scheduler_cert_file": self.scheduler_cert_file,
+            "scheduler_key_file": self.scheduler_key_file,
         }
         given = [name for name, path in files.items() if path is not None]
         if self.scheduler_address is None and (given or self.scheduler_tls):

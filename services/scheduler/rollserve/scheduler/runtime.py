@@ -89,6 +89,7 @@ from rollserve.client.wire import (
     SampleResult,
     first_non_finite,
 )
+from rollserve.scheduler.core.fairshare import FairShare, Waiting
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import (
     LengthFit,
@@ -352,6 +353,7 @@ class SchedulerRuntime:
         # Queued group key -> (record, its revision, prediction, the view built from them):
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
+        self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
         # Prompt keys learnt from and not saved yet, least recently learnt first.
         self._unsaved: dict[str, None] = {}
         self._globals_unsaved = False
@@ -1138,11 +1140,13 @@ class SchedulerRuntime:
         # plan: only for a policy that reads them.
         predict = self._policy.uses_predictions
         bases = self._priority_bases()
+        turns = self._turns()
         queue = []
         for key in self._queue:
             record = self._groups[key]
             predicted = self._predict_queued(record) if predict else None
             priority = record.spec.priority - bases[record.spec.run_id]
+            turn = turns.get(key, 0)
             cached = self._views.get(key)
             if (
                 cached is not None
@@ -1151,12 +1155,12 @@ class SchedulerRuntime:
                 and cached[2] == predicted
             ):
                 view = cached[3]
-                if view.priority != priority:  # its run's base moved
-                    view = dataclasses.replace(view, priority=priority)
+                if view.priority != priority or view.turn != turn:  # its run's base or share
+                    view = dataclasses.replace(view, priority=priority, turn=turn)
                     self._views[key] = (record, record.revision, predicted, view)
                 queue.append(view)
                 continue
-            view = self._queued_view(record, predicted, priority)
+            view = self._queued_view(record, predicted, priority, turn)
             self._views[key] = (record, record.revision, predicted, view)
             queue.append(view)
         loads = self._loads(predict, bases)
@@ -1164,8 +1168,29 @@ class SchedulerRuntime:
         running = self._running_samples(predict, bases) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
 
+    def _turns(self) -> dict[str, int]:
+        """Each queued group's fair-share turn (``core.fairshare``); empty (all 0) with fair
+        share off, or while fewer than two runs have groups queued."""
+        if not self.settings.fair_share:
+            return {}
+        runs = {self._groups[key].spec.run_id for key in self._queue}
+        if len(runs) < 2:
+            self._share.active(runs)
+            return {}
+        slots = sum(e.capacity_samples for e in self._engines.values() if e.healthy)
+        waiting = []
+        for key in self._queue:
+            record = self._groups[key]
+            spec = record.spec
+            waiting.append(
+                Waiting(key, spec.run_id, spec.priority, record.seq, len(record.pending))
+            )
+        return self._share.turns(waiting, slots)
+
     @staticmethod
-    def _queued_view(record: GroupRecord, predicted: float | None, priority: int) -> QueuedGroup:
+    def _queued_view(
+        record: GroupRecord, predicted: float | None, priority: int, turn: int
+    ) -> QueuedGroup:
         spec = record.spec
         pending = record.pending
         progress = record.progress(pending)
@@ -1176,6 +1201,7 @@ class SchedulerRuntime:
             max_tokens=spec.sampling.max_tokens,
             priority=priority,
             seq=record.seq,
+            turn=turn,
             prompt_key=spec.prompt_key,
             samples=pending if len(pending) < spec.n else (),
             prompt_token_ids=spec.prompt_token_ids,
@@ -1270,6 +1296,7 @@ class SchedulerRuntime:
         resumed = tuple(record.samples[indices[0]].token_ids) if len(indices) == 1 else ()
         assert len(indices) == 1 or not any(record.progress(indices)), "resumes run alone"
         record.start(indices, engine.engine_id)
+        self._share.started(record.spec.run_id, len(indices))
         if not record.pending:
             del self._queue[key]
         self._calls_started += 1

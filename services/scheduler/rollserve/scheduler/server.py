@@ -280,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument(
+        "--no-fair-share",
+        dest="fair_share",
+        action="store_false",
+        help="runs go in arrival order at each priority level, not each its share of the "
+        "engines' slots while several have groups queued",
+    )
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument(
         "--health-timeout-s",
@@ -458,6 +465,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         forget_engine_after_s=args.forget_engine_after_s,
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
+        fair_share=args.fair_share,
         trim_acked=not args.keep_acked_entries,
         acked_retention_s=args.acked_retention_s,
         stream_maxlen=args.stream_maxlen,

@@ -94,6 +94,12 @@ class SchedulerSettings(BaseModel):
         le=19,
         description="niceness of the scheduler's threads (let CPU engines on the host go first)",
     )
+    fair_share: bool = Field(
+        True,
+        description="runs with groups queued share the engines' slots evenly (each its share "
+        "before any more than its share; rollserve.scheduler.core.fairshare); False: runs "
+        "go in arrival order at each priority level",
+    )
     capacity_factor: float = Field(
         1.25,
         gt=0,

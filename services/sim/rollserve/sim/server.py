@@ -560,11 +560,13 @@ async def serve(
         if ready is not None:
             ready(FleetStarted({s.engine_id: s.address for s in served}, start_s, rss_mb))
         if settings.scheduler_address is not None:
-            credentials = settings.scheduler_credentials()
             links = [
                 asyncio.create_task(
                     stay_registered(
-                        settings.scheduler_address, s.engine_id, s.address, credentials
+                        settings.scheduler_address,
+                        s.engine_id,
+                        s.address,
+                        settings.scheduler_credentials,
                     ),
                     name=f"scheduler-link {s.engine_id}",
                 )
@@ -672,9 +674,13 @@ def build_parser(fleet: bool) -> argparse.ArgumentParser:
             continue
         flag = (_FLAG_NAMES_FLEET.get(name) if fleet else None) or "--" + name.replace("_", "-")
         default = "required" if info.is_required() else f"default: {info.default}"
-        parser.add_argument(
-            flag, dest=name, metavar=name.upper(), help=f"{info.description} ({default})"
-        )
+        help_text = f"{info.description} ({default})"
+        if info.annotation is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text
+            )
+            continue
+        parser.add_argument(flag, dest=name, metavar=name.upper(), help=help_text)
     return parser
 
 

@@ -9,7 +9,7 @@ Algorithm
 ---------
 The router keeps, per engine, an approximate prefix tree of the prompts it sent
 there: not the engine's real KV cache, only what the router remembers routing. For
-each request (queue in (priority, arrival) order, pending samples in index order):
+each request (queue in (turn, priority, arrival) order, pending samples in index order):
 
 1. Load: the in-flight requests of each healthy engine, counting what this plan has
    already placed. The load is imbalanced when both
@@ -209,7 +209,7 @@ class CacheAware:
         load = {e.engine_id: e.inflight_samples for e in healthy}
         free = {e.engine_id: e.free_samples for e in healthy}
         placed: dict[tuple[str, str], list[int]] = {}
-        for group in sorted(snapshot.queue, key=lambda g: (g.priority, g.seq)):
+        for group in sorted(snapshot.queue, key=lambda g: (g.turn, g.priority, g.seq)):
             prompt = _request_tokens(group)
             for index in group.pending:
                 candidates = [engine_id for engine_id, slots in free.items() if slots > 0]

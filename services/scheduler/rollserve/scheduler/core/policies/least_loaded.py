@@ -11,7 +11,7 @@ lowest rank).
 Algorithm
 ---------
 The algorithm of ``least_outstanding`` (see its module for the steps), reused as is:
-groups in (priority, arrival) order, strict, no head-of-line bypass; each to the
+groups in (turn, priority, arrival) order, strict, no head-of-line bypass; each to the
 healthy engine with room for all its samples (or an idle one) that has the fewest
 outstanding tokens, ties to fewer in-flight samples, then to the lowest engine id;
 the group's ``n * max_tokens`` is charged to that engine before the next group.

@@ -2,7 +2,8 @@
 
 Algorithm
 ---------
-1. Order the queue by (priority, arrival); lower priority values first.
+1. Order the queue by (turn, priority, arrival); lower values first (a turn is the
+   fair share between runs, ``core.fairshare``: 0 for all while one run has work).
 2. For each group in that order, consider the healthy engines with room for all its
    pending samples (``n``, or fewer when some were requeued after an engine failed:
    ``inflight_samples + pending <= capacity_samples``), or idle ones.
@@ -61,7 +62,7 @@ class LeastOutstandingTokens:
     def plan(self, snapshot: Snapshot) -> Plan:
         loads = [_Load.of(e) for e in snapshot.engines if e.healthy and e.capacity_samples > 0]
         assignments: list[Assign] = []
-        for group in sorted(snapshot.queue, key=lambda g: (g.priority, g.seq)):
+        for group in sorted(snapshot.queue, key=lambda g: (g.turn, g.priority, g.seq)):
             pending = len(group.pending)
             fitting = [load for load in loads if load.fits(pending)]
             if not fitting:

@@ -29,8 +29,10 @@ Algorithm
 1. Every pending sample gets a predicted length ``L``: its own when the snapshot has one per
    sample (an oracle), else its group's ``predicted_len``, else ``default_len``; capped at
    ``max_tokens``.
-2. Order the samples by (priority, longest ``L`` first, arrival, index): longest predicted
-   work first, so the tail starts at once and lands on the engines with the least load.
+2. Order the samples by (turn, priority, longest ``L`` first, arrival, index): longest
+   predicted work first, so the tail starts at once and lands on the engines with the least
+   load. (A turn is the fair share between runs, ``core.fairshare``: 0 for all while one
+   run has work, so then the longest work of the whole queue goes first.)
 3. For each sample, among the healthy engines with a free slot and KV room, take the one
    whose ``T`` after adding it is least, counting the prefill of the prompt on engines that
    do not hold it (an engine holds a prompt when this policy sent it there recently): a
@@ -260,7 +262,7 @@ class RLPolicy:
             for engine in engines.values():
                 engine.free = min(engine.free, max(0, cap - engine.inflight))
         heaps = _Heaps(engines, cfg.base_s)
-        for _priority, neg_len, _seq, index, group in ordered:
+        for _turn, _priority, neg_len, _seq, index, group in ordered:
             length = -neg_len
             target = self._choose(group, length, engines, heaps)
             if target is None:
@@ -343,7 +345,7 @@ class RLPolicy:
 
     def _ordered(
         self, queue: tuple[QueuedGroup, ...]
-    ) -> list[tuple[int, float, int, int, QueuedGroup]]:
+    ) -> list[tuple[int, int, float, int, int, QueuedGroup]]:
         cfg = self.settings
         out = []
         for group in queue:
@@ -355,8 +357,8 @@ class RLPolicy:
                 lengths = (guess,) * len(pending)
             for index, length in zip(pending, lengths, strict=True):
                 capped = max(1.0, min(float(length), float(group.max_tokens)))
-                out.append((group.priority, -capped, group.seq, index, group))
-        out.sort(key=lambda item: item[:4])
+                out.append((group.turn, group.priority, -capped, group.seq, index, group))
+        out.sort(key=lambda item: item[:5])
         return out
 
     def _added(self, length: float, prompt_len: int) -> float:

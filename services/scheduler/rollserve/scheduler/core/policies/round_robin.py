@@ -9,7 +9,8 @@ of a group land on consecutive engines, each engine prefilling the shared prompt
 
 Algorithm
 ---------
-1. Order the queue by (priority, arrival); lower priority values first.
+1. Order the queue by (turn, priority, arrival); lower values first (a turn is the
+   fair share between runs, ``core.fairshare``: 0 for all while one run has work).
 2. Order the engines by engine id: that order is the cycle.
 3. For each pending sample of each group in that order, send it to the next engine in
    the cycle, starting after the engine that got the previous sample (in this call or
@@ -49,7 +50,7 @@ class RoundRobin:
         free = {e.engine_id: e.free_samples for e in snapshot.engines if e.healthy}
         cycle = sorted(free)
         placed: dict[tuple[str, str], list[int]] = {}
-        for group in sorted(snapshot.queue, key=lambda g: (g.priority, g.seq)):
+        for group in sorted(snapshot.queue, key=lambda g: (g.turn, g.priority, g.seq)):
             for index in group.pending:
                 target = self._next_engine(cycle, free)
                 if target is None:

@@ -1,0 +1,112 @@
+"""Fair share between runs (``rollserve.scheduler.core.fairshare``): the turns it gives
+queued groups, that every policy places by turn before priority, and the order a real
+scheduler runs two runs' groups in.
+
+Faked: nothing in the core tests (they build the records the core reads); the engine
+(``FakeEngine``) in the scheduler's test, whose Redis, runtime and policies are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from rollserve.scheduler.core.fairshare import FairShare, Waiting
+from rollserve.scheduler.core.policy import create_policy, policy_names
+from rollserve.scheduler.runtime import SchedulerRuntime
+
+from tests.unit.builders import engine, queued, snapshot, spec
+from tests.unit.fakes import FakeEngine
+from tests.unit.test_runtime import eventually, make_runtime, new_run, read_stream, running
+
+
+def waiting(run_id: str, count: int, samples: int = 1, first_seq: int = 0) -> list[Waiting]:
+    return [Waiting(f"{run_id}/g{i}", run_id, 0, first_seq + i, samples) for i in range(count)]
+
+
+def test_one_run_alone_has_every_group_in_turn_0() -> None:
+    share = FairShare()
+    assert share.turns(waiting("a", 100), slots=4) == {}
+
+
+def test_two_runs_take_turns_of_their_share_of_the_slots() -> None:
+    # 8 slots, 2 runs: a share is 4 samples. a's backlog of 12 groups of 2 samples fills
+    # turns 0, 0, 1, 1, 2, 2, ...; b's 2 groups come in turn 0 with a's first 4 samples.
+    share = FairShare()
+    turns = share.turns([*waiting("a", 12, samples=2), *waiting("b", 2, 2, 100)], slots=8)
+    assert [turns[f"a/g{i}"] for i in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert [turns[f"b/g{i}"] for i in range(2)] == [0, 0]
+
+
+def test_a_run_s_own_order_holds_whatever_its_arrival() -> None:
+    share = FairShare()
+    late_but_urgent = Waiting("a/urgent", "a", -5, 50, 4)
+    turns = share.turns([*waiting("a", 3, samples=4), late_but_urgent, *waiting("b", 1)], 4)
+    assert turns["a/urgent"] == 0
+    assert [turns[f"a/g{i}"] for i in range(3)] == [2, 4, 6]  # (quantum 2: 4 slots, 2 runs)
+
+
+def test_a_run_that_comes_is_owed_nothing_for_the_time_it_had_nothing_queued() -> None:
+    share = FairShare()
+    share.turns(waiting("a", 10), slots=2)  # a alone, 100 samples started for it
+    share.started("a", 100)
+    turns = share.turns([*waiting("a", 10), *waiting("b", 3, first_seq=10)], slots=2)
+    # quantum 1: both start at a's 100 samples
+    assert [turns[f"b/g{i}"] for i in range(3)] == [0, 1, 2]
+    assert [turns[f"a/g{i}"] for i in range(3)] == [0, 1, 2]
+    share.started("b", 3)
+    share.started("a", 3)
+    # b leaves (nothing queued) and comes back: it starts at a's count, not at its own
+    share.turns(waiting("a", 7), slots=2)
+    share.started("a", 5)
+    turns = share.turns([*waiting("a", 2), *waiting("b", 1, first_seq=20)], slots=2)
+    assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0}
+
+
+def test_samples_started_for_a_run_that_has_nothing_queued_count_for_nothing() -> None:
+    share = FairShare()
+    share.started("a", 1000)  # (a was never seen waiting)
+    turns = share.turns([*waiting("a", 2), *waiting("b", 2, first_seq=5)], slots=2)
+    assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0, "b/g1": 1}
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_policy_places_by_turn_before_priority(policy: str) -> None:
+    # One slot: the group of the lower turn takes it, though its priority is the higher.
+    ahead = dataclasses.replace(queued("a/g0", n=1, seq=0, priority=0), turn=1)
+    behind = dataclasses.replace(queued("b/g0", n=1, seq=1, priority=7), turn=0)
+    plan = create_policy(policy).plan(snapshot([ahead, behind], [engine("e0", capacity=1)]))
+    assert [a.group_key for a in plan.assignments] == ["b/g0"]
+
+
+async def order_of_runs(redis_url: str, fair_share: bool) -> list[str]:
+    """Run a queues a0..a3, then run b queues b0, behind a group that holds the only slot of
+    the only engine; the group ids in the order the engine got them."""
+    gate = asyncio.Event()
+    fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
+    runtime: SchedulerRuntime = await make_runtime(
+        redis_url, [fake], capacity_factor=1.0, fair_share=fair_share
+    )
+    blocker, a, b = new_run(), new_run(), new_run()
+    try:
+        await runtime.submit(blocker, [spec("first", n=1, run_id=blocker)])
+        await eventually(running(runtime, 1), "the first group running")
+        await runtime.submit(a, [spec(f"a{i}", n=1, run_id=a) for i in range(4)])
+        await runtime.submit(b, [spec("b0", n=1, run_id=b)])
+        gate.set()
+        await read_stream(redis_url, a, 4)
+        await read_stream(redis_url, b, 1)
+    finally:
+        await runtime.stop()
+        await fake.stop()
+    # (a call's request id is "<run>/<group>#<scheduler boot>.<call number>")
+    return [request.request_id.split("#")[0].split("/")[-1] for request in fake.requests[1:]]
+
+
+async def test_a_run_that_queued_later_is_not_put_behind_another_s_backlog(
+    redis_url: str,
+) -> None:
+    assert await order_of_runs(redis_url, fair_share=True) == ["a0", "b0", "a1", "a2", "a3"]
+    # (as it was before, and is with --no-fair-share)
+    assert await order_of_runs(redis_url, fair_share=False) == ["a0", "a1", "a2", "a3", "b0"]
