@@ -12,8 +12,13 @@ import asyncio
 import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
+from rich.console import Console
+from rollserve.cli.status import render
+from rollserve.client.types import SchedulerStatus
 from rollserve.scheduler.core.fairshare import FairShare, Waiting
 from rollserve.scheduler.core.policy import create_policy, policy_names
+from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.runtime import SchedulerRuntime
 
 from tests.unit.builders import engine, queued, snapshot, spec
@@ -27,14 +32,16 @@ def waiting(run_id: str, count: int, samples: int = 1, first_seq: int = 0) -> li
 
 def test_one_run_alone_has_every_group_in_turn_0() -> None:
     share = FairShare()
-    assert share.turns(waiting("a", 100), slots=4) == {}
+    assert share.turns(waiting("a", 100), slots=4, running={}) == {}
 
 
 def test_two_runs_take_turns_of_their_share_of_the_slots() -> None:
     # 8 slots, 2 runs: a share is 4 samples. a's backlog of 12 groups of 2 samples fills
     # turns 0, 0, 1, 1, 2, 2, ...; b's 2 groups come in turn 0 with a's first 4 samples.
     share = FairShare()
-    turns = share.turns([*waiting("a", 12, samples=2), *waiting("b", 2, 2, 100)], slots=8)
+    turns = share.turns(
+        [*waiting("a", 12, samples=2), *waiting("b", 2, 2, 100)], slots=8, running={}
+    )
     assert [turns[f"a/g{i}"] for i in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [turns[f"b/g{i}"] for i in range(2)] == [0, 0]
 
@@ -42,32 +49,47 @@ def test_two_runs_take_turns_of_their_share_of_the_slots() -> None:
 def test_a_run_s_own_order_holds_whatever_its_arrival() -> None:
     share = FairShare()
     late_but_urgent = Waiting("a/urgent", "a", -5, 50, 4)
-    turns = share.turns([*waiting("a", 3, samples=4), late_but_urgent, *waiting("b", 1)], 4)
+    turns = share.turns(
+        [*waiting("a", 3, samples=4), late_but_urgent, *waiting("b", 1)], 4, running={}
+    )
     assert turns["a/urgent"] == 0
-    assert [turns[f"a/g{i}"] for i in range(3)] == [2, 4, 6]  # (quantum 2: 4 slots, 2 runs)
+    assert [turns[f"a/g{i}"] for i in range(3)] == [1, 2, 3]  # (ranks: quantum 2, 4 samples)
 
 
 def test_a_run_that_comes_is_owed_nothing_for_the_time_it_had_nothing_queued() -> None:
     share = FairShare()
-    share.turns(waiting("a", 10), slots=2)  # a alone, 100 samples started for it
+    share.turns(waiting("a", 10), slots=2, running={})  # a alone, 100 samples started for it
     share.started("a", 100)
-    turns = share.turns([*waiting("a", 10), *waiting("b", 3, first_seq=10)], slots=2)
+    turns = share.turns([*waiting("a", 10), *waiting("b", 3, first_seq=10)], slots=2, running={})
     # quantum 1: both start at a's 100 samples
     assert [turns[f"b/g{i}"] for i in range(3)] == [0, 1, 2]
     assert [turns[f"a/g{i}"] for i in range(3)] == [0, 1, 2]
     share.started("b", 3)
     share.started("a", 3)
     # b leaves (nothing queued) and comes back: it starts at a's count, not at its own
-    share.turns(waiting("a", 7), slots=2)
+    share.turns(waiting("a", 7), slots=2, running={})
     share.started("a", 5)
-    turns = share.turns([*waiting("a", 2), *waiting("b", 1, first_seq=20)], slots=2)
+    turns = share.turns([*waiting("a", 2), *waiting("b", 1, first_seq=20)], slots=2, running={})
     assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0}
+
+
+def test_a_run_that_holds_more_than_its_share_waits_for_one_below_its_own() -> None:
+    # 8 slots, 2 runs: a share is 4. a holds all 8 (its backlog filled the fleet) and was
+    # served as much as b is credited with: b's groups, up to its share, go first.
+    share = FairShare()
+    share.turns(waiting("a", 20, samples=2), slots=8, running={})
+    share.started("a", 8)
+    turns = share.turns(
+        [*waiting("a", 16, samples=2), *waiting("b", 3, 2, 100)], slots=8, running={"a": 8}
+    )
+    assert max(turns[f"b/g{i}"] for i in range(2)) < min(turns[f"a/g{i}"] for i in range(16))
+    assert turns["b/g2"] > turns["b/g0"]  # b's third group is past its share of 4
 
 
 def test_samples_started_for_a_run_that_has_nothing_queued_count_for_nothing() -> None:
     share = FairShare()
     share.started("a", 1000)  # (a was never seen waiting)
-    turns = share.turns([*waiting("a", 2), *waiting("b", 2, first_seq=5)], slots=2)
+    turns = share.turns([*waiting("a", 2), *waiting("b", 2, first_seq=5)], slots=2, running={})
     assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0, "b/g1": 1}
 
 
@@ -110,3 +132,39 @@ async def test_a_run_that_queued_later_is_not_put_behind_another_s_backlog(
     assert await order_of_runs(redis_url, fair_share=True) == ["a0", "b0", "a1", "a2", "a3"]
     # (as it was before, and is with --no-fair-share)
     assert await order_of_runs(redis_url, fair_share=False) == ["a0", "a1", "a2", "a3", "b0"]
+
+
+async def test_status_says_what_each_run_has_queued_and_running(redis_url: str) -> None:
+    gate = asyncio.Event()
+    fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
+    runtime = await make_runtime(redis_url, [fake], capacity_factor=1.0)
+    a, b = new_run(), new_run()
+    try:
+        await runtime.submit(a, [spec("a0", n=1, run_id=a)])
+        await eventually(running(runtime, 1), "a0 running")
+        await runtime.submit(a, [spec("a1", n=2, run_id=a)])
+        await runtime.submit(b, [spec(f"b{i}", n=1, run_id=b) for i in range(3)])
+        status = runtime.status()
+        gate.set()
+        await read_stream(redis_url, a, 2)
+        await read_stream(redis_url, b, 3)
+        after = runtime.status()
+    finally:
+        await runtime.stop()
+        await fake.stop()
+    shown = {
+        r.run_id: (r.queued_groups, r.queued_samples, r.running_groups, r.running_samples)
+        for r in status.runs
+    }
+    assert shown == {a: (1, 2, 1, 1), b: (3, 3, 0, 0)}
+    assert [r.run_id for r in status.runs] == sorted(shown)
+    assert list(after.runs) == []  # (nothing queued or running: no run is listed)
+
+    # rollserve status shows them, and the metrics carry them by run
+    console = Console(width=200, record=True)
+    render(SchedulerStatus.from_proto(status), console)
+    text = console.export_text()
+    assert f"{a}  " in text and "1/2" in text and "3/3" in text
+    exposition = generate_latest(status_registry(status)).decode()
+    assert f'rollserve_run_queued_samples{{run="{a}"}} 2.0' in exposition
+    assert f'rollserve_run_running_samples{{run="{b}"}} 0.0' in exposition

@@ -38,6 +38,7 @@ from rich.table import Table
 __all__ = ["TenantsConfig", "TenantsRow", "run_tenants"]
 
 STEP_TIMEOUT_S = 1800.0
+LAG_WARNING_S = 1.0  # real seconds the fleet may fall behind before the row says so
 MODES = ("B alone", "arrival order", "fair share")
 _B_SEED_OFFSET = 1_000_003  # (B's prompts are not A's)
 
@@ -66,6 +67,7 @@ class TenantsRow:
     b_mean_step_simulated_s: float
     a_groups_delivered: int  # of A's backlog, while B ran its steps
     a_groups_per_simulated_s: float
+    fleet_behind_s: float  # real seconds the most-behind engine fell behind its clock
 
 
 def run_tenants(cfg: TenantsConfig, console: Console | None = None) -> dict[str, Any]:
@@ -95,6 +97,11 @@ def run_tenants(cfg: TenantsConfig, console: Console | None = None) -> dict[str,
                     f"  {policy}, {mode}: B's step {row.b_mean_step_simulated_s:.1f} "
                     f"simulated s; A delivered {row.a_groups_delivered}"
                 )
+                if row.fleet_behind_s > LAG_WARNING_S:
+                    console.print(
+                        f"  [yellow]the fleet fell {row.fleet_behind_s:.1f} s behind real "
+                        "time: its simulated times are overstated; raise --time-scale[/yellow]"
+                    )
     console.print(_table(rows, profile.name))
     out: dict[str, Any] = {
         "simulated": True,
@@ -166,10 +173,9 @@ def _run_row(
     scheduler = start_scheduler(policy, redis_url, log_dir, extra)
     fleet = None
     tag = uuid.uuid4().hex[:8]
+    stats = log_dir / "stats.json"  # (the fleet's totals, written as it stops)
     try:
-        fleet = start_fleet(
-            fleet_cfg, cfg.engines, scheduler.address, log_dir / "stats.json", log_dir
-        )
+        fleet = start_fleet(fleet_cfg, cfg.engines, scheduler.address, stats, log_dir)
         wait_ready(fleet)
         a_groups = prompt_groups(fleet_cfg, cfg.backlog_groups, prefix="a")
         b_cfg = dataclasses.replace(fleet_cfg, seed=cfg.seed + _B_SEED_OFFSET)
@@ -208,6 +214,7 @@ def _run_row(
         if fleet is not None:
             fleet.stop()
         scheduler.stop()
+    behind_s = float(json.loads(stats.read_text())["behind_s_max"])
     return TenantsRow(
         policy=policy,
         mode=mode,
@@ -215,4 +222,5 @@ def _run_row(
         b_mean_step_simulated_s=statistics.fmean(steps),
         a_groups_delivered=a_delivered,
         a_groups_per_simulated_s=a_delivered / simulated_s,
+        fleet_behind_s=behind_s,
     )

@@ -233,6 +233,27 @@ class PublishResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RunStatus:
+    """A run with groups queued or running at the scheduler."""
+
+    run_id: str
+    queued_groups: int  # groups with samples waiting for an engine
+    queued_samples: int
+    running_groups: int  # groups with samples on engines
+    running_samples: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.RunStatus) -> RunStatus:
+        return cls(
+            msg.run_id,
+            msg.queued_groups,
+            msg.queued_samples,
+            msg.running_groups,
+            msg.running_samples,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatus:
     engine_id: str
     address: str
@@ -307,6 +328,7 @@ class SchedulerStatus:
     # Stream entries every reader had acknowledged, removed since the scheduler started.
     stream_entries_trimmed: int = 0
     samples_streamed: int = 0  # written to the samples streams as they finished
+    runs: tuple[RunStatus, ...] = ()  # those with groups queued or running, by run id
 
     @classmethod
     def from_proto(cls, msg: pb.StatusResponse) -> SchedulerStatus:
@@ -338,6 +360,7 @@ class SchedulerStatus:
             earlier_outputs_pushed=msg.earlier_outputs_pushed,
             stream_entries_trimmed=msg.stream_entries_trimmed,
             samples_streamed=msg.samples_streamed,
+            runs=tuple(RunStatus.from_proto(r) for r in msg.runs),
         )
 
     @property

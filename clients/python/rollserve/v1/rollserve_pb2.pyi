@@ -459,6 +459,7 @@ class StatusResponse(_message.Message):
     EARLIER_OUTPUTS_PUSHED_FIELD_NUMBER: _builtins.int
     STREAM_ENTRIES_TRIMMED_FIELD_NUMBER: _builtins.int
     SAMPLES_STREAMED_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
     queue_depth: _builtins.int
     """groups waiting for an engine"""
     inflight_groups: _builtins.int
@@ -517,6 +518,10 @@ class StatusResponse(_message.Message):
     """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]: ...
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunStatus]:
+        """Each run with groups queued or running, by run_id: who is using the fleet now."""
+
     def __init__(
         self,
         *,
@@ -543,10 +548,11 @@ class StatusResponse(_message.Message):
         earlier_outputs_pushed: _builtins.int = ...,
         stream_entries_trimmed: _builtins.int = ...,
         samples_streamed: _builtins.int = ...,
+        runs: _abc.Iterable[Global___RunStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_tail_auc", b"predictor_tail_auc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "samples_streamed", b"samples_streamed", "stream_entries_trimmed", b"stream_entries_trimmed", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens", "_predictor_tail_auc", b"_predictor_tail_auc", "earlier_outputs_pushed", b"earlier_outputs_pushed", "earlier_outputs_sent", b"earlier_outputs_sent", "engine_failures", b"engine_failures", "engines", b"engines", "fleet_weights_path", b"fleet_weights_path", "fleet_weights_version", b"fleet_weights_version", "groups_cancelled", b"groups_cancelled", "groups_delivered", b"groups_delivered", "groups_failed", b"groups_failed", "inflight_groups", b"inflight_groups", "inflight_samples", b"inflight_samples", "predictor_epoch", b"predictor_epoch", "predictor_keys", b"predictor_keys", "predictor_mae_tokens", b"predictor_mae_tokens", "predictor_scored_samples", b"predictor_scored_samples", "predictor_tail_auc", b"predictor_tail_auc", "publishes_awaiting_counts", b"publishes_awaiting_counts", "queue_depth", b"queue_depth", "runs", b"runs", "samples_delivered", b"samples_delivered", "samples_preempted", b"samples_preempted", "samples_streamed", b"samples_streamed", "stream_entries_trimmed", b"stream_entries_trimmed", "tokens_generated", b"tokens_generated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predictor_mae_tokens: _TypeAlias = _typing.Literal["predictor_mae_tokens"]  # noqa: Y015
     _WhichOneofArgType__predictor_mae_tokens: _TypeAlias = _typing.Literal["_predictor_mae_tokens", b"_predictor_mae_tokens"]  # noqa: Y015
@@ -558,6 +564,40 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__predictor_tail_auc) -> _WhichOneofReturnType__predictor_tail_auc | None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class RunStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    QUEUED_GROUPS_FIELD_NUMBER: _builtins.int
+    QUEUED_SAMPLES_FIELD_NUMBER: _builtins.int
+    RUNNING_GROUPS_FIELD_NUMBER: _builtins.int
+    RUNNING_SAMPLES_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    queued_groups: _builtins.int
+    """groups with samples waiting for an engine"""
+    queued_samples: _builtins.int
+    """their samples waiting"""
+    running_groups: _builtins.int
+    """groups with samples on engines"""
+    running_samples: _builtins.int
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        queued_groups: _builtins.int = ...,
+        queued_samples: _builtins.int = ...,
+        running_groups: _builtins.int = ...,
+        running_samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queued_groups", b"queued_groups", "queued_samples", b"queued_samples", "run_id", b"run_id", "running_groups", b"running_groups", "running_samples", b"running_samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
 @_typing.final
 class PublishVersionRequest(_message.Message):

@@ -66,6 +66,19 @@ def render(status: SchedulerStatus, console: Console) -> None:
     for name, value in _summary(status):
         summary.add_row(name, Text(value))
     console.print(summary)
+    if status.runs:
+        runs = Table(title="runs", box=box.SIMPLE_HEAD, padding=(0, 1))
+        for column in ("run", "queued", "running"):
+            runs.add_column(column, justify="left" if column == "run" else "right")
+        runs.columns[0].overflow = "fold"
+        for run in status.runs:
+            runs.add_row(
+                Text(run.run_id),
+                f"{run.queued_groups:,}/{run.queued_samples:,}",
+                f"{run.running_groups:,}/{run.running_samples:,}",
+            )
+        runs.caption = "queued, running: groups/samples"
+        console.print(runs)
     if not status.engines:
         console.print("no engines: list them with --engine, or start engines that register")
         return

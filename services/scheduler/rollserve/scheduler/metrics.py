@@ -11,8 +11,9 @@ at delivery they were made.
 Names start with ``rollserve_``; the counters (``_total``) and histograms count since the
 scheduler process started, as Status's counters do. Per engine, the series carry the label
 ``engine`` (its id); ``rollserve_engine_info`` is 1 with the engine's address, model and
-dtype as labels. The predictor's error and tail AUC are left out while Status leaves them
-unset (too few samples scored).
+dtype as labels. Per run with groups queued or running, the ``rollserve_run_*`` series carry
+the label ``run`` (its id); a run with none has no series. The predictor's error and tail
+AUC are left out while Status leaves them unset (too few samples scored).
 
 Served by ``rollserve.common.http.HttpServer``: each scrape reads the Status and
 copies the histograms on the event loop, and formats them on a worker thread.
@@ -101,6 +102,17 @@ _ENGINE = tuple(  # named rollserve_engine_<field>, labelled engine
 )
 
 
+_RUN = tuple(  # named rollserve_run_<field>, labelled run
+    _Figure(f.field, f.counter, f.help, "run_" + f.field)
+    for f in (
+        _Figure("queued_groups", False, "The run's groups with samples waiting for an engine."),
+        _Figure("queued_samples", False, "The run's samples waiting for an engine."),
+        _Figure("running_groups", False, "The run's groups with samples on engines."),
+        _Figure("running_samples", False, "The run's samples on engines."),
+    )
+)
+
+
 def status_metrics(
     status: pb.StatusResponse, histograms: Sequence[Histogram] = ()
 ) -> Iterator[Metric]:
@@ -118,6 +130,12 @@ def status_metrics(
             figure,
             [((e.engine_id,), float(getattr(e, figure.field))) for e in engines],
             ("engine",),
+        )
+    for figure in _RUN:
+        yield _family(
+            figure,
+            [((r.run_id,), float(getattr(r, figure.field))) for r in status.runs],
+            ("run",),
         )
     info = GaugeMetricFamily(
         PREFIX + "engine_info",

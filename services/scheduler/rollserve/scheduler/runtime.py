@@ -1023,7 +1023,31 @@ class SchedulerRuntime:
             earlier_outputs_sent=c.earlier_outputs_sent,
             earlier_outputs_pushed=c.earlier_outputs_pushed,
             stream_entries_trimmed=c.stream_entries_trimmed,
+            runs=self._run_statuses(),
         )
+
+    def _run_statuses(self) -> list[pb.RunStatus]:
+        """Each run with groups queued or running, by run id."""
+        runs: dict[str, pb.RunStatus] = {}
+
+        def of(run_id: str) -> pb.RunStatus:
+            found = runs.get(run_id)
+            if found is None:
+                found = runs[run_id] = pb.RunStatus(run_id=run_id)
+            return found
+
+        for key in self._queue:
+            record = self._groups[key]
+            run = of(record.spec.run_id)
+            run.queued_groups += 1
+            run.queued_samples += len(record.pending)
+        for calls in self._calls.values():
+            samples = sum(len(call.running()) for call in calls.values())
+            if samples:
+                run = of(next(iter(calls.values())).record.spec.run_id)
+                run.running_groups += 1
+                run.running_samples += samples
+        return [runs[run_id] for run_id in sorted(runs)]
 
     # ------------------------------------------------------------ queue and dispatch
 
@@ -1185,7 +1209,12 @@ class SchedulerRuntime:
             waiting.append(
                 Waiting(key, spec.run_id, spec.priority, record.seq, len(record.pending))
             )
-        return self._share.turns(waiting, slots)
+        running: dict[str, int] = {}
+        for calls in self._calls.values():
+            for call in calls.values():
+                run_id = call.record.spec.run_id
+                running[run_id] = running.get(run_id, 0) + len(call.running())
+        return self._share.turns(waiting, slots, running)
 
     @staticmethod
     def _queued_view(

@@ -4,34 +4,39 @@ Several trainers may share one fleet (one run each). Without this, runs at the s
 priority level go in arrival order, so a run that queued ten thousand groups holds every
 engine until they are all placed, and a trainer that comes next waits for all of them.
 
-Algorithm (start-time fair queuing over sample slots, with equal weights)
-------------------------------------------------------------------------
-1. A run is *active* while it has groups queued. Each active run keeps ``given``, the
-   samples the scheduler started for it while it was active: its virtual time. A run that
-   becomes active starts at the least ``given`` of the runs active then (0 if none): it is
-   owed nothing for the time it had nothing queued, and loses nothing by it.
-2. Each of a run's queued groups, in the run's own order (priority, then arrival), starts
-   at ``given`` plus the samples of the run's groups ahead of it.
-3. Its *turn* is that start divided by the quantum, rounded down, counted from the least
-   active run's: the quantum is the fleet's sample slots over the number of active runs,
-   so turn 0 holds each run's next fair share of the fleet, turn 1 the share after it.
+Algorithm (fair queuing over sample slots, with equal weights)
+-------------------------------------------------------------
+1. A run is *active* while it has groups queued. The *quantum* is the fleet's sample slots
+   over the number of active runs: each run's fair share of the slots.
+2. Each of a run's queued groups, in the run's own order (priority, then arrival), is
+   given two counts: the run's samples running now plus those of its queued groups ahead
+   of it (*use*), and the samples the scheduler started for the run while it was active
+   plus those ahead of it (*served*). A run that becomes active starts its served count at
+   the least one of the runs active then (0 if none): it is owed nothing for the time it
+   had nothing queued, and loses nothing by it.
+3. The group's turn is the rank of (use, served), each divided by the quantum and rounded
+   down. Use comes first: a run that holds more than its share of the slots now waits
+   for the runs below theirs (a trainer that comes while another's backlog fills the fleet
+   gets the next slots that free, up to its share). Served breaks ties between runs that
+   hold as much: when a slot frees with nothing running, the run served less goes first,
+   so that two runs on one slot alternate rather than the older one winning every time.
 4. Policies place groups by turn first, then by their own order (priority, longest work,
    arrival: see each policy). Within a turn they are free, so ``rl`` still places the
-   longest work of a turn first; across turns, each run gets its share before any run gets
-   more than its share. Slots no other run asks for go to whoever has work (a run alone
-   gets the whole fleet).
+   longest work of a turn first; across turns each run gets its share before any run gets
+   more. Slots that no other run asks for go to whoever has work (a run alone gets the
+   whole fleet).
 
-With one active run every turn is 0 and nothing changes. Within a run, turns never
-decrease along its order, so a run's own priorities hold. Samples count alike whatever
-their length: a run of long responses holds its slots longer.
+With one active run every turn is 0 and nothing changes. Within a run both counts only grow
+along its order, so a run's own priorities hold. Samples count alike whatever their length,
+but a run of long responses holds its slots longer, which its use counts.
 
 Costs O(q log q) a plan for q queued groups, and only while two runs or more have groups
-queued.
+queued: 7 ms at 10,000 groups and 106 ms at 100,000 on this project's 2-core machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -59,16 +64,19 @@ class FairShare:
             self._given[run_id] += samples
 
     def active(self, runs: Collection[str]) -> None:
-        """``runs`` have groups queued, no other run has: what ``turns`` notes first, for a
-        caller that knows fewer than two runs wait and skips it."""
+        """Notes that ``runs``, and no others, have groups queued (``turns`` does it first;
+        a caller that knows fewer than two runs wait may call this instead)."""
         for run_id in [r for r in self._given if r not in runs]:  # no longer active
             del self._given[run_id]
         start = min(self._given.values(), default=0.0)
         for run_id in runs:
             self._given.setdefault(run_id, start)
 
-    def turns(self, queued: Iterable[Waiting], slots: int) -> dict[str, int]:
-        """Each queued group's turn (by key) over a fleet of ``slots`` sample slots; empty
+    def turns(
+        self, queued: Iterable[Waiting], slots: int, running: Mapping[str, int]
+    ) -> dict[str, int]:
+        """Each queued group's turn (by key) over a fleet of ``slots`` sample slots, where
+        ``running`` says each run's samples running now (a run not in it: none); empty
         (every turn 0) while fewer than two runs have groups queued."""
         runs: dict[str, list[Waiting]] = {}
         for group in queued:
@@ -77,11 +85,13 @@ class FairShare:
         if len(runs) < 2:
             return {}
         quantum = max(1.0, slots / len(runs))
-        first = int(min(self._given.values()) // quantum)
-        turns: dict[str, int] = {}
+        keys: dict[str, tuple[int, int]] = {}
         for run_id, groups in runs.items():
-            ahead = self._given[run_id]
+            use = float(running.get(run_id, 0))
+            served = self._given[run_id]
             for group in sorted(groups, key=lambda g: (g.priority, g.seq)):
-                turns[group.key] = int(ahead // quantum) - first
-                ahead += group.samples
-        return turns
+                keys[group.key] = (int(use // quantum), int(served // quantum))
+                use += group.samples
+                served += group.samples
+        rank = {key: turn for turn, key in enumerate(sorted(set(keys.values())))}
+        return {group: rank[key] for group, key in keys.items()}
