@@ -17,6 +17,7 @@ def row(policy: str, mode: str, steps: tuple[float, ...], a_delivered: int) -> T
         a_groups_delivered=a_delivered,
         a_groups_per_simulated_s=a_delivered / sum(steps),
         fleet_behind_s=0.0,
+        a_drained=a_delivered == 100,
     )
 
 
@@ -41,6 +42,8 @@ def test_each_mode_is_compared_with_b_alone_under_its_own_policy() -> None:
     assert by[("rl", "fair share")][4:6] == ["2.50x", "80"]
     assert by[("least_outstanding", "fair share")][4] == "1.50x"
     assert by[("rl", "B alone")][5:] == ["-", "-"]
+    assert by[("rl", "arrival order")][6].endswith("(drained)")
+    assert not by[("rl", "fair share")][6].endswith("(drained)")
 
 
 def test_its_flags_make_its_config() -> None:

@@ -42,8 +42,8 @@ def test_two_runs_take_turns_of_their_share_of_the_slots() -> None:
     turns = share.turns(
         [*waiting("a", 12, samples=2), *waiting("b", 2, 2, 100)], slots=8, running={}
     )
-    assert [turns[f"a/g{i}"] for i in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
-    assert [turns[f"b/g{i}"] for i in range(2)] == [0, 0]
+    assert [turns[f"a/g{i}"][0] for i in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert [turns[f"b/g{i}"] for i in range(2)] == [turns["a/g0"]] * 2
 
 
 def test_a_run_s_own_order_holds_whatever_its_arrival() -> None:
@@ -52,8 +52,37 @@ def test_a_run_s_own_order_holds_whatever_its_arrival() -> None:
     turns = share.turns(
         [*waiting("a", 3, samples=4), late_but_urgent, *waiting("b", 1)], 4, running={}
     )
-    assert turns["a/urgent"] == 0
-    assert [turns[f"a/g{i}"] for i in range(3)] == [1, 2, 3]  # (ranks: quantum 2, 4 samples)
+    # (quantum 2: 4 slots, 2 runs; each group of a holds 4 samples)
+    assert [turns[k] for k in ("a/urgent", "a/g0", "a/g1", "a/g2")] == [
+        (0, 0),
+        (2, 0),
+        (4, 0),
+        (6, 0),
+    ]
+
+
+def test_a_run_that_holds_more_than_its_share_waits_for_one_below_its_own() -> None:
+    # 8 slots, 2 runs: a share is 4. a holds all 8 (its backlog filled the fleet): b's
+    # groups go first, up to its share, and beyond it still before a's.
+    share = FairShare()
+    share.turns(waiting("a", 20, samples=2), slots=8, running={})
+    share.started("a", 8)
+    turns = share.turns(
+        [*waiting("a", 16, samples=2), *waiting("b", 3, 2, 100)], slots=8, running={"a": 8}
+    )
+    a_first = min(turns[f"a/g{i}"] for i in range(16))
+    assert turns["b/g0"] == turns["b/g1"] < turns["b/g2"] < a_first
+
+
+def test_of_runs_that_hold_as_much_the_one_served_less_goes_first() -> None:
+    # One slot, free: a had 3 samples started, b 1, neither runs anything now. The run
+    # served less goes first, so that two runs on one slot alternate.
+    share = FairShare()
+    share.turns([*waiting("a", 1), *waiting("b", 1, first_seq=1)], slots=1, running={})
+    share.started("a", 3)
+    share.started("b", 1)
+    turns = share.turns([*waiting("a", 1), *waiting("b", 1, first_seq=1)], slots=1, running={})
+    assert turns["b/g0"] < turns["a/g0"]
 
 
 def test_a_run_that_comes_is_owed_nothing_for_the_time_it_had_nothing_queued() -> None:
@@ -61,43 +90,45 @@ def test_a_run_that_comes_is_owed_nothing_for_the_time_it_had_nothing_queued() -
     share.turns(waiting("a", 10), slots=2, running={})  # a alone, 100 samples started for it
     share.started("a", 100)
     turns = share.turns([*waiting("a", 10), *waiting("b", 3, first_seq=10)], slots=2, running={})
-    # quantum 1: both start at a's 100 samples
-    assert [turns[f"b/g{i}"] for i in range(3)] == [0, 1, 2]
-    assert [turns[f"a/g{i}"] for i in range(3)] == [0, 1, 2]
+    # quantum 1: b starts level with a's 100 samples, not 100 behind
+    assert [turns[f"b/g{i}"] for i in range(3)] == [turns[f"a/g{i}"] for i in range(3)]
     share.started("b", 3)
     share.started("a", 3)
     # b leaves (nothing queued) and comes back: it starts at a's count, not at its own
     share.turns(waiting("a", 7), slots=2, running={})
     share.started("a", 5)
     turns = share.turns([*waiting("a", 2), *waiting("b", 1, first_seq=20)], slots=2, running={})
-    assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0}
-
-
-def test_a_run_that_holds_more_than_its_share_waits_for_one_below_its_own() -> None:
-    # 8 slots, 2 runs: a share is 4. a holds all 8 (its backlog filled the fleet) and was
-    # served as much as b is credited with: b's groups, up to its share, go first.
-    share = FairShare()
-    share.turns(waiting("a", 20, samples=2), slots=8, running={})
-    share.started("a", 8)
-    turns = share.turns(
-        [*waiting("a", 16, samples=2), *waiting("b", 3, 2, 100)], slots=8, running={"a": 8}
-    )
-    assert max(turns[f"b/g{i}"] for i in range(2)) < min(turns[f"a/g{i}"] for i in range(16))
-    assert turns["b/g2"] > turns["b/g0"]  # b's third group is past its share of 4
+    assert turns["b/g0"] == turns["a/g0"] < turns["a/g1"]
 
 
 def test_samples_started_for_a_run_that_has_nothing_queued_count_for_nothing() -> None:
     share = FairShare()
     share.started("a", 1000)  # (a was never seen waiting)
     turns = share.turns([*waiting("a", 2), *waiting("b", 2, first_seq=5)], slots=2, running={})
-    assert turns == {"a/g0": 0, "a/g1": 1, "b/g0": 0, "b/g1": 1}
+    assert turns["a/g0"] == turns["b/g0"] and turns["a/g1"] == turns["b/g1"]
+
+
+def test_a_group_that_fits_nowhere_holds_back_its_run_and_keeps_an_engine_not_the_others() -> None:
+    # b's group of 8 fits on neither engine (4 and 6 free); e1, the nearer to taking it, is
+    # kept for it; a's group goes on e0. b's next group waits behind its first.
+    b0 = dataclasses.replace(queued("b/g0", n=8, seq=0), run_id="b")
+    b1 = dataclasses.replace(queued("b/g1", n=1, seq=1), run_id="b")
+    a0 = dataclasses.replace(queued("a/g0", n=2, seq=2), run_id="a", turn=(1, 0))
+    engines = [engine("e0", capacity=8, inflight=4), engine("e1", capacity=8, inflight=2)]
+    for name in ("least_outstanding", "least_loaded"):
+        plan = create_policy(name).plan(snapshot([b0, b1, a0], engines))
+        assert [(a.group_key, a.engine_id) for a in plan.assignments] == [("a/g0", "e0")]
+    # One run (or the same run): strict order, as before.
+    same = dataclasses.replace(a0, run_id="b")
+    plan = create_policy("least_outstanding").plan(snapshot([b0, b1, same], engines))
+    assert plan.assignments == ()
 
 
 @pytest.mark.parametrize("policy", policy_names())
 def test_every_policy_places_by_turn_before_priority(policy: str) -> None:
     # One slot: the group of the lower turn takes it, though its priority is the higher.
-    ahead = dataclasses.replace(queued("a/g0", n=1, seq=0, priority=0), turn=1)
-    behind = dataclasses.replace(queued("b/g0", n=1, seq=1, priority=7), turn=0)
+    ahead = dataclasses.replace(queued("a/g0", n=1, seq=0, priority=0), turn=(1, 0))
+    behind = dataclasses.replace(queued("b/g0", n=1, seq=1, priority=7), turn=(0, 0))
     plan = create_policy(policy).plan(snapshot([ahead, behind], [engine("e0", capacity=1)]))
     assert [a.group_key for a in plan.assignments] == ["b/g0"]
 

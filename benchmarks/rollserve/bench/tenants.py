@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -45,12 +46,12 @@ _B_SEED_OFFSET = 1_000_003  # (B's prompts are not A's)
 
 @dataclass(frozen=True)
 class TenantsConfig:
-    engines: int = 8
-    backlog_groups: int = 256
-    step_groups: int = 8
+    engines: int = 2
+    backlog_groups: int = 1024  # 8,192 samples: 3.2 times the 2,560 slots of 2 such engines
+    step_groups: int = 16
     steps: int = 4
     n: int = 8
-    time_scale: float = 4.0
+    time_scale: float = 1.0
     policies: tuple[str, ...] = ("least_outstanding", "rl")
     profile: str = "gpu-h100-llama8b"
     response_median: float = 150.0
@@ -66,16 +67,28 @@ class TenantsRow:
     b_step_simulated_s: tuple[float, ...]  # each of B's steps
     b_mean_step_simulated_s: float
     a_groups_delivered: int  # of A's backlog, while B ran its steps
+    # (over all of B's steps; when A's backlog ran out before they ended, the rate is
+    # diluted by the time A had nothing left: the table says "drained")
     a_groups_per_simulated_s: float
     fleet_behind_s: float  # real seconds the most-behind engine fell behind its clock
+    a_drained: bool = False  # A's backlog was all delivered before B's last step ended
 
 
 def run_tenants(cfg: TenantsConfig, console: Console | None = None) -> dict[str, Any]:
     from rollserve.cli.redis_server import EmbeddedRedis
+    from rollserve.scheduler.settings import SchedulerSettings
     from rollserve.sim.profile import load_profile
 
     console = console or Console(width=200)
     profile = load_profile(cfg.profile)
+    factor = SchedulerSettings.model_fields["capacity_factor"].default
+    slots = cfg.engines * math.ceil(profile.max_num_seqs * factor)
+    if cfg.backlog_groups * cfg.n <= slots:
+        console.print(
+            f"[yellow]A's backlog ({cfg.backlog_groups * cfg.n} samples) fits in the fleet's "
+            f"{slots} slots: nothing waits, so fair share has nothing to decide; raise "
+            "--backlog[/yellow]"
+        )
     console.print(
         f"[bold]SIMULATED engines[/bold]: {cfg.engines} x {profile.name} "
         f"({profile.simulated_hardware}); time_scale {cfg.time_scale:g}. Real: scheduler, "
@@ -130,6 +143,7 @@ def _table(rows: list[TenantsRow], profile: str) -> Table:
     ):
         table.add_column(column, justify="right")
     alone = {r.policy: r for r in rows if r.mode == MODES[0]}
+
     for r in rows:
         table.add_row(
             r.policy,
@@ -138,7 +152,9 @@ def _table(rows: list[TenantsRow], profile: str) -> Table:
             f"{max(r.b_step_simulated_s):.2f}",
             f"{r.b_mean_step_simulated_s / alone[r.policy].b_mean_step_simulated_s:.2f}x",
             "-" if r.mode == MODES[0] else str(r.a_groups_delivered),
-            "-" if r.mode == MODES[0] else f"{r.a_groups_per_simulated_s:.2f}",
+            "-"
+            if r.mode == MODES[0]
+            else f"{r.a_groups_per_simulated_s:.2f}" + (" (drained)" if r.a_drained else ""),
         )
     return table
 
@@ -223,4 +239,5 @@ def _run_row(
         a_groups_delivered=a_delivered,
         a_groups_per_simulated_s=a_delivered / simulated_s,
         fleet_behind_s=behind_s,
+        a_drained=mode != MODES[0] and a_delivered >= cfg.backlog_groups,
     )

@@ -580,7 +580,9 @@ class RunStatus(_message.Message):
     queued_samples: _builtins.int
     """their samples waiting"""
     running_groups: _builtins.int
-    """groups with samples on engines"""
+    """Groups with samples running on engines (inflight_groups, above, also counts a group
+    whose calls are starting or ending with no sample running).
+    """
     running_samples: _builtins.int
     def __init__(
         self,

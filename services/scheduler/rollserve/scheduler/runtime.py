@@ -120,6 +120,7 @@ from rollserve.scheduler.trim import TrimSchedule
 from rollserve.scheduler.validation import Limits
 from rollserve.v1 import rollserve_pb2 as pb
 
+_FIRST_TURN = (0, 0)  # every queued group's while one run waits (core.fairshare)
 log = logging.getLogger(__name__)
 
 # Deadline of an Abort to an engine. One that times out changes nothing: the sample then
@@ -1170,7 +1171,7 @@ class SchedulerRuntime:
             record = self._groups[key]
             predicted = self._predict_queued(record) if predict else None
             priority = record.spec.priority - bases[record.spec.run_id]
-            turn = turns.get(key, 0)
+            turn = turns.get(key, _FIRST_TURN)
             cached = self._views.get(key)
             if (
                 cached is not None
@@ -1192,9 +1193,9 @@ class SchedulerRuntime:
         running = self._running_samples(predict, bases) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
 
-    def _turns(self) -> dict[str, int]:
-        """Each queued group's fair-share turn (``core.fairshare``); empty (all 0) with fair
-        share off, or while fewer than two runs have groups queued."""
+    def _turns(self) -> dict[str, tuple[int, int]]:
+        """Each queued group's fair-share turn (``core.fairshare``); empty (all (0, 0)) with
+        fair share off, or while fewer than two runs have groups queued."""
         if not self.settings.fair_share:
             return {}
         runs = {self._groups[key].spec.run_id for key in self._queue}
@@ -1218,7 +1219,7 @@ class SchedulerRuntime:
 
     @staticmethod
     def _queued_view(
-        record: GroupRecord, predicted: float | None, priority: int, turn: int
+        record: GroupRecord, predicted: float | None, priority: int, turn: tuple[int, int]
     ) -> QueuedGroup:
         spec = record.spec
         pending = record.pending
@@ -1231,6 +1232,7 @@ class SchedulerRuntime:
             priority=priority,
             seq=record.seq,
             turn=turn,
+            run_id=spec.run_id,
             prompt_key=spec.prompt_key,
             samples=pending if len(pending) < spec.n else (),
             prompt_token_ids=spec.prompt_token_ids,
@@ -1271,6 +1273,8 @@ class SchedulerRuntime:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if not self._queue:
+                self._share.active(())  # (no run waits: those that come start level)
             # A policy that moves running work plans whenever something runs: a finished
             # sample may leave a slot that a running one should move to.
             if not self._queue and not (self._policy.moves_running and self._calls):

@@ -19,9 +19,11 @@ class QueuedGroup:
     max_tokens: int
     priority: int = 0  # lower runs first
     seq: int = 0  # arrival order, ties broken by it
-    # Fair share between runs (``core.fairshare``): lower goes first, before priority; 0 for
-    # every group while one run has groups queued.
-    turn: int = 0
+    # Fair share between runs (``core.fairshare``): lower goes first (compared as a pair),
+    # before priority; (0, 0) for every group while one run has groups queued.
+    turn: tuple[int, int] = (0, 0)
+    # Whose group it is: the run (whole-group policies keep strict order within a run only).
+    run_id: str = ""
     prompt_key: str = ""
     # Indices of the samples still to place; empty means all n (the group is untouched).
     samples: tuple[int, ...] = ()

@@ -13,9 +13,13 @@ Algorithm
    the lowest engine id, so the plan is deterministic.
 4. Charge the pending samples' ``max_tokens`` each to that engine and continue.
 
-A group that fits on no engine stays queued, and so do the groups behind it of
-the same or higher priority value: strict order, no head-of-line bypass, so a
-large group is never starved by small ones. It has no settings.
+A group that fits on no engine stays queued, and so do the groups of its run behind
+it: strict order within a run, no head-of-line bypass, so a large group is never
+starved by its run's small ones. Other runs' groups go on (with fair share a run's
+group may come before another run's at an earlier turn that cannot be placed yet),
+but not onto the engine with the most free samples, kept for the group that did not
+fit: it fills up for that group as its samples end, so small groups of other runs do
+not starve it either. With one run this is plain strict order. It has no settings.
 
 The whole group goes to one engine so that the engine prefills the shared prompt
 once and all samples hit its prefix cache (the default of OpenRLHF and ROLL).
@@ -52,6 +56,11 @@ class _Load:
     def sort_key(self) -> tuple[int, int, str]:
         return (self.outstanding_tokens, self.inflight_samples, self.engine_id)
 
+    def room_key(self) -> tuple[int, int, str]:
+        """Least for the engine with the most free samples, then the fewest outstanding
+        tokens, then the lowest id."""
+        return (-self.free_samples, self.outstanding_tokens, self.engine_id)
+
 
 class LeastOutstandingTokens:
     name = "least_outstanding"
@@ -62,11 +71,19 @@ class LeastOutstandingTokens:
     def plan(self, snapshot: Snapshot) -> Plan:
         loads = [_Load.of(e) for e in snapshot.engines if e.healthy and e.capacity_samples > 0]
         assignments: list[Assign] = []
+        blocked: set[str] = set()  # runs whose next group fits nowhere: their rest waits
         for group in sorted(snapshot.queue, key=lambda g: (g.turn, g.priority, g.seq)):
+            if group.run_id in blocked:
+                continue
             pending = len(group.pending)
             fitting = [load for load in loads if load.fits(pending)]
             if not fitting:
-                break
+                blocked.add(group.run_id)
+                if not loads:
+                    break
+                # The engine that takes it soonest is kept for it (strict order, across runs).
+                loads.remove(min(loads, key=_Load.room_key))
+                continue
             best = min(fitting, key=_Load.sort_key)
             best.free_samples -= pending
             best.inflight_samples += pending

@@ -42,8 +42,8 @@ Algorithm
    ``p + L`` of each sample this plan put there, must stay within ``kv_headroom`` of its KV
    capacity (when the view knows it). That keeps the predicted peak below capacity, so the
    engine does not preempt; an idle engine always takes one sample.
-5. A sample that fits nowhere stays queued, and so does everything after it of the same or
-   a higher priority value (strict order: the longest work is never overtaken). With no
+5. A sample that fits nowhere stays queued, and so does everything after it in that order
+   (strict order: the longest work is never overtaken). With no
    free slot anywhere planning stops.
 6. Count cap: no engine ends a plan with more than ``count_slack`` times its share of the
    samples (those running on the engines the plan may use, plus those it can place). The
@@ -345,7 +345,7 @@ class RLPolicy:
 
     def _ordered(
         self, queue: tuple[QueuedGroup, ...]
-    ) -> list[tuple[int, int, float, int, int, QueuedGroup]]:
+    ) -> list[tuple[tuple[int, int], int, float, int, int, QueuedGroup]]:
         cfg = self.settings
         out = []
         for group in queue:
