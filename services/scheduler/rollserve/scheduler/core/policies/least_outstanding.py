@@ -3,7 +3,7 @@
 Algorithm
 ---------
 1. Order the queue by (turn, priority, arrival); lower values first (a turn is the
-   fair share between runs, ``core.fairshare``: 0 for all while one run has work).
+   fair share between runs, ``core.fairshare``: the same for all while one run has work).
 2. For each group in that order, consider the healthy engines with room for all its
    pending samples (``n``, or fewer when some were requeued after an engine failed:
    ``inflight_samples + pending <= capacity_samples``), or idle ones.

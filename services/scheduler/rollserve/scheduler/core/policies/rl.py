@@ -31,7 +31,7 @@ Algorithm
    ``max_tokens``.
 2. Order the samples by (turn, priority, longest ``L`` first, arrival, index): longest
    predicted work first, so the tail starts at once and lands on the engines with the least
-   load. (A turn is the fair share between runs, ``core.fairshare``: 0 for all while one
+   load. (A turn is the fair share between runs, ``core.fairshare``: the same for all while one
    run has work, so then the longest work of the whole queue goes first.)
 3. For each sample, among the healthy engines with a free slot and KV room, take the one
    whose ``T`` after adding it is least, counting the prefill of the prompt on engines that

@@ -10,7 +10,7 @@ of a group land on consecutive engines, each engine prefilling the shared prompt
 Algorithm
 ---------
 1. Order the queue by (turn, priority, arrival); lower values first (a turn is the
-   fair share between runs, ``core.fairshare``: 0 for all while one run has work).
+   fair share between runs, ``core.fairshare``: the same for all while one run has work).
 2. Order the engines by engine id: that order is the cycle.
 3. For each pending sample of each group in that order, send it to the next engine in
    the cycle, starting after the engine that got the previous sample (in this call or
