@@ -20,6 +20,9 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
+from google.protobuf import json_format
+from grpc_health.v1 import health as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from rich.console import Console
@@ -27,6 +30,7 @@ from rollserve.cli.stack import free_port
 from rollserve.cli.status import UNREACHABLE_EXIT_CODE, run_status
 from rollserve.client import (
     AsyncRolloutClient,
+    PermissionDenied,
     PromptGroup,
     RolloutClient,
     SamplingParams,
@@ -35,9 +39,10 @@ from rollserve.client import (
     Unauthenticated,
 )
 from rollserve.client.credentials import NO_CREDENTIALS
-from rollserve.common.access import TokenFile, parse_tokens
+from rollserve.common.access import Grant, ServerTls, TokenFile, parse_tokens
 from rollserve.engine.server import stay_registered
 from rollserve.engine.settings import EngineSettings, SchedulerLink
+from rollserve.scheduler.roles import ROLES
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.sim.server import parse_settings as sim_parse_settings
 from rollserve.sim.settings import SimSettings
@@ -110,7 +115,12 @@ def client(
         (f"{SECRET}\n", "line 1: expected NAME:TOKEN"),
         (f"bad name:{SECRET}\n", "line 1: the name 'bad name' must be"),
         ("short:abc\n", "line 1: the token of 'short' must be 16 to 4096"),
-        (f"x:{SECRET} tail\n", "the token of 'x' must be"),
+        (f"x:{SECRET} tail\n", "neither role=ROLE nor runs=GLOB"),
+        (f"x:0123456789abcdef {SECRET}\n", "neither role=ROLE nor runs=GLOB"),  # (not shown)
+        (f"x:{SECRET} role=root\n", "line 1, token 'x': role 'root' is not one of admin"),
+        (f"x:{SECRET} role=admin role=admin\n", "role= is given twice"),
+        (f"x:{SECRET} runs=a-*,b/c\n", "not 'b/c'"),
+        (f"x:{SECRET} runs=\n", "not ''"),
         (f"a:{SECRET}\n\na:{SECRET}x\n", "line 3: the name 'a' is given twice"),
         (f"a:{SECRET}\nb:{SECRET}\n", "line 2: the token of 'b' is 'a''s too"),
     ],
@@ -125,8 +135,8 @@ def test_a_tokens_file_that_does_not_parse_is_refused_naming_the_line(text: str,
 def test_a_call_is_told_whose_token_it_carries_or_why_it_is_refused(tokens_file: Path) -> None:
     tokens = TokenFile(tokens_file)
     assert tokens.names == ("engines", "trainer")
-    assert tokens.caller(f"Bearer {TOKEN}") == ("trainer", "")
-    assert tokens.caller(f"bearer  {ENGINE_TOKEN} ") == ("engines", "")
+    assert tokens.caller(f"Bearer {TOKEN}") == (Grant("trainer"), "")
+    assert tokens.caller(f"bearer  {ENGINE_TOKEN} ") == (Grant("engines"), "")
     assert tokens.caller(None)[1].startswith("no credentials")
     assert tokens.caller(TOKEN)[1] == "the authorization must read 'Bearer <token>'"
     assert tokens.caller(f"Basic {TOKEN}")[1] == "the authorization must read 'Bearer <token>'"
@@ -142,16 +152,49 @@ def test_a_changed_tokens_file_is_read_again_and_a_broken_one_keeps_the_old_toke
     tokens = TokenFile(tokens_file, reload_interval_s=5.0, clock=lambda: now[0])
     tokens_file.write_text(f"trainer:{SECRET}\n")  # rotated: the old token is gone
     now[0] = 4.9
-    assert tokens.caller(f"Bearer {TOKEN}")[0] == "trainer"  # not looked at again yet
+    assert tokens.caller(f"Bearer {TOKEN}")[0] == Grant("trainer")  # not looked at again yet
     now[0] = 5.0
     assert tokens.caller(f"Bearer {TOKEN}")[0] is None
-    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"
+    assert tokens.caller(f"Bearer {SECRET}")[0] == Grant("trainer")
     tokens_file.write_text("not a token line\n")
     now[0] = 10.0
-    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"  # kept; the log says why
+    assert tokens.caller(f"Bearer {SECRET}")[0] == Grant("trainer")  # kept; the log says why
     tokens_file.unlink()
     now[0] = 15.0
-    assert tokens.caller(f"Bearer {SECRET}")[0] == "trainer"
+    assert tokens.caller(f"Bearer {SECRET}")[0] == Grant("trainer")
+
+
+def test_a_tokens_line_grants_its_roles_calls_on_the_runs_it_names() -> None:
+    text = (
+        f"ops:{SECRET}\n"
+        f"alice:{TOKEN} role=trainer runs=alice-*,shared-run\n"
+        f"any-trainer:{TOKEN}-any role=trainer\n"
+        f"engines:{ENGINE_TOKEN} role=engine\n"
+        f"grafana:{ENGINE_TOKEN}-view role=viewer\n"
+    )
+    grants = {grant.name: grant for grant in parse_tokens(text, "tokens", ROLES).values()}
+    ops, alice, any_trainer = grants["ops"], grants["alice"], grants["any-trainer"]
+    engines, viewer = grants["engines"], grants["grafana"]
+    assert ops == Grant("ops", "admin", None, ())  # a line that names no role: every call
+    assert alice.runs == ("alice-*", "shared-run")
+    for call in ("Submit", "Cancel", "PublishVersion", "DeleteRun"):
+        assert alice.refuses(call, "alice-7") == ""
+        assert alice.refuses(call, "shared-run") == ""
+        assert any_trainer.refuses(call, "bob-1") == ""
+        assert ops.refuses(call, "bob-1") == ""
+        assert alice.refuses(call, "bob-1") == (
+            "the token 'alice' may act on runs alice-*,shared-run only, not on 'bob-1'"
+        )
+        assert alice.refuses(call, "shared-run-2") != ""  # (a glob matches the whole id)
+        assert engines.refuses(call, "alice-7").startswith(
+            f"the token 'engines' (role engine) may not call {call}; it may call Heartbeat, "
+            "RegisterEngine"
+        )
+        assert viewer.refuses(call, "alice-7") != ""
+    assert alice.refuses("Status") == viewer.refuses("Status") == ""
+    assert alice.refuses("RegisterEngine") != "" and engines.refuses("RegisterEngine") == ""
+    assert engines.refuses("Status") != ""
+    assert ops.refuses("RegisterEngine") == ops.refuses("SomethingNew") == ""
 
 
 # ------------------------------------------------------------------ settings
@@ -344,6 +387,91 @@ async def test_an_engine_registers_with_a_token_of_the_file_and_reads_its_own_ag
                     await link
 
 
+async def test_a_token_is_refused_the_calls_and_runs_its_grant_does_not_cover(
+    redis_url: str, tmp_path: Path
+) -> None:
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(
+        f"alice:{TOKEN} role=trainer runs=alice-*\n"
+        f"engines:{ENGINE_TOKEN} role=engine\n"
+        f"grafana:{SECRET} role=viewer\n"
+    )
+    alice = SchedulerCredentials(token=TOKEN)
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, http_port):
+        address = f"localhost:{served.port}"
+        own = f"alice-{uuid.uuid4().hex[:8]}"
+        async with AsyncRolloutClient(address, redis_url, own, credentials=alice) as trainer:
+            assert await trainer.submit([group("g0")]) == 1
+            assert (await trainer.cancel(["g0"])).cancelled == ("g0",)
+            await trainer.status()
+            await trainer.delete_run()
+        async with AsyncRolloutClient(address, redis_url, "bob-1", credentials=alice) as other:
+            with pytest.raises(PermissionDenied) as raised:
+                await other.submit([group("g0")])
+            assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert "may act on runs alice-* only, not on 'bob-1'" in str(raised.value)
+            with pytest.raises(PermissionDenied):
+                await other.delete_run()
+            with pytest.raises(PermissionDenied):
+                await other.publish_version(1)
+
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.SchedulerStub(channel)
+            register = pb.RegisterEngineRequest(engine_id="e-0", address="127.0.0.1:9")
+            for token in (TOKEN, SECRET):  # a trainer's and a viewer's
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.RegisterEngine(
+                        register, timeout=10, metadata=(("authorization", f"Bearer {token}"),)
+                    )
+                assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "may not call RegisterEngine" in (error.value.details() or "")
+            engine = (("authorization", f"Bearer {ENGINE_TOKEN}"),)
+            await stub.RegisterEngine(register, timeout=10, metadata=engine)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Status(pb.StatusRequest(), timeout=10, metadata=engine)
+            assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            submit = pb.SubmitRequest(run_id="alice-1", groups=[group("g0").to_proto()])
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Submit(submit, timeout=10, metadata=engine)
+            assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        console = Console(record=True, width=200)
+        for token, expected in ((SECRET, 0), (ENGINE_TOKEN, UNREACHABLE_EXIT_CODE)):
+            code = await asyncio.to_thread(
+                run_status, address, 10.0, True, console, SchedulerCredentials(token=token)
+            )
+            assert code == expected
+        assert "refused the call: PERMISSION_DENIED: the token 'engines'" in console.export_text()
+
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{http_port}"
+            as_alice = {"Authorization": f"Bearer {TOKEN}"}
+            as_viewer = {"Authorization": f"Bearer {SECRET}"}
+            as_engine = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
+            async with http.delete(f"{url}/v1/runs/bob-1", headers=as_alice) as reply:
+                assert reply.status == 403
+                error = (await reply.json())["error"]
+                assert error["status"] == "PERMISSION_DENIED"
+                assert "not on 'bob-1'" in error["message"]
+            async with http.delete(f"{url}/v1/runs/alice-x%2A", headers=as_viewer) as reply:
+                assert reply.status == 403
+            for method in ("GET", "HEAD"):  # (aiohttp answers HEAD with the GET route)
+                async with http.request(method, f"{url}/v1/status", headers=as_engine) as reply:
+                    assert reply.status == 403, method
+                async with http.request(method, f"{url}/v1/status", headers=as_viewer) as reply:
+                    assert reply.status == 200, method
+            async with http.get(f"{url}/v1/nothing-here", headers=as_engine) as reply:
+                assert reply.status == 404  # (no call: the token is enough to be told so)
+            async with http.get(f"{url}/metrics") as reply:
+                assert reply.status == 200
+            body = {"groups": [json_format.MessageToDict(group("g1").to_proto())]}
+            path = f"{url}/v1/runs/alice-http-{uuid.uuid4().hex[:6]}"
+            async with http.post(f"{path}/groups", json=body, headers=as_alice) as reply:
+                assert reply.status == 200, await reply.text()
+            async with http.delete(path, headers=as_alice) as reply:
+                assert reply.status == 200
+
+
 async def test_a_call_that_gives_its_authorization_twice_is_refused(
     redis_url: str, tokens_file: Path
 ) -> None:
@@ -446,3 +574,77 @@ async def test_a_mutual_tls_scheduler_wants_a_certificate_its_client_ca_signed(
             context.load_cert_chain(pki.client_cert, pki.client_key)
             async with http.get(f"https://localhost:{http_port}/v1/status", ssl=context) as reply:
                 assert reply.status == 200
+
+
+async def test_a_renewed_certificate_is_served_to_new_connections_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """gRPC and HTTPS servers of one ``ServerTls`` (as the scheduler serves them) take the
+    certificate that replaced theirs, and keep theirs while the files make no valid set."""
+    for folder in ("a", "b", "live"):
+        (tmp_path / folder).mkdir()
+    first, second = make_pki(tmp_path / "a"), make_pki(tmp_path / "b")  # (two CAs)
+    live = tmp_path / "live"
+    cert, key = live / "server.pem", live / "server-key.pem"
+
+    def install(pki: Pki) -> None:  # (as a Secret's update: new files swapped in)
+        for source, target in ((pki.server_cert, cert), (pki.server_key, key)):
+            staged = target.with_suffix(".new")
+            staged.write_bytes(source.read_bytes())
+            staged.replace(target)
+
+    install(first)
+    tls = ServerTls.load(cert, key, reload_interval_s=0.05)
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+    grpc_port = server.add_secure_port("127.0.0.1:0", tls.grpc_credentials())
+    await server.start()
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    http_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", http_port, ssl_context=tls.ssl_context()).start()
+
+    async def trusted_by(pki: Pki) -> tuple[bool, bool]:
+        """Whether a new connection to each server (gRPC, HTTPS) trusts what it shows."""
+        credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                over_grpc = True
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                over_grpc = False
+        context = ssl.create_default_context(cafile=pki.ca)
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.get(f"https://127.0.0.1:{http_port}/", ssl=context) as reply:
+                    over_https = reply.status == 200
+            except aiohttp.ClientConnectorCertificateError:
+                over_https = False
+        return over_grpc, over_https
+
+    try:
+        assert await trusted_by(first) == (True, True)
+        assert await trusted_by(second) == (False, False)
+        install(second)
+        await asyncio.sleep(0.1)
+        assert await trusted_by(second) == (True, True)
+        assert await trusted_by(first) == (False, False)
+        # A key that is not the certificate's (a renewal half written): the last set stays.
+        key.write_bytes(first.server_key.read_bytes())
+        await asyncio.sleep(0.1)
+        assert await trusted_by(second) == (True, True)
+        install(first)
+        await asyncio.sleep(0.1)
+        assert await trusted_by(first) == (True, True)
+    finally:
+        await server.stop(None)
+        await runner.cleanup()

@@ -20,6 +20,7 @@ from rollserve.client.credentials import SchedulerCredentials
 from rollserve.client.errors import (
     AlreadySubmitted,
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
     RolloutError,
     SchedulerUnavailable,
@@ -67,6 +68,7 @@ __all__ = [
     "GroupStatus",
     "GroupsRefused",
     "InvalidArgument",
+    "PermissionDenied",
     "PromptGroup",
     "PublishResult",
     "ReceivedGroup",

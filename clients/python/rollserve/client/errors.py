@@ -47,6 +47,12 @@ class Unauthenticated(RolloutError):
     showed (a token not in its tokens file): see ``SchedulerCredentials``."""
 
 
+class PermissionDenied(RolloutError):
+    """The scheduler accepted the client's token but its grant does not cover the call: the
+    token's role does not take it, or its ``runs=`` does not cover the client's run (see the
+    scheduler's tokens file). Nothing of the call was done."""
+
+
 class StreamUnavailable(RolloutError):
     """Redis, which carries the finished groups, cannot be reached."""
 
@@ -76,6 +82,7 @@ _BY_CODE: dict[grpc.StatusCode, type[RolloutError]] = {
     grpc.StatusCode.UNAVAILABLE: SchedulerUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: SchedulerUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

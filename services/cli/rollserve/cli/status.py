@@ -45,7 +45,8 @@ def run_status(
     except grpc.RpcError as exc:
         code = exc.code().name if isinstance(exc, grpc.Call) else "error"
         details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-        what = "refused the call" if code == "UNAUTHENTICATED" else "did not answer"
+        refusals = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+        what = "refused the call" if code in refusals else "did not answer"
         console.print(
             f"rollserve status: the scheduler at {address} {what}: {code}: {details}",
             markup=False,

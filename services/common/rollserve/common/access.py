@@ -1,16 +1,24 @@
 """Who may call a service: TLS on its servers, bearer tokens on its calls.
 
-**Tokens.** A tokens file holds one token a line, as ``NAME:TOKEN``; blank lines and lines
-that start with ``#`` are skipped. NAME (letters, digits, ``_.-``, 64 at most) says whose the
-token is in the service's log; TOKEN is 16 to 4096 visible ASCII characters (``openssl rand
--hex 32`` makes one). A call carries its token as ``authorization: Bearer TOKEN`` (gRPC
-metadata, or the HTTP header). The file is read again within ``reload_interval_s`` of a
-change (a Kubernetes Secret updated in place), so tokens rotate without a restart: add the
-new one, move the callers to it, remove the old. A file that no longer parses keeps the
-tokens read before, and says why in the log.
+**Tokens.** A tokens file holds one token a line, as ``NAME:TOKEN [role=ROLE]
+[runs=GLOB,...]``; blank lines and lines that start with ``#`` are skipped. NAME (letters,
+digits, ``_.-``, 64 at most) says whose the token is in the service's log; TOKEN is 16 to 4096
+visible ASCII characters (``openssl rand -hex 32`` makes one). A call carries its token as
+``authorization: Bearer TOKEN`` (gRPC metadata, or the HTTP header). The file is read again
+within ``reload_interval_s`` of a change (a Kubernetes Secret updated in place), so tokens
+rotate without a restart: add the new one, move the callers to it, remove the old. A file
+that no longer parses keeps the tokens read before, and says why in the log.
+
+**Rights.** What a token may do is its grant (``Grant``). Its role, one of the service's
+(``Role``; the service's default role where the line names none), says which calls it may
+make. ``runs=`` narrows it to runs whose id matches one of the globs (``*`` any characters,
+``?`` one): a call whose request names a ``run_id`` must name one of them. A call its token
+does not cover is refused with PERMISSION_DENIED (HTTP 403), naming the token and what it
+lacks; a call without an accepted token with UNAUTHENTICATED (HTTP 401).
 
 **TLS.** A server certificate and its key (PEM); with a client CA, callers must show a
-certificate it signed (mutual TLS). Certificates are read at start: restart to rotate them.
+certificate it signed (mutual TLS). The files are read again within ``reload_interval_s``
+of a change, at a new connection: certificates rotate without a restart.
 
 Health checks stay open (orchestrators probe without credentials), as does gRPC reflection
 (the schema, nothing of the state); the HTTP server's open paths are its owner's choice.
@@ -18,24 +26,30 @@ Health checks stay open (orchestrators probe without credentials), as does gRPC 
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
+import inspect
 import logging
 import os
 import re
 import ssl
+import threading
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 __all__ = [
+    "ADMIN",
     "OPEN_GRPC_PREFIXES",
+    "Grant",
     "GrpcTokenCheck",
+    "Role",
     "ServerTls",
     "TokenFile",
     "http_token_check",
@@ -50,6 +64,7 @@ RELOAD_INTERVAL_S = 5.0  # how soon a changed tokens file is read again, at most
 REFUSAL_LOG_INTERVAL_S = 10.0  # one log line at most this often for refused calls
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TOKEN = re.compile(rf"[\x21-\x7e]{{{MIN_TOKEN_CHARS},{MAX_TOKEN_CHARS}}}")
+_GLOB = re.compile(r"[A-Za-z0-9_.*?-]{1,256}")  # (a run id's alphabet, and * ?)
 
 _TWICE = "the authorization is given more than once: give one"
 _NAME_SHOWN_CHARS = 80  # of a name that is not one, in the error
@@ -58,16 +73,66 @@ OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 """gRPC methods called without a token: health checks and reflection."""
 
 
-def parse_tokens(text: str, source: str) -> dict[str, str]:
-    """The tokens of a tokens file's ``text``, each to its name. ValueError names ``source``,
-    the line and what is wrong with it (never the token itself)."""
-    tokens: dict[str, str] = {}
+@dataclass(frozen=True)
+class Role:
+    """The calls a token of this role may make, by name (the service's gRPC methods' names,
+    such as ``Submit``); None: every call."""
+
+    calls: frozenset[str] | None = None
+
+
+ADMIN = "admin"
+"""The role of a token whose line names none, unless the service says otherwise."""
+_ALL = {ADMIN: Role()}
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What the token of ``name`` may do: the calls of its role (None: all), on the runs
+    whose id matches one of ``runs``' globs (none given: every run)."""
+
+    name: str
+    role: str = ADMIN
+    calls: frozenset[str] | None = None
+    runs: tuple[str, ...] = ()
+
+    def refuses(self, call: str, run_id: str | None = None) -> str:
+        """Why the grant does not cover ``call`` on run ``run_id`` (None: a call that names
+        no run); "" when it does."""
+        if self.calls is not None and call not in self.calls:
+            return (
+                f"the token {self.name!r} (role {self.role}) may not call {call}; it may call "
+                f"{', '.join(sorted(self.calls)) or 'nothing'}"
+            )
+        if run_id is not None and self.runs and not self.covers(run_id):
+            return (
+                f"the token {self.name!r} may act on runs {','.join(self.runs)} only, not on "
+                f"{run_id[:_NAME_SHOWN_CHARS]!r}"
+            )
+        return ""
+
+    def covers(self, run_id: str) -> bool:
+        """Whether the grant reaches run ``run_id``."""
+        return not self.runs or any(fnmatch.fnmatchcase(run_id, glob) for glob in self.runs)
+
+
+def parse_tokens(
+    text: str,
+    source: str,
+    roles: Mapping[str, Role] = _ALL,
+    default_role: str = ADMIN,
+) -> dict[str, Grant]:
+    """The tokens of a tokens file's ``text``, each to its grant (``roles``: those a line
+    may name; ``default_role``: a line's that names none). ValueError names ``source``, the
+    line and what is wrong with it (never the token itself)."""
+    tokens: dict[str, Grant] = {}
     names: set[str] = set()
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, token = line.partition(":")
+        name, sep, rest = line.partition(":")
+        token, *options = rest.split() or [""]
         where = f"{source}, line {number}"
         if not sep:
             raise ValueError(f"{where}: expected NAME:TOKEN (no ':' found)")
@@ -85,20 +150,53 @@ def parse_tokens(text: str, source: str) -> dict[str, str]:
         if name in names:
             raise ValueError(f"{where}: the name {name!r} is given twice")
         if token in tokens:
-            raise ValueError(f"{where}: the token of {name!r} is {tokens[token]!r}'s too")
+            raise ValueError(f"{where}: the token of {name!r} is {tokens[token].name!r}'s too")
         names.add(name)
-        tokens[token] = name
+        role, runs = _options(options, f"{where}, token {name!r}", roles, default_role)
+        tokens[token] = Grant(name, role, roles[role].calls, runs)
     if not tokens:
         raise ValueError(f"{source}: no token in it (one NAME:TOKEN a line)")
     return tokens
 
 
-def _read_tokens(path: Path) -> dict[str, str]:
+def _options(
+    options: list[str], where: str, roles: Mapping[str, Role], default_role: str
+) -> tuple[str, tuple[str, ...]]:
+    """A token's line's ``role=`` and ``runs=`` (what follows its token): (its role, its
+    runs' globs)."""
+    given: dict[str, str] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if key not in ("role", "runs") or not eq:
+            # (never shown: it may be the rest of a token that has a space in it)
+            raise ValueError(
+                f"{where}: after the token comes something that is neither role=ROLE nor "
+                "runs=GLOB,... (a token has no spaces)"
+            )
+        if key in given:
+            raise ValueError(f"{where}: {key}= is given twice")
+        given[key] = value
+    role = given.get("role", default_role)
+    if role not in roles:
+        raise ValueError(
+            f"{where}: role {role[:_NAME_SHOWN_CHARS]!r} is not one of {', '.join(roles)}"
+        )
+    runs = tuple(given["runs"].split(",")) if "runs" in given else ()
+    for glob in runs:
+        if not _GLOB.fullmatch(glob):
+            raise ValueError(
+                f"{where}: runs= takes run ids or globs of them (letters, digits, '_.-', "
+                f"'*' and '?'), comma-separated; not {glob[:_NAME_SHOWN_CHARS]!r}"
+            )
+    return role, runs
+
+
+def _read_tokens(path: Path, roles: Mapping[str, Role], default_role: str) -> dict[str, Grant]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read the tokens file: {exc}") from exc
-    return parse_tokens(text, str(path))
+    return parse_tokens(text, str(path), roles, default_role)
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -112,31 +210,38 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 
 class TokenFile:
     """The tokens of a tokens file (see the module), read at once (a ValueError says what is
-    wrong) and again when the file changes, checked at most every ``reload_interval_s``."""
+    wrong) and again when the file changes, checked at most every ``reload_interval_s``.
+    ``roles``: those its lines may name; ``default_role``: a line's that names none."""
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
+        roles: Mapping[str, Role] = _ALL,
+        default_role: str = ADMIN,
         reload_interval_s: float = RELOAD_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if default_role not in roles:
+            raise ValueError(f"the default role {default_role!r} is not one of {', '.join(roles)}")
         self.path = Path(path)
+        self._roles = dict(roles)
+        self._default_role = default_role
         self._interval_s = reload_interval_s
         self._clock = clock
         self._stamp = _stamp(self.path)
-        self._tokens = _read_tokens(self.path)
+        self._tokens = _read_tokens(self.path, self._roles, default_role)
         self._checked = clock()
 
     @property
     def names(self) -> tuple[str, ...]:
         """Whose tokens are accepted now."""
         self._refresh()
-        return tuple(sorted(self._tokens.values()))
+        return tuple(sorted(grant.name for grant in self._tokens.values()))
 
-    def caller(self, authorization: str | None) -> tuple[str | None, str]:
-        """Whose token ``authorization`` (``Bearer TOKEN``, as sent) carries: (the name, "");
-        or (None, why the call is refused)."""
+    def caller(self, authorization: str | None) -> tuple[Grant | None, str]:
+        """The grant of the token ``authorization`` (``Bearer TOKEN``, as sent) carries:
+        (it, ""); or (None, why the call is refused)."""
         self._refresh()
         if not authorization:
             return None, (
@@ -147,10 +252,10 @@ class TokenFile:
         if scheme.lower() != "bearer" or not token.strip():
             return None, "the authorization must read 'Bearer <token>'"
         given = token.strip().encode("utf-8", "replace")
-        found: str | None = None
-        for known, name in self._tokens.items():  # (each compared in constant time)
+        found: Grant | None = None
+        for known, grant in self._tokens.items():  # (each compared in constant time)
             if hmac.compare_digest(given, known.encode()):
-                found = name
+                found = grant
         if found is None:
             return None, (
                 "the bearer token is not one the server accepts (a token added to its tokens "
@@ -170,7 +275,7 @@ class TokenFile:
             return
         self._stamp = stamp
         try:
-            tokens = _read_tokens(self.path)
+            tokens = _read_tokens(self.path, self._roles, self._default_role)
         except ValueError as exc:
             log.error("%s; the tokens read before stay", exc)
             return
@@ -202,8 +307,10 @@ class _RefusalLog:
 
 
 class GrpcTokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Refuses with UNAUTHENTICATED each call of a method outside ``open_prefixes`` whose
-    ``authorization`` metadata carries no token of ``tokens``."""
+    """Refuses each call of a method outside ``open_prefixes``: with UNAUTHENTICATED when
+    its ``authorization`` metadata carries no token of ``tokens``, with PERMISSION_DENIED
+    when the token's grant does not cover the method (its name after the last ``/``) or the
+    ``run_id`` of its request."""
 
     def __init__(
         self, tokens: TokenFile, open_prefixes: tuple[str, ...] = OPEN_GRPC_PREFIXES
@@ -234,20 +341,30 @@ class GrpcTokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if len(given) > 1:
             return _refusing(method, _TWICE, self._log)
         authorization = given[0] if given and isinstance(given[0], str) else None
-        name, reason = self._tokens.caller(authorization)
-        if name is not None:
-            return await continuation(handler_call_details)
-        return _refusing(method, reason, self._log)
+        grant, reason = self._tokens.caller(authorization)
+        if grant is None:
+            return _refusing(method, reason, self._log)
+        denied = grant.refuses(method.rpartition("/")[2])
+        if denied:
+            return _refusing(method, denied, self._log, grpc.StatusCode.PERMISSION_DENIED)
+        handler = await continuation(handler_call_details)
+        if not grant.runs or handler is None:
+            return handler
+        return _checking_runs(method, handler, grant, self._log)
 
 
 def _refusing(
-    method: str, reason: str, refusal_log: _RefusalLog
+    method: str,
+    reason: str,
+    refusal_log: _RefusalLog,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler that refuses the call, whatever its kind, without reading its request."""
+    """A handler that refuses the call with ``code``, whatever its kind, without reading its
+    request."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         refusal_log(method, context.peer(), reason)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        await context.abort(code, reason)
 
     # grpc reads the request's first message before ``refuse`` runs (within the server's
     # message size limit) but nothing decodes it: it is bytes to ``refuse``, whichever kind
@@ -255,14 +372,50 @@ def _refusing(
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
+def _checking_runs(
+    method: str,
+    handler: grpc.RpcMethodHandler[Any, Any],
+    grant: Grant,
+    refusal_log: _RefusalLog,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler``, refusing (PERMISSION_DENIED) a request whose ``run_id`` ``grant`` does
+    not cover. Only unary calls are checked so: a streaming one is refused whole (the
+    scheduler serves none)."""
+    behaviour: Callable[..., Any] | None = handler.unary_unary
+    if behaviour is None:
+        why = f"the token {grant.name!r} is limited to runs and {method} streams: not checked"
+        return _refusing(method, why, refusal_log, grpc.StatusCode.PERMISSION_DENIED)
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        fields = request.DESCRIPTOR.fields_by_name
+        if "run_id" in fields:
+            denied = grant.refuses(method.rpartition("/")[2], request.run_id)
+            if denied:
+                refusal_log(method, context.peer(), denied)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
+        answer = behaviour(request, context)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    return grpc.unary_unary_rpc_method_handler(
+        checked,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 def http_token_check(
     tokens: TokenFile,
     open_paths: Collection[str],
     refusal: Callable[[str], web.Response],
+    denial: Callable[[str], web.Response],
+    call_of: Callable[[web.Request], tuple[str, str | None] | None] = lambda request: None,
 ) -> Middleware:
     """An aiohttp middleware that answers ``refusal(reason)`` (status 401, its
     ``WWW-Authenticate`` set here) to a request for a path outside ``open_paths`` whose
-    ``Authorization`` header carries no token of ``tokens``."""
+    ``Authorization`` header carries no token of ``tokens``, and ``denial(reason)`` (403) to
+    one whose token's grant does not cover it: ``call_of`` says which call a request makes
+    and on which run, (call, run_id or None), or None for a path of no call (then a token is
+    enough)."""
     refusal_log = _RefusalLog()
 
     @web.middleware
@@ -271,16 +424,22 @@ def http_token_check(
             return await handler(request)
         values = request.headers.getall("Authorization", [])
         given = values[0] if values else None
-        name, reason = tokens.caller(given) if len(values) < 2 else (None, _TWICE)
-        if name is not None:
-            return await handler(request)
-        refusal_log(f"{request.method} {request.path}", str(request.remote), reason)
-        response = refusal(reason)
-        challenge = 'Bearer realm="rollserve"'
-        response.headers["WWW-Authenticate"] = (
-            challenge if not given else f'{challenge}, error="invalid_token"'
-        )
-        return response
+        grant, reason = tokens.caller(given) if len(values) < 2 else (None, _TWICE)
+        what = f"{request.method} {request.path}"
+        if grant is None:
+            refusal_log(what, str(request.remote), reason)
+            response = refusal(reason)
+            challenge = 'Bearer realm="rollserve"'
+            response.headers["WWW-Authenticate"] = (
+                challenge if not given else f'{challenge}, error="invalid_token"'
+            )
+            return response
+        call = call_of(request)
+        denied = "" if call is None else grant.refuses(*call)
+        if denied:
+            refusal_log(what, str(request.remote), denied)
+            return denial(denied)
+        return await handler(request)
 
     return check
 
@@ -291,14 +450,57 @@ def _no_password() -> str:
     raise ValueError("the key is encrypted; give it unencrypted (a file only the service reads)")
 
 
+class _Watch:
+    """Whether files changed since the last look, looked at every ``interval_s`` at most;
+    safe from any thread (gRPC asks from its own)."""
+
+    def __init__(
+        self, paths: tuple[Path, ...], interval_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._paths = paths
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stamps = self._now()
+        self._checked = clock()
+
+    def _now(self) -> tuple[tuple[int, int, int] | None, ...]:
+        return tuple(_stamp(path) for path in self._paths)
+
+    def changed(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            if now - self._checked < self._interval_s:
+                return False
+            self._checked = now
+            stamps = self._now()
+            if stamps == self._stamps or None in stamps:  # (one being replaced: next look)
+                return False
+            self._stamps = stamps
+            return True
+
+    def again(self) -> None:
+        """Makes the next look (after the interval) see a change, whatever the files are."""
+        with self._lock:
+            self._stamps = ()
+
+
 @dataclass(frozen=True)
 class ServerTls:
     """A server's certificate chain and key (PEM files), and the CA of its callers'
-    certificates for mutual TLS (None: callers show none)."""
+    certificates for mutual TLS (None: callers show none).
+
+    The servers it makes look at the files again every ``reload_interval_s`` at most, at a
+    new connection, and take what changed (a certificate renewed, by cert-manager, say)
+    from the next handshake on, without a restart. Files that do not make a valid set (a
+    key that is not the certificate's, one of them being written) leave the set read
+    before in place; the log says why."""
 
     cert_file: Path
     key_file: Path
     client_ca_file: Path | None = None
+    reload_interval_s: float = RELOAD_INTERVAL_S
+    clock: Callable[[], float] = time.monotonic
 
     @classmethod
     def load(
@@ -306,6 +508,7 @@ class ServerTls:
         cert_file: str | os.PathLike[str],
         key_file: str | os.PathLike[str],
         client_ca_file: str | os.PathLike[str] | None = None,
+        reload_interval_s: float = RELOAD_INTERVAL_S,
     ) -> ServerTls:
         """Checked now: ValueError names the file that cannot be read or the pair that does
         not match."""
@@ -313,9 +516,15 @@ class ServerTls:
             Path(cert_file),
             Path(key_file),
             None if client_ca_file is None else Path(client_ca_file),
+            reload_interval_s,
         )
-        tls.ssl_context()
+        tls._context()
         return tls
+
+    @property
+    def _paths(self) -> tuple[Path, ...]:
+        ca = () if self.client_ca_file is None else (self.client_ca_file,)
+        return (self.cert_file, self.key_file, *ca)
 
     def _read(self, path: Path, what: str) -> bytes:
         try:
@@ -323,8 +532,19 @@ class ServerTls:
         except OSError as exc:
             raise ValueError(f"{what} {path}: cannot read it: {exc}") from exc
 
-    def ssl_context(self) -> ssl.SSLContext:
-        """For an HTTPS server (TLS 1.2 at least)."""
+    def _material(self) -> tuple[bytes, bytes, bytes | None]:
+        """The files' bytes: (certificate chain, key, client CA or None)."""
+        chain = self._read(self.cert_file, "the certificate")
+        key = self._read(self.key_file, "the key")
+        client_ca = (
+            None
+            if self.client_ca_file is None
+            else self._read(self.client_ca_file, "the client CA")
+        )
+        return chain, key, client_ca
+
+    def _context(self) -> ssl.SSLContext:
+        """A server context of the files as they are now (TLS 1.2 at least)."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         self._read(self.cert_file, "the certificate")
@@ -347,15 +567,64 @@ class ServerTls:
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
+    def _reloaded(self, watch: _Watch) -> tuple[ssl.SSLContext, bytes, bytes, bytes | None] | None:
+        """The files again, once ``watch`` saw them change and they make a valid set: (its
+        context, chain, key, client CA); None otherwise."""
+        if not watch.changed():
+            return None
+        try:
+            material = self._material()
+            context = self._context()  # (checks that they match)
+            if self._material() != material:  # (written meanwhile: the next look)
+                watch.again()
+                return None
+        except ValueError as exc:
+            log.error("%s; the certificate read before stays", exc)
+            return None
+        log.info("%s: read again, for new connections", self.cert_file)
+        return (context, *material)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For an HTTPS server: a context of the files as they are now, which moves each
+        new connection to the files' latest valid set."""
+        base = self._context()
+        watch = _Watch(self._paths, self.reload_interval_s, self.clock)
+        latest = [base]
+
+        def pick(
+            connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _: Any
+        ) -> None:
+            # (OpenSSL asks before it reads the client's hello further, with or without SNI)
+            reloaded = self._reloaded(watch)
+            if reloaded is not None:
+                latest[0] = reloaded[0]
+            if latest[0] is not base:
+                connection.context = latest[0]
+
+        base.sni_callback = pick
+        return base
+
     def grpc_credentials(self) -> grpc.ServerCredentials:
-        """For a gRPC server's secure port."""
-        chain = self._read(self.cert_file, "the certificate")
-        key = self._read(self.key_file, "the key")
-        client_ca = (
-            None
-            if self.client_ca_file is None
-            else self._read(self.client_ca_file, "the client CA")
-        )
-        return grpc.ssl_server_credentials(
-            [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        """For a gRPC server's secure port, which takes the files' latest valid set at each
+        new connection."""
+        chain, key, client_ca = self._material()
+        watch = _Watch(self._paths, self.reload_interval_s, self.clock)
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            try:
+                reloaded = self._reloaded(watch)
+            except Exception:  # (raised into gRPC's core, it would fail the connection)
+                log.exception("%s: reading it again failed", self.cert_file)
+                return None
+            if reloaded is None:
+                return None
+            _, chain, key, client_ca = reloaded
+            return grpc.ssl_server_certificate_configuration(
+                [(key, chain)], root_certificates=client_ca
+            )
+
+        return grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=client_ca),
+            cast(Callable[[], grpc.ServerCertificateConfiguration], fetch),  # (None: no change)
+            require_client_authentication=client_ca is not None,
         )

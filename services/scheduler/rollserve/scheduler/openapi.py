@@ -38,6 +38,12 @@ class Route:
     body_required: bool = True  # (a request's body: may be left out where False)
     refusals: tuple[str, ...] = ("400", "409", "413", "422", "429", "503", "500")
 
+    @property
+    def rpc(self) -> str:
+        """The name of the gRPC method it is (``publish_version``: ``PublishVersion``), which
+        a token's role names (``rollserve.scheduler.roles``)."""
+        return "".join(word.capitalize() for word in self.call.split("_"))
+
 
 ROUTES: tuple[Route, ...] = (
     Route(
@@ -98,6 +104,10 @@ _REFUSALS = {
 _UNAUTHENTICATED = (
     "no bearer token, or one the scheduler does not accept (only a scheduler started with "
     "--auth-tokens-file asks for one)"
+)
+_FORBIDDEN = (
+    "the token's role does not take this call, or its runs= does not cover the path's run "
+    "(PERMISSION_DENIED)"
 )
 _BEARER = {
     "type": "http",
@@ -160,6 +170,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "description": _UNAUTHENTICATED,
             "content": _content("Error"),
         }
+        operation["responses"]["403"] = {"description": _FORBIDDEN, "content": _content("Error")}
         operation["security"] = [{}, {"bearer": []}]  # (a token where the scheduler asks one)
         paths.setdefault(path, {})[route.method] = operation
     paths["/healthz"] = {"get": _HEALTH}

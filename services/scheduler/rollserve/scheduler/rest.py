@@ -17,7 +17,9 @@ holds them exactly (as strings beyond 2**53), a field the message does not have 
 
 Once the scheduler begins to stop, calls answer 503 (as gRPC takes no new call then).
 A scheduler with a tokens file answers 401 to a call without one of its tokens in
-``Authorization: Bearer``, but for the paths of ``OPEN_PATHS``; one with TLS takes HTTPS only.
+``Authorization: Bearer``, but for the paths of ``OPEN_PATHS``, and 403 to a call its token's
+role or runs do not cover (``call_of`` says which call a request makes); one with TLS takes
+HTTPS only.
 
 A body may leave ``run_id`` out; one that gives it must give the path's. Engines register
 over gRPC only (they speak it anyway).
@@ -281,6 +283,25 @@ OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
 def unauthenticated(reason: str) -> web.Response:
     """The answer to a call without an accepted token (401)."""
     return _error(HTTPStatus.UNAUTHORIZED, "UNAUTHENTICATED", reason)
+
+
+def forbidden(reason: str) -> web.Response:
+    """The answer to a call its token does not cover (403)."""
+    return _error(HTTPStatus.FORBIDDEN, "PERMISSION_DENIED", reason)
+
+
+_CALLS = {(route.method.upper(), route.path): route for route in ROUTES}
+
+
+def call_of(request: web.Request) -> tuple[str, str | None] | None:
+    """The call ``request`` makes, as a token's grant names it, and the run it names:
+    (``Submit``, the path's run_id); None for a path that is no call of the API."""
+    resource = request.match_info.route.resource
+    method = "GET" if request.method == "HEAD" else request.method  # (aiohttp serves HEAD so)
+    route = None if resource is None else _CALLS.get((method, resource.canonical))
+    if route is None:
+        return None
+    return route.rpc, request.match_info.get("run_id")
 
 
 def _error(status: int, name: str, message: str) -> web.Response:

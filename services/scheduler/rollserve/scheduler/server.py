@@ -26,7 +26,14 @@ from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import CHANNEL_OPTIONS
 from rollserve.scheduler.lease import LeaseHeld, LeaseLost
 from rollserve.scheduler.metrics import status_registry
-from rollserve.scheduler.rest import OPEN_PATHS, RestApi, json_errors, unauthenticated
+from rollserve.scheduler.rest import (
+    OPEN_PATHS,
+    RestApi,
+    call_of,
+    forbidden,
+    json_errors,
+    unauthenticated,
+)
 from rollserve.scheduler.runtime import SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import Store
@@ -215,7 +222,10 @@ async def _serve_http(
         routes=rest.routes(),
         middlewares=(json_errors,)
         if tokens is None
-        else (json_errors, http_token_check(tokens, OPEN_PATHS, unauthenticated)),
+        else (
+            json_errors,
+            http_token_check(tokens, OPEN_PATHS, unauthenticated, forbidden, call_of),
+        ),
         ssl_context=None if tls is None else tls.ssl_context(),
         max_body_bytes=settings.max_http_body_bytes,
         drain_s=settings.shutdown_grace_s,
@@ -242,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tls-cert-file",
-        help="PEM certificate chain: the gRPC and HTTP servers take TLS connections only",
+        help="PEM certificate chain: the gRPC and HTTP servers take TLS connections only; "
+        "read again when it changes (no restart to renew it)",
     )
     p.add_argument("--tls-key-file", help="PEM key of --tls-cert-file")
     p.add_argument(
@@ -251,8 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--auth-tokens-file",
-        help="file of NAME:TOKEN lines: calls must carry one as 'authorization: Bearer TOKEN' "
-        "(health checks, /metrics and /openapi.json excepted); read again when it changes",
+        help="file of 'NAME:TOKEN [role=admin|trainer|engine|viewer] [runs=GLOB,...]' lines: "
+        "calls must carry one as 'authorization: Bearer TOKEN' and stay within its role and "
+        "runs (health checks, /metrics and /openapi.json excepted); read again when it changes "
+        "(docs/access.md)",
     )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollserve.common.access import ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
+from rollserve.scheduler.roles import ROLES
 
 
 class EngineEndpoint(BaseModel):
@@ -45,7 +46,8 @@ class SchedulerSettings(BaseModel):
     tls_cert_file: str | None = Field(
         None,
         description="PEM certificate chain of the gRPC and HTTP servers, which then take TLS "
-        "connections only (with tls_key_file); None: plaintext",
+        "connections only (with tls_key_file); read again when it changes (renewed without a "
+        "restart); None: plaintext",
     )
     tls_key_file: str | None = Field(None, description="PEM key of tls_cert_file")
     tls_client_ca_file: str | None = Field(
@@ -55,10 +57,11 @@ class SchedulerSettings(BaseModel):
     )
     auth_tokens_file: str | None = Field(
         None,
-        description="file of NAME:TOKEN lines: every call (gRPC and HTTP; not health checks, "
-        "reflection, /metrics nor /openapi.json) must carry one as 'authorization: Bearer "
-        "TOKEN', engines' registrations included; read again when it changes; None: no token "
-        "asked",
+        description="file of 'NAME:TOKEN [role=ROLE] [runs=GLOB,...]' lines: every call (gRPC "
+        "and HTTP; not health checks, reflection, /metrics nor /openapi.json) must carry one as "
+        "'authorization: Bearer TOKEN', engines' registrations included, and stay within its "
+        "role (admin, trainer, engine, viewer) and runs; read again when it changes; None: no "
+        "token asked",
     )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
@@ -289,7 +292,9 @@ class SchedulerSettings(BaseModel):
 
     def token_file(self) -> TokenFile | None:
         """The tokens calls must carry (read now); None: none asked."""
-        return None if self.auth_tokens_file is None else TokenFile(self.auth_tokens_file)
+        if self.auth_tokens_file is None:
+            return None
+        return TokenFile(self.auth_tokens_file, roles=ROLES)
 
     @model_validator(mode="after")
     def _lease_outwaits_a_crash(self) -> SchedulerSettings:
