@@ -472,6 +472,57 @@ async def test_a_token_is_refused_the_calls_and_runs_its_grant_does_not_cover(
                 assert reply.status == 200
 
 
+async def test_status_shows_a_token_limited_to_runs_only_those_runs(
+    redis_url: str, tmp_path: Path
+) -> None:
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(
+        f"ops:{SECRET}\n"
+        f"alice:{TOKEN} role=trainer runs=alice-*\n"
+        f"grafana:{ENGINE_TOKEN} role=viewer\n"
+    )
+    suffix = uuid.uuid4().hex[:8]
+    runs = {f"alice-{suffix}": TOKEN, f"bob-{suffix}": SECRET}
+    async with scheduler(redis_url, auth_tokens_file=str(tokens_file)) as (served, http_port):
+        address = f"localhost:{served.port}"
+        clients = {
+            run: AsyncRolloutClient(
+                address, redis_url, run, credentials=SchedulerCredentials(token=token)
+            )
+            for run, token in runs.items()
+        }
+        try:
+            for run_client in clients.values():  # (queued: the scheduler has no engine)
+                assert await run_client.submit([group("g0")]) == 1
+
+            async def shown(token: str) -> set[str]:
+                credentials = SchedulerCredentials(token=token)
+                async with AsyncRolloutClient(
+                    address, redis_url, "any", credentials=credentials
+                ) as caller:
+                    status = await caller.status()
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.get(
+                        f"http://127.0.0.1:{http_port}/v1/status",
+                        headers={"Authorization": f"Bearer {token}"},
+                    ) as reply,
+                ):
+                    over_http = {run["run_id"] for run in (await reply.json())["runs"]}
+                over_grpc = {run.run_id for run in status.runs}
+                assert over_grpc == over_http
+                assert status.queue_depth >= 2  # (the queue's totals stay whole)
+                return over_grpc & set(runs)
+
+            assert await shown(SECRET) == set(runs)  # admin
+            assert await shown(ENGINE_TOKEN) == set(runs)  # a viewer limited to no run
+            assert await shown(TOKEN) == {f"alice-{suffix}"}
+        finally:
+            for run_client in clients.values():
+                await run_client.delete_run()
+                await run_client.close()
+
+
 async def test_a_call_that_gives_its_authorization_twice_is_refused(
     redis_url: str, tokens_file: Path
 ) -> None:

@@ -26,6 +26,7 @@ Health checks stay open (orchestrators probe without credentials), as does gRPC 
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import hmac
 import inspect
@@ -46,6 +47,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 __all__ = [
     "ADMIN",
+    "CALLER",
     "OPEN_GRPC_PREFIXES",
     "Grant",
     "GrpcTokenCheck",
@@ -114,6 +116,11 @@ class Grant:
     def covers(self, run_id: str) -> bool:
         """Whether the grant reaches run ``run_id``."""
         return not self.runs or any(fnmatch.fnmatchcase(run_id, glob) for glob in self.runs)
+
+
+CALLER: contextvars.ContextVar[Grant | None] = contextvars.ContextVar("caller", default=None)
+"""While a call whose token is limited to runs is served, its grant (set by the token
+checks): what its answer may show (Status lists only those runs). None otherwise."""
 
 
 def parse_tokens(
@@ -393,8 +400,12 @@ def _checking_runs(
             if denied:
                 refusal_log(method, context.peer(), denied)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
-        answer = behaviour(request, context)
-        return await answer if inspect.isawaitable(answer) else answer
+        token = CALLER.set(grant)  # (this call's own task: no other call sees it)
+        try:
+            answer = behaviour(request, context)
+            return await answer if inspect.isawaitable(answer) else answer
+        finally:
+            CALLER.reset(token)
 
     return grpc.unary_unary_rpc_method_handler(
         checked,
@@ -439,7 +450,13 @@ def http_token_check(
         if denied:
             refusal_log(what, str(request.remote), denied)
             return denial(denied)
-        return await handler(request)
+        if not grant.runs:
+            return await handler(request)
+        token = CALLER.set(grant)
+        try:
+            return await handler(request)
+        finally:
+            CALLER.reset(token)
 
     return check
 

@@ -16,6 +16,7 @@ from rollserve.client.wire import (
     status_details,
     stream_key,
 )
+from rollserve.common.access import CALLER
 from rollserve.scheduler.lease import LeaseLost
 from rollserve.scheduler.runtime import (
     FleetFull,
@@ -68,7 +69,15 @@ class SchedulerApi:
         return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
 
     def status(self) -> pb.StatusResponse:
-        return self._runtime.status()
+        """The runtime's status; to a caller whose token is limited to runs, with only those
+        runs in ``runs`` (the fleet and the queue's totals stay whole)."""
+        status = self._runtime.status()
+        caller = CALLER.get()
+        if caller is not None and caller.runs:
+            shown = [run for run in status.runs if caller.covers(run.run_id)]
+            del status.runs[:]
+            status.runs.extend(shown)
+        return status
 
     async def delete_run(self, request: pb.DeleteRunRequest) -> pb.DeleteRunResponse:
         _check_run_id(request.run_id)
