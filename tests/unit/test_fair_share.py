@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from rich.console import Console
 from rollserve.cli.status import render
 from rollserve.client.types import SchedulerStatus
-from rollserve.scheduler.core.fairshare import FairShare, Waiting
+from rollserve.scheduler.core.fairshare import EngineTags, FairShare, Waiting
 from rollserve.scheduler.core.policy import create_policy, policy_names
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.runtime import SchedulerRuntime
@@ -131,6 +131,54 @@ def test_every_policy_places_by_turn_before_priority(policy: str) -> None:
     behind = dataclasses.replace(queued("b/g0", n=1, seq=1, priority=7), turn=(0, 0))
     plan = create_policy(policy).plan(snapshot([ahead, behind], [engine("e0", capacity=1)]))
     assert [a.group_key for a in plan.assignments] == ["b/g0"]
+
+
+def test_engine_tags_keep_a_run_s_calls_in_order_and_put_one_that_comes_first() -> None:
+    tags = EngineTags()
+    # Run a alone sends calls of 8 samples: 0, 8, 16, ... in the order sent.
+    assert [tags.tag("a", 8, None if i == 0 else 0) for i in range(4)] == [0, 8, 16, 24]
+    # b comes while a's calls from 0 on are in flight: it starts at the oldest, ahead of
+    # a's later calls that wait in the engines' queues.
+    assert tags.tag("b", 8, 0) == 0
+    assert tags.tag("b", 8, 0) == 8
+    assert tags.tag("a", 8, 0) == 32
+    # a's first calls ended: b, behind the oldest in flight now, catches up to it.
+    assert tags.tag("b", 8, 24) == 24
+    # Nothing in flight: every counter starts again.
+    assert tags.tag("a", 8, None) == 0
+    assert tags.tag("b", 8, 0) == 0
+    tags.forget("b")
+    assert tags.tag("b", 1, 5) == 5
+
+
+async def test_engines_are_sent_the_tags_as_priorities_and_arrival_without_fair_share(
+    redis_url: str,
+) -> None:
+    for fair_share, expected in (
+        (True, {"a0": 0, "a1": 1, "a2": 2, "a3": 3, "b0": 0, "a4": 4}),
+        (False, {"a0": 0, "a1": 0, "a2": 0, "a3": 0, "b0": 0, "a4": 0}),
+    ):
+        gate = asyncio.Event()
+        fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
+        runtime: SchedulerRuntime = await make_runtime(
+            redis_url, [fake], capacity_factor=6.0, fair_share=fair_share
+        )
+        a, b = new_run(), new_run()
+        try:
+            await runtime.submit(a, [spec(f"a{i}", n=1, run_id=a) for i in range(4)])
+            await eventually(running(runtime, 4), "a's groups running")
+            await runtime.submit(b, [spec("b0", n=1, run_id=b)])
+            await eventually(running(runtime, 5), "b's group running")
+            await runtime.submit(a, [spec("a4", n=1, run_id=a)])
+            await eventually(running(runtime, 6), "a's last group running")
+            gate.set()
+            await read_stream(redis_url, a, 5)
+            await read_stream(redis_url, b, 1)
+        finally:
+            await runtime.stop()
+            await fake.stop()
+        got = {r.request_id.split("#")[0].split("/")[-1]: r.priority for r in fake.requests}
+        assert got == expected, (fair_share, got)
 
 
 async def order_of_runs(redis_url: str, fair_share: bool) -> list[str]:

@@ -41,6 +41,7 @@ __all__ = ["TenantsConfig", "TenantsRow", "run_tenants"]
 STEP_TIMEOUT_S = 1800.0
 LAG_WARNING_S = 1.0  # real seconds the fleet may fall behind before the row says so
 MODES = ("B alone", "arrival order", "fair share")
+MODE_NAMES = dict(zip(("alone", "arrival", "fair"), MODES, strict=True))  # (on the command line)
 _B_SEED_OFFSET = 1_000_003  # (B's prompts are not A's)
 
 
@@ -53,6 +54,7 @@ class TenantsConfig:
     n: int = 8
     time_scale: float = 1.0
     policies: tuple[str, ...] = ("least_outstanding", "rl")
+    modes: tuple[str, ...] = MODES  # the rows to run per policy, of MODES
     profile: str = "gpu-h100-llama8b"
     response_median: float = 150.0
     max_tokens: int = 1024
@@ -102,7 +104,7 @@ def run_tenants(cfg: TenantsConfig, console: Console | None = None) -> dict[str,
         EmbeddedRedis() as redis_server,
     ):
         for policy in cfg.policies:
-            for mode in MODES:
+            for mode in cfg.modes:
                 log_dir = Path(tmp) / f"{policy}-{mode.replace(' ', '-')}"
                 row = _run_row(cfg, policy, mode, redis_server.url, log_dir)
                 rows.append(row)
@@ -150,7 +152,9 @@ def _table(rows: list[TenantsRow], profile: str) -> Table:
             r.mode,
             f"{r.b_mean_step_simulated_s:.2f}",
             f"{max(r.b_step_simulated_s):.2f}",
-            f"{r.b_mean_step_simulated_s / alone[r.policy].b_mean_step_simulated_s:.2f}x",
+            f"{r.b_mean_step_simulated_s / alone[r.policy].b_mean_step_simulated_s:.2f}x"
+            if r.policy in alone
+            else "-",
             "-" if r.mode == MODES[0] else str(r.a_groups_delivered),
             "-"
             if r.mode == MODES[0]

@@ -33,6 +33,20 @@ def _engine_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _tenant_modes(text: str) -> tuple[str, ...]:
+    from rollserve.bench.tenants import MODE_NAMES
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in MODE_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give modes from {', '.join(MODE_NAMES)}, comma-separated"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names a mode twice")
+    return tuple(MODE_NAMES[name] for name in names)
+
+
 def _policies(text: str) -> tuple[str, ...]:
     from rollserve.bench.fleet import STREAM
     from rollserve.scheduler.core.policy import policy_names
@@ -197,6 +211,13 @@ def add_bench_tenants(bench_sub: Any) -> None:
         default=defaults.policies,
         help=f"scheduler policies, comma-separated ({','.join(defaults.policies)})",
     )
+    tenants.add_argument(
+        "--modes",
+        type=_tenant_modes,
+        default=defaults.modes,
+        help="rows to run per policy, comma-separated: alone (B alone), arrival (A's backlog "
+        "with --no-fair-share), fair (with fair share) (all three)",
+    )
     tenants.add_argument("--profile", default=defaults.profile, help="sim cost profile")
     tenants.add_argument(
         "--median",
@@ -221,6 +242,7 @@ def _cmd_bench_tenants(args: argparse.Namespace) -> int:
             n=args.n,
             time_scale=args.time_scale,
             policies=args.policy,
+            modes=args.modes,
             profile=args.profile,
             response_median=args.median,
             seed=args.seed,

@@ -189,6 +189,7 @@ class EngineHandle:
         resumed: Sequence[int] = (),
         resumption: int = 0,
         *,
+        priority: int = 0,
         earlier_outputs: Sequence[Sequence[int]] = (),
     ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
         """Starts generating samples ``indices`` of the group (all n: no sample_indices).
@@ -218,7 +219,7 @@ class EngineHandle:
             prompt_token_ids=[*spec.prompt_token_ids, *resumed],
             n=spec.n,
             sampling=sampling,
-            priority=spec.priority,
+            priority=priority,
             sample_indices=[] if len(set(indices)) == spec.n else indices,
             earlier_outputs=[pb.EarlierOutput(token_ids=o) for o in earlier_outputs],
         )

@@ -89,7 +89,7 @@ from rollserve.client.wire import (
     SampleResult,
     first_non_finite,
 )
-from rollserve.scheduler.core.fairshare import FairShare, Waiting
+from rollserve.scheduler.core.fairshare import EngineTags, FairShare, Waiting
 from rollserve.scheduler.core.policy import Policy
 from rollserve.scheduler.core.predictor import (
     LengthFit,
@@ -229,6 +229,7 @@ class _Call:
     engine: EngineHandle
     indices: tuple[int, ...]
     resumed: tuple[int, ...] = ()
+    tag: int = 0  # its place in the engine's queue (``EngineTags``), sent as its priority
     task: asyncio.Task[None] | None = None
     # Samples an Abort was sent for and whose Complete has not come yet -> the engine to
     # resume each on ("": the queue).
@@ -355,6 +356,9 @@ class SchedulerRuntime:
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
         self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
+        # The order of the engines' own queues (settings.fair_share; without it, arrival).
+        self._tags = EngineTags()
+        self._oldest_tag: int | None = None  # the least tag in flight, as a plan begins
         # Prompt keys learnt from and not saved yet, least recently learnt first.
         self._unsaved: dict[str, None] = {}
         self._globals_unsaved = False
@@ -656,6 +660,7 @@ class SchedulerRuntime:
                     record.cancel()
                     cancelled += 1
             self._versions.pop(run_id, None)
+            self._tags.forget(run_id)
             if self._stamping is not None and self._stamping[0] == run_id:
                 self._stamping = ("", 0)  # (the fleet's weights, in Redis too, name no run)
             self.counters.groups_cancelled += cancelled
@@ -1287,6 +1292,7 @@ class SchedulerRuntime:
             ):
                 continue
             plan = self._policy.plan(self.snapshot())
+            self._oldest_tag = self._least_tag()  # (the plan's calls take none below it)
             for assign in plan.assignments:
                 self._carry_out(assign)
             if plan.preempts:
@@ -1334,13 +1340,29 @@ class SchedulerRuntime:
             del self._queue[key]
         self._calls_started += 1
         call = _Call(
-            f"{key}#{self._boot}.{self._calls_started}", record, engine, tuple(indices), resumed
+            f"{key}#{self._boot}.{self._calls_started}",
+            record,
+            engine,
+            tuple(indices),
+            resumed,
+            tag=self._tags.tag(record.spec.run_id, len(indices), self._oldest_tag)
+            if self.settings.fair_share
+            else 0,
         )
+        if self._oldest_tag is None:
+            self._oldest_tag = call.tag
         task = asyncio.create_task(self._run_call(call), name=f"call {call.request_id}")
         call.task = task
         self._calls.setdefault(key, {})[call.request_id] = call
         self._tasks.add(task)
         task.add_done_callback(self._call_ended)
+
+    def _least_tag(self) -> int | None:
+        """The least engine-queue tag of the calls in flight; None when none is."""
+        return min(
+            (call.tag for calls in self._calls.values() for call in calls.values()),
+            default=None,
+        )
 
     def _room(self) -> dict[str, int]:
         """Per engine, the samples it can take before it is at capacity."""
@@ -1454,6 +1476,7 @@ class SchedulerRuntime:
             call.indices,
             call.resumed,
             resumption,
+            priority=call.tag,
             earlier_outputs=earlier,
         )
         try:
@@ -1754,6 +1777,7 @@ class SchedulerRuntime:
             return
         target = self._engines.get(to_engine)
         if target is not None and target.healthy and self._room()[to_engine] > 0:
+            self._oldest_tag = self._least_tag()
             self._start(record, target, (index,))
             return
         log.warning(
