@@ -113,16 +113,26 @@ def client(
         ("", "no token in it"),
         ("# only a comment\n", "no token in it"),
         (f"{SECRET}\n", "line 1: expected NAME:TOKEN"),
-        (f"bad name:{SECRET}\n", "line 1: the name 'bad name' must be"),
-        ("short:abc\n", "line 1: the token of 'short' must be 16 to 4096"),
-        (f"x:{SECRET} tail\n", "neither role=ROLE nor runs=GLOB"),
-        (f"x:0123456789abcdef {SECRET}\n", "neither role=ROLE nor runs=GLOB"),  # (not shown)
-        (f"x:{SECRET} role=root\n", "line 1, token 'x': role 'root' is not one of admin"),
+        (f"bad name:{SECRET}\n", "line 1: the name must be 1 to 64"),
+        ("short:abc\n", "line 1: the token must be 16 to 4096"),
+        (f"x:{SECRET} tail\n", "none of role=ROLE, runs=GLOB,... and engines=GLOB"),
+        (f"x:0123456789abcdef {SECRET}\n", "none of role=ROLE"),  # (not shown)
+        (f"x:{SECRET} role=root\n", "line 1: role 'root' is not one of admin"),
         (f"x:{SECRET} role=admin role=admin\n", "role= is given twice"),
-        (f"x:{SECRET} runs=a-*,b/c\n", "not 'b/c'"),
+        (f"x:{SECRET} runs=a-*,b/c\n", "runs= takes run ids or globs of them"),
         (f"x:{SECRET} runs=\n", "not ''"),
-        (f"a:{SECRET}\n\na:{SECRET}x\n", "line 3: the name 'a' is given twice"),
-        (f"a:{SECRET}\nb:{SECRET}\n", "line 2: the token of 'b' is 'a''s too"),
+        (f"x:{SECRET} engines=sim-*,\n", "engines= takes engine ids"),
+        # A token left out (a template's empty variable): its options are no token.
+        ("x: runs=alice-experiments-* role=trainer\n", "line 1: no token after the name 'x'"),
+        ("x:runs=alice-experiments-*\n", "line 1: no token after the name 'x'"),
+        (f"x: {SECRET}\n", "no token after the name 'x': NAME:TOKEN, no space"),
+        ("x:\n", "no token after the name 'x'"),
+        # A name as long as a token is never shown (a token and its name swapped).
+        (f"{SECRET}:trainer\n", "line 1: the token must be"),
+        (f"{SECRET}+/=:0123456789abcdef\n", "line 1: the name must be"),
+        (f"{SECRET}:{TOKEN}\n{SECRET}:{TOKEN}x\n", "line 2: the name is line 1's too"),
+        (f"a:{SECRET}\n\na:{SECRET}x\n", "line 3: the name 'a' is line 1's too"),
+        (f"a:{SECRET}\nb:{SECRET}\n", "line 2: the token is line 1's too"),
     ],
 )
 def test_a_tokens_file_that_does_not_parse_is_refused_naming_the_line(text: str, said: str) -> None:
@@ -164,6 +174,29 @@ def test_a_changed_tokens_file_is_read_again_and_a_broken_one_keeps_the_old_toke
     assert tokens.caller(f"Bearer {SECRET}")[0] == Grant("trainer")
 
 
+def test_a_tokens_file_that_could_not_be_read_is_read_again_once_its_mode_changes(
+    tokens_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    tokens = TokenFile(tokens_file, reload_interval_s=5.0, clock=lambda: now[0])
+    tokens_file.write_text(f"trainer:{SECRET}\n")  # the old token revoked...
+    real_read = Path.read_text
+
+    def unreadable(path: Path, *args: Any, **kwargs: Any) -> str:
+        if path == tokens_file:
+            raise PermissionError(13, "Permission denied")
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", unreadable)  # ...but written with a wrong mode
+    now[0] = 5.0
+    assert tokens.caller(f"Bearer {TOKEN}")[0] == Grant("trainer")  # kept; the log says why
+    monkeypatch.setattr(Path, "read_text", real_read)
+    tokens_file.chmod(0o640)  # (the fix changes no byte of it)
+    now[0] = 10.0
+    assert tokens.caller(f"Bearer {TOKEN}")[0] is None
+    assert tokens.caller(f"Bearer {SECRET}")[0] == Grant("trainer")
+
+
 def test_a_tokens_line_grants_its_roles_calls_on_the_runs_it_names() -> None:
     text = (
         f"ops:{SECRET}\n"
@@ -195,6 +228,19 @@ def test_a_tokens_line_grants_its_roles_calls_on_the_runs_it_names() -> None:
     assert alice.refuses("RegisterEngine") != "" and engines.refuses("RegisterEngine") == ""
     assert engines.refuses("Status") != ""
     assert ops.refuses("RegisterEngine") == ops.refuses("SomethingNew") == ""
+    # A byte-order mark (an editor's) is no part of the first name.
+    assert [g.name for g in parse_tokens(f"\ufeffops:{SECRET}\n", "tokens").values()] == ["ops"]
+
+
+def test_an_engine_token_may_be_limited_to_engine_ids() -> None:
+    text = f"pool-a:{ENGINE_TOKEN} role=engine engines=pool-a-*,spare\n"
+    (grant,) = parse_tokens(text, "tokens", ROLES).values()
+    assert grant.engines == ("pool-a-*", "spare") and grant.scoped
+    assert grant.refuses("RegisterEngine", engine_id="pool-a-3") == ""
+    assert grant.refuses("Heartbeat", engine_id="spare") == ""
+    assert grant.refuses("RegisterEngine", engine_id="pool-b-0") == (
+        "the token 'pool-a' may act as engines pool-a-*,spare only, not as 'pool-b-0'"
+    )
 
 
 # ------------------------------------------------------------------ settings
@@ -393,7 +439,7 @@ async def test_a_token_is_refused_the_calls_and_runs_its_grant_does_not_cover(
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text(
         f"alice:{TOKEN} role=trainer runs=alice-*\n"
-        f"engines:{ENGINE_TOKEN} role=engine\n"
+        f"engines:{ENGINE_TOKEN} role=engine engines=e-*\n"
         f"grafana:{SECRET} role=viewer\n"
     )
     alice = SchedulerCredentials(token=TOKEN)
@@ -427,6 +473,17 @@ async def test_a_token_is_refused_the_calls_and_runs_its_grant_does_not_cover(
                 assert "may not call RegisterEngine" in (error.value.details() or "")
             engine = (("authorization", f"Bearer {ENGINE_TOKEN}"),)
             await stub.RegisterEngine(register, timeout=10, metadata=engine)
+            # engines=e-*: another id is refused, at registration and heartbeat alike.
+            foreign = pb.RegisterEngineRequest(engine_id="x-0", address="127.0.0.1:9")
+            for attempt in (
+                stub.RegisterEngine(foreign, timeout=10, metadata=engine),
+                stub.Heartbeat(pb.HeartbeatRequest(engine_id="x-0"), timeout=10, metadata=engine),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await attempt
+                assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "may act as engines e-* only, not as 'x-0'" in (error.value.details() or "")
+            await stub.Heartbeat(pb.HeartbeatRequest(engine_id="e-0"), timeout=10, metadata=engine)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await stub.Status(pb.StatusRequest(), timeout=10, metadata=engine)
             assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -625,6 +682,17 @@ async def test_a_mutual_tls_scheduler_wants_a_certificate_its_client_ca_signed(
             context.load_cert_chain(pki.client_cert, pki.client_key)
             async with http.get(f"https://localhost:{http_port}/v1/status", ssl=context) as reply:
                 assert reply.status == 200
+            # TLS 1.3 without session tickets: nothing resumes a session made under a client
+            # CA since taken out (a resumption skips the certificate check), and TLS 1.2,
+            # whose session cache would, is refused.
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        async with aiohttp.ClientSession() as http:  # (a new connection)
+            with pytest.raises(aiohttp.ClientError):
+                async with http.get(f"https://localhost:{http_port}/v1/status", ssl=context):
+                    pass
+        server_context = ServerTls.load(pki.server_cert, pki.server_key, pki.ca)._context()
+        assert server_context.minimum_version == ssl.TLSVersion.TLSv1_3
+        assert server_context.num_tickets == 0
 
 
 async def test_a_renewed_certificate_is_served_to_new_connections_without_a_restart(

@@ -1,20 +1,22 @@
 """Who may call a service: TLS on its servers, bearer tokens on its calls.
 
 **Tokens.** A tokens file holds one token a line, as ``NAME:TOKEN [role=ROLE]
-[runs=GLOB,...]``; blank lines and lines that start with ``#`` are skipped. NAME (letters,
-digits, ``_.-``, 64 at most) says whose the token is in the service's log; TOKEN is 16 to 4096
-visible ASCII characters (``openssl rand -hex 32`` makes one). A call carries its token as
-``authorization: Bearer TOKEN`` (gRPC metadata, or the HTTP header). The file is read again
-within ``reload_interval_s`` of a change (a Kubernetes Secret updated in place), so tokens
-rotate without a restart: add the new one, move the callers to it, remove the old. A file
-that no longer parses keeps the tokens read before, and says why in the log.
+[runs=GLOB,...] [engines=GLOB,...]``; blank lines and lines that start with ``#`` are
+skipped. NAME (letters, digits, ``_.-``, 64 at most) says whose the token is in the
+service's log; TOKEN is 16 to 4096 visible ASCII characters (``openssl rand -hex 32`` makes
+one). A call carries its token as ``authorization: Bearer TOKEN`` (gRPC metadata, or the
+HTTP header). The file is read again within ``reload_interval_s`` of a change (a Kubernetes
+Secret updated in place), so tokens rotate without a restart: add the new one, move the
+callers to it, remove the old. A file that no longer parses keeps the tokens read before,
+and says why in the log.
 
 **Rights.** What a token may do is its grant (``Grant``). Its role, one of the service's
 (``Role``; the service's default role where the line names none), says which calls it may
 make. ``runs=`` narrows it to runs whose id matches one of the globs (``*`` any characters,
-``?`` one): a call whose request names a ``run_id`` must name one of them. A call its token
-does not cover is refused with PERMISSION_DENIED (HTTP 403), naming the token and what it
-lacks; a call without an accepted token with UNAUTHENTICATED (HTTP 401).
+``?`` one): a call whose request names a ``run_id`` must name one of them; ``engines=`` so
+to engines, by the ``engine_id`` a request names (an engine's registration). A call its
+token does not cover is refused with PERMISSION_DENIED (HTTP 403), naming the token and what
+it lacks; a call without an accepted token with UNAUTHENTICATED (HTTP 401).
 
 **TLS.** A server certificate and its key (PEM); with a client CA, callers must show a
 certificate it signed (mutual TLS). The files are read again within ``reload_interval_s``
@@ -91,36 +93,52 @@ _ALL = {ADMIN: Role()}
 @dataclass(frozen=True)
 class Grant:
     """What the token of ``name`` may do: the calls of its role (None: all), on the runs
-    whose id matches one of ``runs``' globs (none given: every run)."""
+    whose id matches one of ``runs``' globs and as the engines whose id matches one of
+    ``engines``' (none given: every run, every engine)."""
 
     name: str
     role: str = ADMIN
     calls: frozenset[str] | None = None
     runs: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ()
 
-    def refuses(self, call: str, run_id: str | None = None) -> str:
-        """Why the grant does not cover ``call`` on run ``run_id`` (None: a call that names
-        no run); "" when it does."""
+    @property
+    def scoped(self) -> bool:
+        """Whether it is limited to some runs or engines."""
+        return bool(self.runs or self.engines)
+
+    def refuses(self, call: str, run_id: str | None = None, engine_id: str | None = None) -> str:
+        """Why the grant does not cover ``call`` on run ``run_id`` as engine ``engine_id``
+        (None: a call that names none); "" when it does."""
         if self.calls is not None and call not in self.calls:
             return (
                 f"the token {self.name!r} (role {self.role}) may not call {call}; it may call "
                 f"{', '.join(sorted(self.calls)) or 'nothing'}"
             )
-        if run_id is not None and self.runs and not self.covers(run_id):
+        if run_id is not None and not self.covers(run_id):
             return (
                 f"the token {self.name!r} may act on runs {','.join(self.runs)} only, not on "
                 f"{run_id[:_NAME_SHOWN_CHARS]!r}"
+            )
+        if engine_id is not None and not _matches(engine_id, self.engines):
+            return (
+                f"the token {self.name!r} may act as engines {','.join(self.engines)} only, "
+                f"not as {engine_id[:_NAME_SHOWN_CHARS]!r}"
             )
         return ""
 
     def covers(self, run_id: str) -> bool:
         """Whether the grant reaches run ``run_id``."""
-        return not self.runs or any(fnmatch.fnmatchcase(run_id, glob) for glob in self.runs)
+        return _matches(run_id, self.runs)
+
+
+def _matches(name: str, globs: tuple[str, ...]) -> bool:
+    return not globs or any(fnmatch.fnmatchcase(name, glob) for glob in globs)
 
 
 CALLER: contextvars.ContextVar[Grant | None] = contextvars.ContextVar("caller", default=None)
-"""While a call whose token is limited to runs is served, its grant (set by the token
-checks): what its answer may show (Status lists only those runs). None otherwise."""
+"""While a call whose token is limited to runs or engines is served, its grant (set by the
+token checks): what its answer may show (Status lists only its runs). None otherwise."""
 
 
 def parse_tokens(
@@ -131,10 +149,12 @@ def parse_tokens(
 ) -> dict[str, Grant]:
     """The tokens of a tokens file's ``text``, each to its grant (``roles``: those a line
     may name; ``default_role``: a line's that names none). ValueError names ``source``, the
-    line and what is wrong with it (never the token itself)."""
+    line and what is wrong with it; never a token, nor a name as long as one (a name and a
+    token swapped)."""
     tokens: dict[str, Grant] = {}
-    names: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    names: dict[str, int] = {}  # -> its line
+    lines: dict[str, int] = {}  # token -> its line
+    for number, raw in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -145,57 +165,70 @@ def parse_tokens(
             raise ValueError(f"{where}: expected NAME:TOKEN (no ':' found)")
         if not _NAME.fullmatch(name):
             raise ValueError(
-                f"{where}: the name {name[:_NAME_SHOWN_CHARS]!r} must be 1 to 64 letters, "
-                "digits or '_.-'"
+                f"{where}: the name{_shown(name)} must be 1 to 64 letters, digits or '_.-'"
+            )
+        if rest[:1].isspace() or not rest or token.startswith(("role=", "runs=")):
+            raise ValueError(
+                f"{where}: no token after the name{_shown(name)}: NAME:TOKEN, no space"
             )
         if not _TOKEN.fullmatch(token):
             raise ValueError(
-                f"{where}: the token of {name!r} must be {MIN_TOKEN_CHARS} to "
-                f"{MAX_TOKEN_CHARS} visible ASCII characters without spaces (it has "
-                f"{len(token)}); make one with `openssl rand -hex 32`"
+                f"{where}: the token must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} visible "
+                f"ASCII characters without spaces (it has {len(token)}); make one with "
+                "`openssl rand -hex 32`"
             )
         if name in names:
-            raise ValueError(f"{where}: the name {name!r} is given twice")
+            raise ValueError(f"{where}: the name{_shown(name)} is line {names[name]}'s too")
         if token in tokens:
-            raise ValueError(f"{where}: the token of {name!r} is {tokens[token].name!r}'s too")
-        names.add(name)
-        role, runs = _options(options, f"{where}, token {name!r}", roles, default_role)
-        tokens[token] = Grant(name, role, roles[role].calls, runs)
+            raise ValueError(f"{where}: the token is line {lines[token]}'s too")
+        names[name], lines[token] = number, number
+        role, scopes = _options(options, where, roles, default_role)
+        tokens[token] = Grant(name, role, roles[role].calls, **scopes)
     if not tokens:
         raise ValueError(f"{source}: no token in it (one NAME:TOKEN a line)")
     return tokens
 
 
+def _shown(name: str) -> str:
+    """`` 'NAME'`` for an error, for a name too short to be a token; else nothing."""
+    return f" {name!r}" if len(name) < MIN_TOKEN_CHARS and _NAME.fullmatch(name) else ""
+
+
+_SCOPES = {"runs": "run", "engines": "engine"}  # option -> what its globs name
+
+
 def _options(
     options: list[str], where: str, roles: Mapping[str, Role], default_role: str
-) -> tuple[str, tuple[str, ...]]:
-    """A token's line's ``role=`` and ``runs=`` (what follows its token): (its role, its
-    runs' globs)."""
+) -> tuple[str, dict[str, tuple[str, ...]]]:
+    """A token's line's ``role=``, ``runs=`` and ``engines=`` (what follows its token): (its
+    role, the globs of each scope given)."""
     given: dict[str, str] = {}
     for option in options:
         key, eq, value = option.partition("=")
-        if key not in ("role", "runs") or not eq:
+        if (key != "role" and key not in _SCOPES) or not eq:
             # (never shown: it may be the rest of a token that has a space in it)
             raise ValueError(
-                f"{where}: after the token comes something that is neither role=ROLE nor "
-                "runs=GLOB,... (a token has no spaces)"
+                f"{where}: after the token comes something that is none of role=ROLE, "
+                "runs=GLOB,... and engines=GLOB,... (a token has no spaces)"
             )
         if key in given:
             raise ValueError(f"{where}: {key}= is given twice")
         given[key] = value
-    role = given.get("role", default_role)
+    role = given.pop("role", default_role)
     if role not in roles:
         raise ValueError(
             f"{where}: role {role[:_NAME_SHOWN_CHARS]!r} is not one of {', '.join(roles)}"
         )
-    runs = tuple(given["runs"].split(",")) if "runs" in given else ()
-    for glob in runs:
-        if not _GLOB.fullmatch(glob):
-            raise ValueError(
-                f"{where}: runs= takes run ids or globs of them (letters, digits, '_.-', "
-                f"'*' and '?'), comma-separated; not {glob[:_NAME_SHOWN_CHARS]!r}"
-            )
-    return role, runs
+    scopes = {key: tuple(value.split(",")) for key, value in given.items()}
+    for key, globs in scopes.items():
+        for glob in globs:
+            if not _GLOB.fullmatch(glob):
+                raise ValueError(
+                    f"{where}: {key}= takes {_SCOPES[key]} ids or globs of them (letters, "
+                    f"digits, '_.-', '*' and '?'), comma-separated; not "
+                    f"{glob[:_NAME_SHOWN_CHARS]!r}"
+                )
+    return role, scopes
 
 
 def _read_tokens(path: Path, roles: Mapping[str, Role], default_role: str) -> dict[str, Grant]:
@@ -206,13 +239,13 @@ def _read_tokens(path: Path, roles: Mapping[str, Role], default_role: str) -> di
     return parse_tokens(text, str(path), roles, default_role)
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
     """What changes when the file is replaced or rewritten (None: it cannot be read now)."""
     try:
         stat = path.stat()  # (a Kubernetes Secret's file is a link to the current version)
     except OSError:
         return None
-    return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    return (stat.st_ino, stat.st_mtime_ns, stat.st_size, stat.st_ctime_ns)  # (ctime: a chmod)
 
 
 class TokenFile:
@@ -355,9 +388,9 @@ class GrpcTokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if denied:
             return _refusing(method, denied, self._log, grpc.StatusCode.PERMISSION_DENIED)
         handler = await continuation(handler_call_details)
-        if not grant.runs or handler is None:
+        if not grant.scoped or handler is None:
             return handler
-        return _checking_runs(method, handler, grant, self._log)
+        return _checking_scopes(method, handler, grant, self._log)
 
 
 def _refusing(
@@ -379,27 +412,30 @@ def _refusing(
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def _checking_runs(
+def _checking_scopes(
     method: str,
     handler: grpc.RpcMethodHandler[Any, Any],
     grant: Grant,
     refusal_log: _RefusalLog,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """``handler``, refusing (PERMISSION_DENIED) a request whose ``run_id`` ``grant`` does
-    not cover. Only unary calls are checked so: a streaming one is refused whole (the
-    scheduler serves none)."""
+    """``handler``, refusing (PERMISSION_DENIED) a request whose ``run_id`` or ``engine_id``
+    the scoped ``grant`` does not cover. Only unary calls are checked so: a streaming one is
+    refused whole (the scheduler serves none)."""
     behaviour: Callable[..., Any] | None = handler.unary_unary
     if behaviour is None:
-        why = f"the token {grant.name!r} is limited to runs and {method} streams: not checked"
+        why = f"the token {grant.name!r} is limited to runs or engines and {method} streams"
         return _refusing(method, why, refusal_log, grpc.StatusCode.PERMISSION_DENIED)
 
     async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         fields = request.DESCRIPTOR.fields_by_name
-        if "run_id" in fields:
-            denied = grant.refuses(method.rpartition("/")[2], request.run_id)
-            if denied:
-                refusal_log(method, context.peer(), denied)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
+        denied = grant.refuses(
+            method.rpartition("/")[2],
+            request.run_id if "run_id" in fields else None,
+            request.engine_id if "engine_id" in fields else None,
+        )
+        if denied:
+            refusal_log(method, context.peer(), denied)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         token = CALLER.set(grant)  # (this call's own task: no other call sees it)
         try:
             answer = behaviour(request, context)
@@ -450,7 +486,7 @@ def http_token_check(
         if denied:
             refusal_log(what, str(request.remote), denied)
             return denial(denied)
-        if not grant.runs:
+        if not grant.scoped:
             return await handler(request)
         token = CALLER.set(grant)
         try:
@@ -481,7 +517,7 @@ class _Watch:
         self._stamps = self._now()
         self._checked = clock()
 
-    def _now(self) -> tuple[tuple[int, int, int] | None, ...]:
+    def _now(self) -> tuple[tuple[int, int, int, int] | None, ...]:
         return tuple(_stamp(path) for path in self._paths)
 
     def changed(self) -> bool:
@@ -577,11 +613,17 @@ class ServerTls:
             self._read(self.client_ca_file, "the client CA")
             try:
                 context.load_verify_locations(cafile=self.client_ca_file)
-            except ssl.SSLError as exc:
+            except (ssl.SSLError, OSError) as exc:
                 raise ValueError(
                     f"the client CA {self.client_ca_file}: not PEM certificates: {exc}"
                 ) from exc
             context.verify_mode = ssl.CERT_REQUIRED
+            # A resumed session skips the certificate check: a client whose CA was taken out
+            # could go on resuming one made before. TLS 1.3 without tickets resumes nothing
+            # (TLS 1.2 would still resume from the session cache, which ssl cannot turn off).
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.num_tickets = 0
+            context.options |= ssl.OP_NO_TICKET
         return context
 
     def _reloaded(self, watch: _Watch) -> tuple[ssl.SSLContext, bytes, bytes, bytes | None] | None:
@@ -612,7 +654,11 @@ class ServerTls:
             connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _: Any
         ) -> None:
             # (OpenSSL asks before it reads the client's hello further, with or without SNI)
-            reloaded = self._reloaded(watch)
+            try:
+                reloaded = self._reloaded(watch)
+            except Exception:  # (raised here, it would fail the handshake)
+                log.exception("%s: reading it again failed", self.cert_file)
+                reloaded = None
             if reloaded is not None:
                 latest[0] = reloaded[0]
             if latest[0] is not base:
