@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from prometheus_client import generate_latest
@@ -20,6 +22,7 @@ from rollserve.scheduler.core.fairshare import EngineTags, FairShare, Waiting
 from rollserve.scheduler.core.policy import create_policy, policy_names
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.runtime import SchedulerRuntime
+from rollserve.v1 import rollserve_pb2 as pb
 
 from tests.unit.builders import engine, queued, snapshot, spec
 from tests.unit.fakes import FakeEngine
@@ -158,13 +161,8 @@ async def test_engines_are_sent_the_tags_as_priorities_and_arrival_without_fair_
         (True, {"a0": 0, "a1": 1, "a2": 2, "a3": 3, "b0": 0, "a4": 4}),
         (False, {"a0": 0, "a1": 0, "a2": 0, "a3": 0, "b0": 0, "a4": 0}),
     ):
-        gate = asyncio.Event()
-        fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
-        runtime: SchedulerRuntime = await make_runtime(
-            redis_url, [fake], capacity_factor=6.0, fair_share=fair_share
-        )
         a, b = new_run(), new_run()
-        try:
+        async with gated(redis_url, 6.0, fair_share) as (runtime, fake, gate):
             await runtime.submit(a, [spec(f"a{i}", n=1, run_id=a) for i in range(4)])
             await eventually(running(runtime, 4), "a's groups running")
             await runtime.submit(b, [spec("b0", n=1, run_id=b)])
@@ -174,23 +172,38 @@ async def test_engines_are_sent_the_tags_as_priorities_and_arrival_without_fair_
             gate.set()
             await read_stream(redis_url, a, 5)
             await read_stream(redis_url, b, 1)
-        finally:
-            await runtime.stop()
-            await fake.stop()
-        got = {r.request_id.split("#")[0].split("/")[-1]: r.priority for r in fake.requests}
+        got = {group_of(r): r.priority for r in fake.requests}
         assert got == expected, (fair_share, got)
+
+
+@asynccontextmanager
+async def gated(
+    redis_url: str, capacity_factor: float, fair_share: bool
+) -> AsyncIterator[tuple[SchedulerRuntime, FakeEngine, asyncio.Event]]:
+    """A runtime over one fake engine of one slot, whose calls all wait for the gate after
+    their first half: (it, the engine, the gate)."""
+    gate = asyncio.Event()
+    fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
+    runtime: SchedulerRuntime = await make_runtime(
+        redis_url, [fake], capacity_factor=capacity_factor, fair_share=fair_share
+    )
+    try:
+        yield runtime, fake, gate
+    finally:
+        await runtime.stop()
+        await fake.stop()
+
+
+def group_of(request: pb.GenerateRequest) -> str:
+    """The group id of a call (its request id is "<run>/<group>#<boot>.<call number>")."""
+    return request.request_id.split("#")[0].split("/")[-1]
 
 
 async def order_of_runs(redis_url: str, fair_share: bool) -> list[str]:
     """Run a queues a0..a3, then run b queues b0, behind a group that holds the only slot of
     the only engine; the group ids in the order the engine got them."""
-    gate = asyncio.Event()
-    fake = await FakeEngine("e0", max_num_seqs=1, second_half_gate=gate).start()
-    runtime: SchedulerRuntime = await make_runtime(
-        redis_url, [fake], capacity_factor=1.0, fair_share=fair_share
-    )
     blocker, a, b = new_run(), new_run(), new_run()
-    try:
+    async with gated(redis_url, 1.0, fair_share) as (runtime, fake, gate):
         await runtime.submit(blocker, [spec("first", n=1, run_id=blocker)])
         await eventually(running(runtime, 1), "the first group running")
         await runtime.submit(a, [spec(f"a{i}", n=1, run_id=a) for i in range(4)])
@@ -198,11 +211,7 @@ async def order_of_runs(redis_url: str, fair_share: bool) -> list[str]:
         gate.set()
         await read_stream(redis_url, a, 4)
         await read_stream(redis_url, b, 1)
-    finally:
-        await runtime.stop()
-        await fake.stop()
-    # (a call's request id is "<run>/<group>#<scheduler boot>.<call number>")
-    return [request.request_id.split("#")[0].split("/")[-1] for request in fake.requests[1:]]
+    return [group_of(request) for request in fake.requests[1:]]
 
 
 async def test_a_run_that_queued_later_is_not_put_behind_another_s_backlog(
