@@ -21,12 +21,15 @@ from rollserve.client import (
     InvalidArgument,
     PromptGroup,
     RolloutClient,
+    RunDeleted,
     SamplingParams,
 )
 from rollserve.client.wire import (
+    DELETED_MARK_S,
     RUNS_KEY,
     GroupResult,
     GroupStatus,
+    deleted_key,
     ended_key,
     pending_key,
     samples_stream_key,
@@ -309,3 +312,48 @@ async def test_a_publish_in_progress_ends_before_the_delete_and_the_weights_name
         await engine.stop()
     assert await run_keys(redis_url, run) != []  # (the run used again has its state)
     assert {seg.version for s in result.samples for seg in s.versions} == {0}
+
+
+@pytest.mark.parametrize("sync", [False, True])
+async def test_a_reader_of_a_run_deleted_under_it_is_told_so_and_makes_no_stream_again(
+    redis_url: str, sync: bool
+) -> None:
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    # (the readers never call the scheduler: its address is not needed)
+    reader = AsyncRolloutClient("127.0.0.1:1", redis_url, run, block_ms=100)
+    redis_client = aioredis.Redis.from_url(redis_url)
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        async for item in reader.groups(limit=1, timeout_s=WAIT_S):  # (its group made)
+            await item.done()
+
+        async def read_on() -> None:
+            if sync:
+                with RolloutClient("127.0.0.1:1", redis_url, run, block_ms=100) as client:
+                    await asyncio.to_thread(lambda: list(client.groups(timeout_s=WAIT_S)))
+            else:
+                async for _ in reader.groups(timeout_s=WAIT_S):
+                    pass
+
+        reading = asyncio.create_task(read_on())
+        await asyncio.sleep(0.5)  # (reading: blocked on the stream)
+        assert not reading.done()
+        await runtime.delete_run(run)
+        with pytest.raises(RunDeleted, match=f"run '{run}' was deleted"):
+            await asyncio.wait_for(reading, WAIT_S)
+        assert await redis_client.exists(stream_key(run)) == 0  # not made again
+        assert 0 < await redis_client.ttl(deleted_key(run)) <= DELETED_MARK_S
+        # A Submit of the id starts it anew: the mark goes, and it is read as before.
+        await runtime.submit(run, specs(run, 1, n=1))
+        assert await redis_client.exists(deleted_key(run)) == 0
+        async with AsyncRolloutClient("127.0.0.1:1", redis_url, run) as again:
+            async for item in again.groups(limit=1, timeout_s=WAIT_S):
+                await item.done()
+        await runtime.delete_run(run)
+    finally:
+        await reader.close()
+        await redis_client.aclose()
+        await runtime.stop()
+        await engine.stop()

@@ -57,9 +57,16 @@ from rollserve.client.consumer import (
     parse_xautoclaim,
     parse_xreadgroup,
     redis_client,
+    run_deleted,
 )
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
-from rollserve.client.errors import REDIS_DOWN, InvalidArgument, StreamUnavailable, error_from_rpc
+from rollserve.client.errors import (
+    REDIS_DOWN,
+    InvalidArgument,
+    RunDeleted,
+    StreamUnavailable,
+    error_from_rpc,
+)
 from rollserve.client.types import (
     CancelResult,
     DeleteRunResult,
@@ -443,6 +450,10 @@ class RolloutClient:
     def _ensure_group(self) -> None:
         if self._state.group_ready:
             return
+        # A stream that vanished under a reader: a deleted run's (its mark is set with the
+        # delete), or one an operator removed. Only the latter is made again.
+        if self._state.lost and self._redis.exists(self.config.deleted_mark):
+            raise RunDeleted(run_deleted(self.config))
         try:
             self._redis.xgroup_create(
                 self.stream, self.config.consumer_group, id="0", mkstream=True
@@ -456,6 +467,7 @@ class RolloutClient:
             except redis.ResponseError as exc:
                 raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
+        self._state.lost = False
 
     def _delivery_counts(self, batch: Batch) -> dict[str, int]:
         """Delivery counts of the redelivered entries of a batch (one round trip)."""

@@ -73,6 +73,7 @@ from rollserve.client.wire import (
     SchemaError,
     decode_entry,
     decode_sample_entry,
+    deleted_key,
     samples_stream_key,
     stream_key,
 )
@@ -165,6 +166,14 @@ def redis_client(from_url: Callable[..., _R], redis_url: str, block_ms: int) -> 
             "a read waits up to block_ms for new entries"
         )
     return client
+
+
+def run_deleted(config: ConsumerConfig) -> str:
+    """What a reader says when its run was deleted while it read."""
+    return (
+        f"run {config.run_id!r} was deleted (DeleteRun) while this client read {config.stream}: "
+        "nothing more will come of it (a Submit of the run id starts it anew)"
+    )
 
 
 def heartbeat_refused(exc: Exception) -> str:
@@ -338,6 +347,11 @@ class ConsumerConfig:
             samples_stream_key(self.run_id) if self.reads == "samples" else stream_key(self.run_id)
         )
 
+    @property
+    def deleted_mark(self) -> str:
+        """The key DeleteRun sets for the run (``wire.deleted_key``)."""
+        return deleted_key(self.run_id)
+
     def check_reads(self, kind: StreamKind) -> None:
         """Refuses to iterate ``kind`` on a client that reads the other stream."""
         if kind != self.reads:
@@ -421,6 +435,7 @@ class ConsumerState:
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
         self.group_ready = False  # XGROUP CREATE done (or the group was there)
+        self.lost = False  # the stream or its group vanished since (NOGROUP)
         self._acked = _BoundedSet(config.dedupe_capacity)
         self._in_hand: dict[str, str] = {}  # entry id -> group id, handed out, not acked
         self._in_hand_groups: dict[str, str] = {}  # group id -> entry id
@@ -543,6 +558,7 @@ class ConsumerState:
             self.config.consumer_group,
         )
         self.group_ready = False
+        self.lost = True
         self._pending_cursor = PENDING_START_ID
         self._claim_cursor = CLAIM_START_CURSOR
 

@@ -53,6 +53,11 @@ class PermissionDenied(RolloutError):
     scheduler's tokens file). Nothing of the call was done."""
 
 
+class RunDeleted(RolloutError):
+    """The run was deleted (DeleteRun) while this client read its stream: nothing more will
+    come of it. Its stream is not made again; a Submit of the run id starts it anew."""
+
+
 class StreamUnavailable(RolloutError):
     """Redis, which carries the finished groups, cannot be reached."""
 

@@ -41,6 +41,7 @@ RUNS_KEY = f"{KEY_PREFIX}:runs"  # set of run ids with state in Redis
 WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, version, run, since)
 
 MAX_RUN_ID_LEN = 128
+DELETED_MARK_S = 7 * 24 * 3600  # how long a deleted run's mark stays (``deleted_key``)
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
 # A group's epoch (passes over the dataset): far past any run's, so a wrong one is caught before
 # it moves the length predictor's clock and ages all it learnt away.
@@ -80,6 +81,12 @@ def pending_key(run_id: str) -> str:
 
 def ended_key(run_id: str) -> str:
     return f"{KEY_PREFIX}:{{{run_id}}}:ended"
+
+
+def deleted_key(run_id: str) -> str:
+    """Set by DeleteRun for ``DELETED_MARK_S``, removed by the run's next Submit: a reader
+    whose stream vanished learns the run was deleted (and does not make it again)."""
+    return f"{KEY_PREFIX}:{{{run_id}}}:deleted"
 
 
 def version_key(run_id: str) -> str:
