@@ -30,6 +30,7 @@ from rollserve.cli.stack import free_port
 from rollserve.cli.status import UNREACHABLE_EXIT_CODE, run_status
 from rollserve.client import (
     AsyncRolloutClient,
+    GroupStatus,
     PermissionDenied,
     PromptGroup,
     RolloutClient,
@@ -39,12 +40,14 @@ from rollserve.client import (
     Unauthenticated,
 )
 from rollserve.client.credentials import NO_CREDENTIALS
-from rollserve.common.access import Grant, ServerTls, TokenFile, parse_tokens
+from rollserve.common.access import RELOAD_INTERVAL_S, Grant, ServerTls, TokenFile, parse_tokens
 from rollserve.engine.server import stay_registered
 from rollserve.engine.settings import EngineSettings, SchedulerLink
 from rollserve.scheduler.roles import ROLES
-from rollserve.scheduler.settings import SchedulerSettings
+from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
+from rollserve.sim.server import FleetStarted
 from rollserve.sim.server import parse_settings as sim_parse_settings
+from rollserve.sim.server import serve as sim_serve
 from rollserve.sim.settings import SimSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -767,3 +770,63 @@ async def test_a_renewed_certificate_is_served_to_new_connections_without_a_rest
     finally:
         await server.stop(None)
         await runner.cleanup()
+
+
+async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A sim engine started with ``--auth-tokens-file``: the scheduler's calls carry the
+    token of its ``--engine-token-file`` (read again when it changes) and run; anyone else's
+    are refused, health checks excepted."""
+    api_tokens = tmp_path / "engine-api-tokens"
+    api_tokens.write_text(f"scheduler:{TOKEN}\n")
+    token_file = tmp_path / "engine-token"
+    token_file.write_text(f"{TOKEN}\n")
+    settings = SimSettings(engine_id="locked", time_scale=0.05, auth_tokens_file=str(api_tokens))
+    stop = asyncio.Event()
+    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
+    fleet = asyncio.create_task(sim_serve(settings, ready=started.set_result, stop=stop))
+    try:
+        address = (await asyncio.wait_for(started, TIMEOUT_S)).addresses["locked"]
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            engine = pb_grpc.EngineStub(channel)
+            for metadata in ((), (("authorization", f"Bearer {SECRET}"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await engine.Stats(pb.StatsRequest(), timeout=10, metadata=metadata)
+                assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                calls = engine.Generate(pb.GenerateRequest(request_id="x", n=1), metadata=metadata)
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    async for _ in calls:
+                        pass
+                assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        endpoint = EngineEndpoint(engine_id="locked", address=address)
+        async with (
+            scheduler(redis_url, engines=(endpoint,), engine_token_file=str(token_file)) as (
+                served,
+                _,
+            ),
+            client(redis_url, served.port) as trainer,
+        ):
+            for round_ in range(2):
+                assert await trainer.submit([group(f"g{round_}")]) == 1
+                async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
+                    assert item.result.status == GroupStatus.DELIVERED, item.result.error
+                    await item.done()
+                if round_ == 0:
+                    # The engines' token rotates, no restart: the new one added to the
+                    # engines' file, the scheduler moved to it, the old one taken out (each
+                    # file read again within the interval).
+                    api_tokens.write_text(f"scheduler:{TOKEN}\nnext:{ENGINE_TOKEN}\n")
+                    token_file.write_text(f"{ENGINE_TOKEN}\n")
+                    await asyncio.sleep(RELOAD_INTERVAL_S + 0.5)
+                    api_tokens.write_text(f"next:{ENGINE_TOKEN}\n")
+                    await asyncio.sleep(RELOAD_INTERVAL_S + 0.5)
+            await trainer.delete_run()
+    finally:
+        stop.set()
+        await asyncio.wait_for(fleet, TIMEOUT_S)

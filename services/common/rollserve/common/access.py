@@ -51,6 +51,7 @@ __all__ = [
     "ADMIN",
     "CALLER",
     "OPEN_GRPC_PREFIXES",
+    "BearerFile",
     "Grant",
     "GrpcTokenCheck",
     "Role",
@@ -321,6 +322,46 @@ class TokenFile:
             return
         self._tokens = tokens
         log.info("%s: read again: %d tokens", self.path, len(tokens))
+
+
+class BearerFile:
+    """The token a client shows, kept alone in a file (a Secret's key), read at once (a
+    ValueError names the file) and again when the file changes, looked at every
+    ``reload_interval_s`` at most: the server's tokens rotate without the client's restart.
+    A rewrite that holds no token keeps the one read before, and says why in the log."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        reload_interval_s: float = RELOAD_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path)
+        self._watch = _Watch((self.path,), reload_interval_s, clock)
+        self._token = self._read()
+
+    def _read(self) -> str:
+        try:
+            token = self.path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.path}: cannot read the token file: {exc}") from exc
+        if not _TOKEN.fullmatch(token):
+            raise ValueError(
+                f"{self.path}: the token file must hold one token alone, {MIN_TOKEN_CHARS} to "
+                f"{MAX_TOKEN_CHARS} visible ASCII characters (it holds {len(token)})"
+            )
+        return token
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata that shows the token."""
+        if self._watch.changed():
+            try:
+                self._token = self._read()
+                log.info("%s: read again", self.path)
+            except ValueError as exc:
+                log.error("%s; the token read before stays", exc)
+        return (("authorization", f"Bearer {self._token}"),)
 
 
 class _RefusalLog:

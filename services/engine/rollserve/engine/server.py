@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
+from rollserve.common.access import GrpcTokenCheck
 from rollserve.common.http import HttpServer, start_http
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -93,7 +94,10 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
 
     health_servicer = AioHealthServicer()
     engine_servicer = EngineServicer(settings.engine_id, settings.flush_interval_ms / 1000)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    tokens = settings.api_tokens()
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+    )
     pb_grpc.add_EngineServicer_to_server(engine_servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

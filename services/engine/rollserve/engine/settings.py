@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
 from rollserve.client.credentials import SchedulerCredentials
+from rollserve.common.access import TokenFile
 from rollserve.engine.cpu_features import emulates_bf16
 from rollserve.engine.host_memory import host_memory_bytes
 
@@ -78,7 +79,8 @@ _HOST_PORT = r"^[^\s:]+(:[^\s:]+)*:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$"
 
 
 class SchedulerLink(BaseModel):
-    """How an engine (vLLM's or a simulated one) reaches the scheduler it registers with."""
+    """How an engine (vLLM's or a simulated one) reaches the scheduler it registers with, and
+    who may call the engine's own API."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -105,6 +107,13 @@ class SchedulerLink(BaseModel):
         description="PEM certificate chain shown to a scheduler that asks for one (mutual TLS).",
     )
     scheduler_key_file: str | None = Field(None, description="PEM key of scheduler_cert_file.")
+    auth_tokens_file: str | None = Field(
+        None,
+        description="NAME:TOKEN lines (docs/access.md): every call of the engine's gRPC API "
+        "(not health checks nor reflection) must carry one as 'authorization: Bearer TOKEN'; "
+        "the scheduler's --engine-token-file holds one. Read again when it changes; none: "
+        "the API asks for none.",
+    )
 
     @model_validator(mode="after")
     def _readable_scheduler_credentials(self) -> SchedulerLink:
@@ -119,7 +128,12 @@ class SchedulerLink(BaseModel):
             named = ", ".join(given or ["scheduler_tls"])
             raise ValueError(f"{named}: for a scheduler; give scheduler_address too")
         self.scheduler_credentials()  # (its ValueError names the file)
+        self.api_tokens()
         return self
+
+    def api_tokens(self) -> TokenFile | None:
+        """The tokens calls of the engine's API must carry (read now); None: none asked."""
+        return None if self.auth_tokens_file is None else TokenFile(self.auth_tokens_file)
 
     def scheduler_credentials(self) -> SchedulerCredentials:
         """What registrations show the scheduler (the files read now)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,6 +14,8 @@ from rollserve.scheduler.core.snapshot import EngineView
 from rollserve.scheduler.state import GroupSpec
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
+
+Metadata = tuple[tuple[str, str], ...]
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,19 @@ _INT64 = 1 << 63
 class EngineHandle:
     """One engine: its channel, what the scheduler has seen of its health, its load."""
 
-    def __init__(self, engine_id: str, address: str, capacity_factor: float) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        address: str,
+        capacity_factor: float,
+        metadata: Callable[[], Metadata] = lambda: (),
+    ) -> None:
+        """``metadata``: what each call of the Engine API carries (its token, where engines
+        ask for one), asked for at each call."""
         self.engine_id = engine_id
         self.address = address
         self._capacity_factor = capacity_factor
+        self._metadata = metadata
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -156,7 +167,7 @@ class EngineHandle:
     async def update_weights(self, path: str, version: int, timeout_s: float) -> None:
         """Has the engine load the checkpoint at ``path`` as weights ``version``."""
         request = pb.UpdateWeightsRequest(weights_path=path, version=version)
-        await self._stub.UpdateWeights(request, timeout=timeout_s)
+        await self._stub.UpdateWeights(request, timeout=timeout_s, metadata=self._metadata())
 
     async def add_outputs(
         self,
@@ -173,12 +184,16 @@ class EngineHandle:
                 for prompt, outputs in prompts
             ]
         )
-        reply: pb.AddOutputsResponse = await self._stub.AddOutputs(request, timeout=timeout_s)
+        reply: pb.AddOutputsResponse = await self._stub.AddOutputs(
+            request, timeout=timeout_s, metadata=self._metadata()
+        )
         return reply.taken
 
     async def stats(self, timeout_s: float, *, with_progress: bool = False) -> pb.StatsResponse:
         request = pb.StatsRequest(with_progress=with_progress)
-        reply: pb.StatsResponse = await self._stub.Stats(request, timeout=timeout_s)
+        reply: pb.StatsResponse = await self._stub.Stats(
+            request, timeout=timeout_s, metadata=self._metadata()
+        )
         return reply
 
     def generate(
@@ -223,14 +238,16 @@ class EngineHandle:
             sample_indices=[] if len(set(indices)) == spec.n else indices,
             earlier_outputs=[pb.EarlierOutput(token_ids=o) for o in earlier_outputs],
         )
-        return self._stub.Generate(request)
+        return self._stub.Generate(request, metadata=self._metadata())
 
     async def abort(self, request_id: str, indices: Sequence[int], timeout_s: float) -> bool:
         """Asks the engine to stop samples ``indices`` of call ``request_id``: each ends with
         a Complete of reason abort on the call's stream. False when the call was not running
         there (it ended, or has not reached the engine yet)."""
         reply: pb.AbortResponse = await self._stub.Abort(
-            pb.AbortRequest(request_id=request_id, sample_indices=indices), timeout=timeout_s
+            pb.AbortRequest(request_id=request_id, sample_indices=indices),
+            timeout=timeout_s,
+            metadata=self._metadata(),
         )
         return reply.found
 

@@ -104,7 +104,7 @@ from rollserve.scheduler.core.snapshot import (
     RunningSample,
     Snapshot,
 )
-from rollserve.scheduler.engines import EngineHandle, EngineLoad
+from rollserve.scheduler.engines import EngineHandle, EngineLoad, Metadata
 from rollserve.scheduler.histogram import (
     GROUP_LATENCY_BOUNDS_S,
     OUTPUT_TOKENS_BOUNDS,
@@ -356,6 +356,10 @@ class SchedulerRuntime:
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
         self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
+        engine_token = settings.engine_token()  # (the engines' calls show it, where given)
+        self._engine_metadata: Callable[[], Metadata] = (
+            (lambda: ()) if engine_token is None else engine_token.metadata
+        )
         # The order of the engines' own queues (settings.fair_share; without it, arrival).
         self._tags = EngineTags()
         self._oldest_tag: int | None = None  # the least tag in flight, as a plan begins
@@ -2053,7 +2057,9 @@ class SchedulerRuntime:
     # ------------------------------------------------------------ engines
 
     def _add_engine(self, engine_id: str, address: str) -> EngineHandle:
-        engine = EngineHandle(engine_id, address, self.settings.capacity_factor)
+        engine = EngineHandle(
+            engine_id, address, self.settings.capacity_factor, self._engine_metadata
+        )
         engine.probe_slot = self._engines_added  # spreads the watched engines' probes
         self._engines_added += 1
         self._engines[engine_id] = engine

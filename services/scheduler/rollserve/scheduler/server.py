@@ -267,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         "runs (health checks, /metrics and /openapi.json excepted); read again when it changes "
         "(docs/access.md)",
     )
+    p.add_argument(
+        "--engine-token-file",
+        help="file holding the token (alone) every call to the engines carries, for engines "
+        "started with --auth-tokens-file; read again when it changes",
+    )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(
         "--engine",
@@ -461,6 +466,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
         auth_tokens_file=args.auth_tokens_file,
+        engine_token_file=args.engine_token_file,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from rollserve.common.access import ServerTls, TokenFile
+from rollserve.common.access import BearerFile, ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.roles import ROLES
@@ -62,6 +62,12 @@ class SchedulerSettings(BaseModel):
         "'authorization: Bearer TOKEN', engines' registrations included, and stay within its "
         "role (admin, trainer, engine, viewer) and runs; read again when it changes; None: no "
         "token asked",
+    )
+    engine_token_file: str | None = Field(
+        None,
+        description="file holding the token (alone) that every call to the engines carries, "
+        "for engines started with --auth-tokens-file; read again when it changes; None: no "
+        "token sent",
     )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
@@ -282,6 +288,7 @@ class SchedulerSettings(BaseModel):
             )
         self.server_tls()  # (their errors name the file and what is wrong)
         self.token_file()
+        self.engine_token()
         return self
 
     def server_tls(self) -> ServerTls | None:
@@ -295,6 +302,10 @@ class SchedulerSettings(BaseModel):
         if self.auth_tokens_file is None:
             return None
         return TokenFile(self.auth_tokens_file, roles=ROLES)
+
+    def engine_token(self) -> BearerFile | None:
+        """The token the engines' API is called with (read now); None: none sent."""
+        return None if self.engine_token_file is None else BearerFile(self.engine_token_file)
 
     @model_validator(mode="after")
     def _lease_outwaits_a_crash(self) -> SchedulerSettings:

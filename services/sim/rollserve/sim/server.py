@@ -47,6 +47,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from rollserve.client.wire import status_details
+from rollserve.common.access import GrpcTokenCheck
 from rollserve.engine.server import (
     ENGINE_SERVICE,
     AioHealthServicer,
@@ -598,7 +599,10 @@ async def _start_engine(parts: EngineParts, index: int) -> _Served:
     settings = parts.settings
     servicer = parts.servicer(index)
     health_servicer = AioHealthServicer()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    tokens = settings.api_tokens()
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+    )
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
