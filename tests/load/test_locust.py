@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import redis
 from rollserve.cli.stack import free_port
-from rollserve.client.wire import DELETED_MARK_S, RUNS_KEY
+from rollserve.client.wire import DELETES_KEPT_S, RUNS_KEY
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.sim.server import FleetStarted
 from rollserve.sim.server import serve as serve_sim
@@ -119,7 +119,7 @@ async def test_trainers_under_locust_get_every_group_of_every_step(other_redis_u
         runs = cast(set[bytes], client.smembers(RUNS_KEY))
         assert [run for run in runs if run.startswith(b"load-")] == []
         left = list(client.scan_iter(match="rollserve:{load-*"))
-        assert [key for key in left if not key.endswith(b":deleted")] == []
-        assert all(0 < client.ttl(key) <= DELETED_MARK_S for key in left)
+        assert [key for key in left if not key.endswith(b":deletes")] == []
+        assert all(0 < client.ttl(key) <= DELETES_KEPT_S for key in left)
     finally:
         client.close()

@@ -772,6 +772,30 @@ async def test_a_renewed_certificate_is_served_to_new_connections_without_a_rest
         await runner.cleanup()
 
 
+def test_an_engines_tokens_file_takes_plain_tokens_and_a_schedulers_token_file_one(
+    tmp_path: Path,
+) -> None:
+    api_tokens = tmp_path / "engine-api-tokens"
+    for line, said in (
+        (f"scheduler:{TOKEN} runs=a-*", "runs= narrow a token to the scheduler's runs"),
+        (f"scheduler:{TOKEN} engines=e-*", "engines= narrow a token"),
+        (f"scheduler:{TOKEN} role=trainer", "role 'trainer' is not one of admin"),
+    ):
+        api_tokens.write_text(line + "\n")
+        with pytest.raises(ValidationError, match=said):
+            SimSettings(auth_tokens_file=str(api_tokens))
+    api_tokens.write_text(f"scheduler:{TOKEN}\n")
+    assert SimSettings(auth_tokens_file=str(api_tokens)).api_tokens() is not None
+    token_file = tmp_path / "engine-token"
+    token_file.write_text(f"\ufeff{TOKEN}\n")  # (an editor's byte-order mark)
+    settings = SchedulerSettings(redis_url="redis://x:1", engine_token_file=str(token_file))
+    bearer = settings.engine_token()
+    assert bearer is not None and bearer.metadata() == (("authorization", f"Bearer {TOKEN}"),)
+    token_file.write_text("two tokens-0123456789abcdef\n")
+    with pytest.raises(ValidationError, match="must hold one token alone"):
+        SchedulerSettings(redis_url="redis://x:1", engine_token_file=str(token_file))
+
+
 async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -25,11 +25,11 @@ from rollserve.client import (
     SamplingParams,
 )
 from rollserve.client.wire import (
-    DELETED_MARK_S,
+    DELETES_KEPT_S,
     RUNS_KEY,
     GroupResult,
     GroupStatus,
-    deleted_key,
+    deletes_key,
     ended_key,
     pending_key,
     samples_stream_key,
@@ -344,13 +344,36 @@ async def test_a_reader_of_a_run_deleted_under_it_is_told_so_and_makes_no_stream
         with pytest.raises(RunDeleted, match=f"run '{run}' was deleted"):
             await asyncio.wait_for(reading, WAIT_S)
         assert await redis_client.exists(stream_key(run)) == 0  # not made again
-        assert 0 < await redis_client.ttl(deleted_key(run)) <= DELETED_MARK_S
-        # A Submit of the id starts it anew: the mark goes, and it is read as before.
+        assert await redis_client.get(deletes_key(run)) == b"1"
+        assert 0 < await redis_client.ttl(deletes_key(run)) <= DELETES_KEPT_S
+
+        # The id used again: a reader made now reads the new run; one made before the delete
+        # that reads only after the new Submit is still told (it would drop the new run's
+        # groups whose ids it acknowledged in the old one: g0 here).
+        stale = AsyncRolloutClient("127.0.0.1:1", redis_url, run, block_ms=100)
         await runtime.submit(run, specs(run, 1, n=1))
-        assert await redis_client.exists(deleted_key(run)) == 0
-        async with AsyncRolloutClient("127.0.0.1:1", redis_url, run) as again:
-            async for item in again.groups(limit=1, timeout_s=WAIT_S):
+        try:
+            async for item in stale.groups(limit=1, timeout_s=WAIT_S):
                 await item.done()
+            await runtime.delete_run(run)
+            await runtime.submit(run, specs(run, 1, n=1))
+            await read_stream(redis_url, run, 1)  # (the new g0 delivered)
+            # Another worker of the trainer made the group anew: the stale reader meets no
+            # NOGROUP, only an entry of a group id it acknowledged.
+            await redis_client.xgroup_create(stream_key(run), "trainer", id="0")
+            with pytest.raises(RunDeleted):
+                async for _ in stale.groups(timeout_s=WAIT_S):
+                    pass
+            # The entry stays pending (read by the stale reader, not acknowledged): another
+            # reader claims it once idle.
+            async with AsyncRolloutClient(
+                "127.0.0.1:1", redis_url, run, claim_idle_ms=300
+            ) as again:
+                async for item in again.groups(limit=1, timeout_s=WAIT_S):
+                    assert item.result.group_id == "g0"
+                    await item.done()
+        finally:
+            await stale.close()
         await runtime.delete_run(run)
     finally:
         await reader.close()

@@ -11,7 +11,13 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 from rollserve.cli.redis_server import EmbeddedRedis
-from rollserve.client.wire import GroupResult, GroupStatus, stream_key
+from rollserve.client.wire import (
+    GroupResult,
+    GroupStatus,
+    deletes_key,
+    pending_key,
+    stream_key,
+)
 from rollserve.scheduler.store import Store, may_pass_later
 
 from tests.unit.builders import spec
@@ -53,6 +59,27 @@ async def test_out_of_memory_and_a_read_only_replica_may_pass_later(
     assert "OOM" in str(out_of_memory.value) and "READONLY" in str(read_only.value)
     assert may_pass_later(out_of_memory.value) and may_pass_later(read_only.value)
     assert await store.deliver(result("g0")) is not None  # taken once Redis can
+
+
+async def test_a_run_is_deleted_from_a_redis_out_of_memory(
+    own_redis: tuple[Store, aioredis.Redis],
+) -> None:
+    """DeleteRun is how a full Redis is given memory back: its script deletes first, and
+    only then sets the mark that tells readers the run was deleted (Redis refuses a script
+    whose first write needs memory)."""
+    store, client = own_redis
+    await store.add_pending("refusals", [spec("g0", run_id="refusals")])
+    await client.xadd(stream_key("refusals"), {"entry": "x" * 100})
+    await client.config_set("maxmemory-policy", "noeviction")
+    await client.config_set("maxmemory", "1")
+    try:
+        with pytest.raises(redis.exceptions.RedisError, match="OOM"):
+            await store.add_pending("refusals", [spec("g1", run_id="refusals")])
+        assert await store.delete_run("refusals") is True
+        assert await client.exists(stream_key("refusals"), pending_key("refusals")) == 0
+        assert await client.exists(deletes_key("refusals")) == 1
+    finally:
+        await client.config_set("maxmemory", "0")
 
 
 async def test_a_wrong_type_never_passes(own_redis: tuple[Store, aioredis.Redis]) -> None:

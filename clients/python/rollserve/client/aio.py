@@ -53,6 +53,7 @@ from rollserve.client.consumer import (
     StreamKind,
     check_run_id,
     default_consumer_name,
+    deletes_count,
     heartbeat_chunks,
     heartbeat_refused,
     is_busygroup,
@@ -362,6 +363,11 @@ class AsyncRolloutClient:
                 )
             batch = self._state.on_read(op, entries, time.monotonic(), next_cursor=cursor)
             if batch.drop:
+                # Groups acknowledged before: redelivered, or a new run's under the same id
+                # (deleted and submitted again while another reader made the group anew).
+                deletes = deletes_count(await self._redis.get(config.deletes))
+                if self._state.deleted_since(deletes):
+                    raise RunDeleted(run_deleted(config))
                 await self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
             await self._park()
         except REDIS_DOWN as exc:
@@ -393,9 +399,10 @@ class AsyncRolloutClient:
     async def _ensure_group(self) -> None:
         if self._state.group_ready:
             return
-        # A stream that vanished under a reader: a deleted run's (its mark is set with the
-        # delete), or one an operator removed. Only the latter is made again.
-        if self._state.lost and await self._redis.exists(self.config.deleted_mark):
+        # A stream that vanished under a reader: a deleted run's (its deletes counted one
+        # more since), or one an operator removed. Only the latter is made again.
+        before = deletes_count(await self._redis.get(self.config.deletes))
+        if self._state.lost and self._state.deleted_since(before):
             raise RunDeleted(run_deleted(self.config))
         try:
             await self._redis.xgroup_create(
@@ -404,6 +411,10 @@ class AsyncRolloutClient:
         except redis.ResponseError as exc:
             if not is_busygroup(exc):
                 raise
+        deletes = deletes_count(await self._redis.get(self.config.deletes))
+        if deletes != before:  # deleted meanwhile: the stream made may be the deleted run's
+            raise RunDeleted(run_deleted(self.config))
+        self._state.deletes_seen = deletes
         if self.config.heartbeat:  # refused, held groups would be taken over: say it now
             try:
                 await self._redis.script_load(HEARTBEAT_SCRIPT)

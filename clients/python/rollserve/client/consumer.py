@@ -73,7 +73,7 @@ from rollserve.client.wire import (
     SchemaError,
     decode_entry,
     decode_sample_entry,
-    deleted_key,
+    deletes_key,
     samples_stream_key,
     stream_key,
 )
@@ -166,6 +166,11 @@ def redis_client(from_url: Callable[..., _R], redis_url: str, block_ms: int) -> 
             "a read waits up to block_ms for new entries"
         )
     return client
+
+
+def deletes_count(reply: object) -> int:
+    """The count of a run's deletes from GET's reply."""
+    return int(reply) if isinstance(reply, (bytes, str, int)) else 0
 
 
 def run_deleted(config: ConsumerConfig) -> str:
@@ -348,9 +353,9 @@ class ConsumerConfig:
         )
 
     @property
-    def deleted_mark(self) -> str:
-        """The key DeleteRun sets for the run (``wire.deleted_key``)."""
-        return deleted_key(self.run_id)
+    def deletes(self) -> str:
+        """The key that counts the run's deletes (``wire.deletes_key``)."""
+        return deletes_key(self.run_id)
 
     def check_reads(self, kind: StreamKind) -> None:
         """Refuses to iterate ``kind`` on a client that reads the other stream."""
@@ -436,6 +441,9 @@ class ConsumerState:
         self.config = config
         self.group_ready = False  # XGROUP CREATE done (or the group was there)
         self.lost = False  # the stream or its group vanished since (NOGROUP)
+        # The run's deletes counted when the group was made: one more since, and the stream
+        # read is gone for good (a Submit of the id makes another run's).
+        self.deletes_seen: int | None = None
         self._acked = _BoundedSet(config.dedupe_capacity)
         self._in_hand: dict[str, str] = {}  # entry id -> group id, handed out, not acked
         self._in_hand_groups: dict[str, str] = {}  # group id -> entry id
@@ -549,6 +557,11 @@ class ConsumerState:
             # Redis 6.2 claimed trimmed entries without naming them; they are pending
             # for us now, and a read of our pending list names them so we can ack them.
             self._pending_cursor = PENDING_START_ID
+
+    def deleted_since(self, deletes: int) -> bool:
+        """Whether the run was deleted since this consumer made its group, ``deletes`` being
+        the count of its deletes now."""
+        return self.deletes_seen is not None and deletes != self.deletes_seen
 
     def group_lost(self) -> None:
         """The stream or the group was deleted (NOGROUP): create it again, start over."""

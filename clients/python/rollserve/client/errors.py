@@ -54,8 +54,9 @@ class PermissionDenied(RolloutError):
 
 
 class RunDeleted(RolloutError):
-    """The run was deleted (DeleteRun) while this client read its stream: nothing more will
-    come of it. Its stream is not made again; a Submit of the run id starts it anew."""
+    """The run was deleted (DeleteRun) since this client began to read its stream: nothing
+    more of it will come. A Submit of the run id since starts another run; read it with a new
+    client (this one's memory of acknowledged group ids is the old run's)."""
 
 
 class StreamUnavailable(RolloutError):

@@ -41,7 +41,7 @@ RUNS_KEY = f"{KEY_PREFIX}:runs"  # set of run ids with state in Redis
 WEIGHTS_KEY = f"{KEY_PREFIX}:weights"  # hash: the fleet's weights (path, version, run, since)
 
 MAX_RUN_ID_LEN = 128
-DELETED_MARK_S = 7 * 24 * 3600  # how long a deleted run's mark stays (``deleted_key``)
+DELETES_KEPT_S = 7 * 24 * 3600  # how long a run's count of deletes stays (``deletes_key``)
 MAX_POLICY_VERSION = 2**31 - 1  # PublishVersion's bound (Redis scripts count in doubles)
 # A group's epoch (passes over the dataset): far past any run's, so a wrong one is caught before
 # it moves the length predictor's clock and ages all it learnt away.
@@ -83,10 +83,11 @@ def ended_key(run_id: str) -> str:
     return f"{KEY_PREFIX}:{{{run_id}}}:ended"
 
 
-def deleted_key(run_id: str) -> str:
-    """Set by DeleteRun for ``DELETED_MARK_S``, removed by the run's next Submit: a reader
-    whose stream vanished learns the run was deleted (and does not make it again)."""
-    return f"{KEY_PREFIX}:{{{run_id}}}:deleted"
+def deletes_key(run_id: str) -> str:
+    """How many times the run was deleted (an integer; absent: 0), counted by DeleteRun and
+    kept ``DELETES_KEPT_S`` after the last: a reader whose stream vanished learns whether the
+    run was deleted since it made its consumer group (and then makes nothing again)."""
+    return f"{KEY_PREFIX}:{{{run_id}}}:deletes"
 
 
 def version_key(run_id: str) -> str:

@@ -147,9 +147,12 @@ def parse_tokens(
     source: str,
     roles: Mapping[str, Role] = _ALL,
     default_role: str = ADMIN,
+    scoped: bool = True,
 ) -> dict[str, Grant]:
     """The tokens of a tokens file's ``text``, each to its grant (``roles``: those a line
-    may name; ``default_role``: a line's that names none). ValueError names ``source``, the
+    may name; ``default_role``: a line's that names none; ``scoped``: whether a line may
+    narrow its token with ``runs=`` and ``engines=``, which mean something to the
+    scheduler's calls only). ValueError names ``source``, the
     line and what is wrong with it; never a token, nor a name as long as one (a name and a
     token swapped)."""
     tokens: dict[str, Grant] = {}
@@ -184,6 +187,12 @@ def parse_tokens(
             raise ValueError(f"{where}: the token is line {lines[token]}'s too")
         names[name], lines[token] = number, number
         role, scopes = _options(options, where, roles, default_role)
+        if scopes and not scoped:
+            raise ValueError(
+                f"{where}: {' and '.join(f'{key}=' for key in scopes)} narrow a token to "
+                "the scheduler's runs or engines, which this server's calls do not name: "
+                "give its tokens without them"
+            )
         tokens[token] = Grant(name, role, roles[role].calls, **scopes)
     if not tokens:
         raise ValueError(f"{source}: no token in it (one NAME:TOKEN a line)")
@@ -232,12 +241,14 @@ def _options(
     return role, scopes
 
 
-def _read_tokens(path: Path, roles: Mapping[str, Role], default_role: str) -> dict[str, Grant]:
+def _read_tokens(
+    path: Path, roles: Mapping[str, Role], default_role: str, scoped: bool
+) -> dict[str, Grant]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read the tokens file: {exc}") from exc
-    return parse_tokens(text, str(path), roles, default_role)
+    return parse_tokens(text, str(path), roles, default_role, scoped)
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:
@@ -260,6 +271,7 @@ class TokenFile:
         *,
         roles: Mapping[str, Role] = _ALL,
         default_role: str = ADMIN,
+        scoped: bool = True,
         reload_interval_s: float = RELOAD_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -267,11 +279,12 @@ class TokenFile:
             raise ValueError(f"the default role {default_role!r} is not one of {', '.join(roles)}")
         self.path = Path(path)
         self._roles = dict(roles)
+        self._scoped = scoped
         self._default_role = default_role
         self._interval_s = reload_interval_s
         self._clock = clock
         self._stamp = _stamp(self.path)
-        self._tokens = _read_tokens(self.path, self._roles, default_role)
+        self._tokens = _read_tokens(self.path, self._roles, default_role, scoped)
         self._checked = clock()
 
     @property
@@ -316,7 +329,7 @@ class TokenFile:
             return
         self._stamp = stamp
         try:
-            tokens = _read_tokens(self.path, self._roles, self._default_role)
+            tokens = _read_tokens(self.path, self._roles, self._default_role, self._scoped)
         except ValueError as exc:
             log.error("%s; the tokens read before stay", exc)
             return
@@ -343,7 +356,7 @@ class BearerFile:
 
     def _read(self) -> str:
         try:
-            token = self.path.read_text(encoding="utf-8").strip()
+            token = self.path.read_text(encoding="utf-8").removeprefix("\ufeff").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{self.path}: cannot read the token file: {exc}") from exc
         if not _TOKEN.fullmatch(token):

@@ -133,7 +133,9 @@ class SchedulerLink(BaseModel):
 
     def api_tokens(self) -> TokenFile | None:
         """The tokens calls of the engine's API must carry (read now); None: none asked."""
-        return None if self.auth_tokens_file is None else TokenFile(self.auth_tokens_file)
+        if self.auth_tokens_file is None:
+            return None
+        return TokenFile(self.auth_tokens_file, scoped=False)  # (no role but admin either)
 
     def scheduler_credentials(self) -> SchedulerCredentials:
         """What registrations show the scheduler (the files read now)."""

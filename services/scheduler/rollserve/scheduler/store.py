@@ -46,13 +46,13 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.commands.core import AsyncScript
 from rollserve.client.wire import (
-    DELETED_MARK_S,
+    DELETES_KEPT_S,
     KEY_PREFIX,
     RUNS_KEY,
     WEIGHTS_KEY,
     GroupResult,
     SampleResult,
-    deleted_key,
+    deletes_key,
     encode_entry,
     encode_sample_entry,
     ended_key,
@@ -79,9 +79,8 @@ if holder ~= '' and redis.call('GET', lease) ~= holder then
 end
 """
 
-# KEYS: pending, ended, runs, deleted mark. ARGV: run_id, then group_id, body pairs.
-# Returns the first group id that is already pending or ended, or nothing. The run's mark of
-# an earlier delete goes: it lives again.
+# KEYS: pending, ended, runs. ARGV: run_id, then group_id, body pairs.
+# Returns the first group id that is already pending or ended, or nothing.
 _SUBMIT = """
 for i = 2, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1
@@ -93,7 +92,6 @@ for i = 2, #ARGV, 2 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('SADD', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[4])
 return false
 """
 
@@ -132,12 +130,14 @@ return xadd(KEYS[3], ARGV[2], 3)
 """
 )
 
-# KEYS: pending, ended, version, stream, samples stream, runs, weights, deleted mark. ARGV:
+# KEYS: pending, ended, version, stream, samples stream, runs, weights, deletes. ARGV:
 # run_id, the prefix of the run's streamed hashes (a group id completes one), how long the
-# mark stays (ms). The fleet's weights, if they name the run, name none after. The mark tells
-# a reader whose stream vanished that the run was deleted. Returns 1 if the run had state.
+# count of deletes stays (ms). The fleet's weights, if they name the run, name none after.
+# The count tells a reader whose stream vanished that the run was deleted since it began.
+# Returns 1 if the run had state. The count goes up after the deletes: under maxmemory Redis
+# refuses a script whose first write needs memory, and a full Redis is when a run is deleted
+# to free it.
 _DELETE_RUN = """
-redis.call('SET', KEYS[8], '1', 'PX', ARGV[3])
 for _, group_id in ipairs(redis.call('HKEYS', KEYS[1])) do
   redis.call('DEL', ARGV[2] .. group_id)
 end
@@ -147,6 +147,8 @@ if redis.call('HGET', KEYS[7], 'run') == ARGV[1] then
   redis.call('HSET', KEYS[7], 'run', '', 'since', 0)
   existed = existed + 1
 end
+redis.call('INCR', KEYS[8])
+redis.call('PEXPIRE', KEYS[8], ARGV[3])
 if existed > 0 then
   return 1
 end
@@ -448,7 +450,7 @@ class Store:
         argv: list[str | bytes] = [run_id]
         for spec in specs:
             argv += [spec.group_id, _spec_encoder.encode(spec)]
-        keys = [pending_key(run_id), ended_key(run_id), RUNS_KEY, deleted_key(run_id)]
+        keys = [pending_key(run_id), ended_key(run_id), RUNS_KEY]
         duplicate = await self._write(self._submit, keys, argv)
         if duplicate is not None:
             raise DuplicateGroup(run_id, _text(cast(bytes, duplicate)))
@@ -516,11 +518,11 @@ class Store:
             samples_stream_key(run_id),
             RUNS_KEY,
             WEIGHTS_KEY,
-            deleted_key(run_id),
+            deletes_key(run_id),
         ]
         prefix = streamed_key(run_id, "")
-        mark_ms = DELETED_MARK_S * 1000
-        return bool(await self._write(self._delete_run, keys, [run_id, prefix, mark_ms]))
+        kept_ms = DELETES_KEPT_S * 1000
+        return bool(await self._write(self._delete_run, keys, [run_id, prefix, kept_ms]))
 
     async def trim_acked(
         self, run_id: str, retention_s: float, *, samples: bool = False
