@@ -22,6 +22,7 @@ from rollserve.scheduler.core.fairshare import EngineTags, FairShare, Waiting
 from rollserve.scheduler.core.policy import create_policy, policy_names
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.runtime import SchedulerRuntime
+from rollserve.scheduler.state import GroupRecord
 from rollserve.v1 import rollserve_pb2 as pb
 
 from tests.unit.builders import engine, queued, snapshot, spec
@@ -137,21 +138,32 @@ def test_every_policy_places_by_turn_before_priority(policy: str) -> None:
 
 
 def test_engine_tags_keep_a_run_s_calls_in_order_and_put_one_that_comes_first() -> None:
-    tags = EngineTags()
+    tags, slots = EngineTags(), 1000
     # Run a alone sends calls of 8 samples: 0, 8, 16, ... in the order sent.
-    assert [tags.tag("a", 8, None if i == 0 else 0) for i in range(4)] == [0, 8, 16, 24]
+    assert [tags.tag("a", 8, None if i == 0 else 0, slots) for i in range(4)] == [0, 8, 16, 24]
     # b comes while a's calls from 0 on are in flight: it starts at the oldest, ahead of
     # a's later calls that wait in the engines' queues.
-    assert tags.tag("b", 8, 0) == 0
-    assert tags.tag("b", 8, 0) == 8
-    assert tags.tag("a", 8, 0) == 32
+    assert tags.tag("b", 8, 0, slots) == 0
+    assert tags.tag("b", 8, 0, slots) == 8
+    assert tags.tag("a", 8, 0, slots) == 32
     # a's first calls ended: b, behind the oldest in flight now, catches up to it.
-    assert tags.tag("b", 8, 24) == 24
+    assert tags.tag("b", 8, 24, slots) == 24
     # Nothing in flight: every counter starts again.
-    assert tags.tag("a", 8, None) == 0
-    assert tags.tag("b", 8, 0) == 0
+    assert tags.tag("a", 8, None, slots) == 0
+    assert tags.tag("b", 8, 0, slots) == 0
     tags.forget("b")
-    assert tags.tag("b", 1, 5) == 5
+    assert tags.tag("b", 1, 5, slots) == 5
+
+
+def test_a_straggler_in_flight_hands_a_run_that_comes_back_no_more_than_a_fleet_s_worth() -> None:
+    tags, slots = EngineTags(), 100
+    assert tags.tag("b", 1, None, slots) == 0  # b's one call, then b goes idle
+    assert tags.tag("a", 1, 0, slots) == 0  # a's long-tail sample, in flight for long
+    # a's later calls, 1 to 1000, while the straggler pins the oldest tag in flight at 0.
+    assert [tags.tag("a", 1, 0, slots) for _ in range(1000)] == list(range(1, 1001))
+    # b comes back: ahead of the last fleet's worth a sent (those that may wait in the
+    # engines' queues: tags 901 to 1000), not of the 900 a sent before them.
+    assert tags.tag("b", 1, 0, slots) == 1001 - slots
 
 
 async def test_engines_are_sent_the_tags_as_priorities_and_arrival_without_fair_share(
@@ -174,6 +186,23 @@ async def test_engines_are_sent_the_tags_as_priorities_and_arrival_without_fair_
             await read_stream(redis_url, b, 1)
         got = {group_of(r): r.priority for r in fake.requests}
         assert got == expected, (fair_share, got)
+
+
+async def test_a_group_s_later_calls_keep_its_first_calls_place_in_the_engines_queues(
+    redis_url: str,
+) -> None:
+    """A sample resumed, or requeued after its engine failed, keeps its group's place: a
+    run's older work stays ahead of its newer work in the engines' queues."""
+    async with gated(redis_url, 6.0, True) as (runtime, _, _):
+        run = new_run()
+        older, newer = (
+            GroupRecord.new(spec(g, n=2, run_id=run), seq) for seq, g in enumerate("on")
+        )
+        runtime._oldest_tag = None  # (nothing in flight)
+        assert runtime._engine_tag(older, 2) == 0
+        assert runtime._engine_tag(newer, 2) == 2
+        assert runtime._engine_tag(older, 1) == 0  # its resumed sample, placed later
+        assert older.engine_tag == 0 and newer.engine_tag == 2
 
 
 @asynccontextmanager

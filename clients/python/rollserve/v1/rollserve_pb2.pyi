@@ -873,6 +873,10 @@ class GenerateRequest(_message.Message):
     """unique on the engine while it runs"""
     n: _builtins.int
     priority: _builtins.int
+    """The engine's queue order, lower first (vLLM's priority scheduling): the scheduler sends
+    each call's start tag (fair queuing between runs, which grows with the samples started).
+    int64 on the wire as int32 was: a non-negative value reads the same as either.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property

@@ -1349,12 +1349,8 @@ class SchedulerRuntime:
             engine,
             tuple(indices),
             resumed,
-            tag=self._tags.tag(record.spec.run_id, len(indices), self._oldest_tag)
-            if self.settings.fair_share
-            else 0,
+            tag=self._engine_tag(record, len(indices)),
         )
-        if self._oldest_tag is None:
-            self._oldest_tag = call.tag
         task = asyncio.create_task(self._run_call(call), name=f"call {call.request_id}")
         call.task = task
         self._calls.setdefault(key, {})[call.request_id] = call
@@ -1367,6 +1363,19 @@ class SchedulerRuntime:
             (call.tag for calls in self._calls.values() for call in calls.values()),
             default=None,
         )
+
+    def _engine_tag(self, record: GroupRecord, samples: int) -> int:
+        """The place in the engines' queues of a call of ``samples`` samples of ``record``
+        (``EngineTags``): its group's first call's; 0 (arrival order) without fair share."""
+        if not self.settings.fair_share:
+            return 0
+        slots = sum(e.capacity_samples for e in self._engines.values() if e.healthy)
+        tag = self._tags.tag(record.spec.run_id, samples, self._oldest_tag, slots)
+        if self._oldest_tag is None:
+            self._oldest_tag = tag  # (in flight from now on)
+        if record.engine_tag is None:
+            record.engine_tag = tag
+        return record.engine_tag
 
     def _room(self) -> dict[str, int]:
         """Per engine, the samples it can take before it is at capacity."""

@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="fair_share",
         action="store_false",
         help="runs go in arrival order at each priority level, not each its share of the "
-        "engines' slots while several have groups queued",
+        "engines' slots while several have groups queued; the engines take calls in arrival "
+        "order, not in fair-queuing order",
     )
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument(

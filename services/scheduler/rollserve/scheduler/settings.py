@@ -106,8 +106,9 @@ class SchedulerSettings(BaseModel):
     fair_share: bool = Field(
         True,
         description="runs with groups queued share the engines' slots evenly (each its share "
-        "before any more than its share; rollserve.scheduler.core.fairshare); False: runs "
-        "go in arrival order at each priority level",
+        "before any more than its share, and the engines' own queues in fair-queuing order; "
+        "rollserve.scheduler.core.fairshare); False: runs go in arrival order at each "
+        "priority level, and engines take calls in arrival order",
     )
     capacity_factor: float = Field(
         1.25,

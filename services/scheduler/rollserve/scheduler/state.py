@@ -223,6 +223,9 @@ class GroupRecord:
     # group's entry carries them as they were, whatever is learnt of their tokens' versions
     # later.
     streamed: dict[int, Sample] = field(default_factory=dict)
+    # Its first call's place in the engines' queues (the runtime's ``EngineTags``): its later
+    # calls (a sample resumed, or requeued after an engine failed) take the same.
+    engine_tag: int | None = None
 
     @classmethod
     def new(cls, spec: GroupSpec, seq: int) -> GroupRecord:

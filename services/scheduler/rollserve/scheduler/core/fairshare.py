@@ -99,41 +99,47 @@ class FairShare:
         return turns
 
 
-INT32_MAX = 2**31 - 1
-
-
 class EngineTags:
     """The order an engine's own queue takes the calls the scheduler sent it: each call's
-    *start tag* (start-time fair queuing), sent as the call's priority (lower first).
+    *start tag* (start-time fair queuing over samples), sent as the call's priority (lower
+    first).
 
     An engine may hold more calls than it runs (the scheduler fills it past its batch so
     that it never waits on a round trip), and those wait in its queue, out of the scheduler's
     reach. Sent in arrival order, a run that filled the engines before another came would
     keep their queues; the tags put the newcomer's calls first, as fair share places them.
 
-    1. Each run has a counter: the tag of its next call. A call takes it and moves it on by
-       its samples, so a run's calls go in the order they were sent.
-    2. A run whose counter is behind the oldest tag still in flight (a run that comes, or
-       comes back) starts there: it is owed nothing for the time it was idle, and its calls
-       go before those of runs that were sent more since.
-    3. With nothing in flight every counter starts again at 0 (so tags stay small).
+    1. Each run has a counter; the *top* is the highest counter. A call takes its run's
+       counter as its tag and moves the counter on by its samples, so a run's calls go in
+       the order they were sent.
+    2. A run whose counter is behind the *floor* starts there: it is owed nothing for the
+       time it was idle. The floor is the oldest tag still in flight, but no lower than the
+       top less the fleet's slots. The calls that can be waiting in the engines' queues are
+       among the last slots' worth sent, so a run that comes goes before all of them, and a
+       straggler of long ago (the long tail) does not hand it more than a fleet's worth.
+    3. With nothing in flight every counter starts again at 0.
 
     Fair share decides how much each run gets placed; the tags only make the engines keep to
-    the order of those decisions. The groups' own priorities order the queue of the
-    scheduler, not the engines' (within a run, calls go to the engines in that order)."""
+    the order of those decisions. The runtime gives a group's later calls (a sample resumed,
+    or requeued after an engine failed) the tag of its first, so older work of a run stays
+    ahead of its newer work, as the groups' own priorities (which order the scheduler's queue,
+    not the engines') had it."""
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
+        self._top = 0
 
-    def tag(self, run_id: str, samples: int, oldest: int | None) -> int:
+    def tag(self, run_id: str, samples: int, oldest: int | None, window: int) -> int:
         """The tag of a call of ``samples`` samples of run ``run_id``; ``oldest``: the least
-        tag of the calls in flight (None: none is)."""
+        tag of the calls in flight (None: none is); ``window``: the fleet's sample slots."""
         if oldest is None:
             self._next.clear()
-            oldest = 0
-        tag = max(self._next.get(run_id, 0), oldest)
+            self._top = oldest = 0
+        floor = max(oldest, self._top - window)
+        tag = max(self._next.get(run_id, 0), floor)
         self._next[run_id] = tag + samples
-        return min(tag, INT32_MAX)
+        self._top = max(self._top, tag + samples)
+        return tag
 
     def forget(self, run_id: str) -> None:
         """Drops a run's counter (the run was deleted)."""
