@@ -363,6 +363,7 @@ class SchedulerRuntime:
         # The order of the engines' own queues (settings.fair_share; without it, arrival).
         self._tags = EngineTags()
         self._oldest_tag: int | None = None  # the least tag in flight, as a plan begins
+        self._tag_window = 0  # the fleet's sample slots then
         # Prompt keys learnt from and not saved yet, least recently learnt first.
         self._unsaved: dict[str, None] = {}
         self._globals_unsaved = False
@@ -1296,7 +1297,7 @@ class SchedulerRuntime:
             ):
                 continue
             plan = self._policy.plan(self.snapshot())
-            self._oldest_tag = self._least_tag()  # (the plan's calls take none below it)
+            self._look_at_tags()
             for assign in plan.assignments:
                 self._carry_out(assign)
             if plan.preempts:
@@ -1357,20 +1358,21 @@ class SchedulerRuntime:
         self._tasks.add(task)
         task.add_done_callback(self._call_ended)
 
-    def _least_tag(self) -> int | None:
-        """The least engine-queue tag of the calls in flight; None when none is."""
-        return min(
+    def _look_at_tags(self) -> None:
+        """Notes, before calls start, what their tags count from (``EngineTags``): the least
+        tag of the calls in flight (None when none is), and the fleet's slots."""
+        self._oldest_tag = min(
             (call.tag for calls in self._calls.values() for call in calls.values()),
             default=None,
         )
+        self._tag_window = sum(e.capacity_samples for e in self._engines.values() if e.healthy)
 
     def _engine_tag(self, record: GroupRecord, samples: int) -> int:
         """The place in the engines' queues of a call of ``samples`` samples of ``record``
         (``EngineTags``): its group's first call's; 0 (arrival order) without fair share."""
         if not self.settings.fair_share:
             return 0
-        slots = sum(e.capacity_samples for e in self._engines.values() if e.healthy)
-        tag = self._tags.tag(record.spec.run_id, samples, self._oldest_tag, slots)
+        tag = self._tags.tag(record.spec.run_id, samples, self._oldest_tag, self._tag_window)
         if self._oldest_tag is None:
             self._oldest_tag = tag  # (in flight from now on)
         if record.engine_tag is None:
@@ -1790,7 +1792,7 @@ class SchedulerRuntime:
             return
         target = self._engines.get(to_engine)
         if target is not None and target.healthy and self._room()[to_engine] > 0:
-            self._oldest_tag = self._least_tag()
+            self._look_at_tags()
             self._start(record, target, (index,))
             return
         log.warning(
