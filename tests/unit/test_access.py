@@ -283,6 +283,14 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
     )
     tls = fine.server_tls()
     assert tls is not None and tls.client_ca_file == pki.ca
+    # The engines' side: a CA to reach them over TLS, and the name their certificates carry.
+    assert "engine_tls_server_name needs engine_ca_file" in refused(
+        engine_tls_server_name="engines.internal"
+    )
+    assert f"engine_ca_file {missing}: cannot read it" in refused(engine_ca_file=str(missing))
+    assert "no PEM certificate in it" in refused(engine_ca_file=str(tokens_file))
+    with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file: give both"):
+        SimSettings(tls_cert_file=str(pki.server_cert))
 
 
 def test_an_engines_scheduler_credentials_are_checked_at_start(tmp_path: Path, pki: Pki) -> None:
@@ -850,6 +858,49 @@ async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
                     await asyncio.sleep(RELOAD_INTERVAL_S + 0.5)
                     api_tokens.write_text(f"next:{ENGINE_TOKEN}\n")
                     await asyncio.sleep(RELOAD_INTERVAL_S + 0.5)
+            await trainer.delete_run()
+    finally:
+        stop.set()
+        await asyncio.wait_for(fleet, TIMEOUT_S)
+
+
+async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
+    redis_url: str, pki: Pki
+) -> None:
+    settings = SimSettings(
+        engine_id="sealed",
+        time_scale=0.05,
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+    )
+    stop = asyncio.Event()
+    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
+    fleet = asyncio.create_task(sim_serve(settings, ready=started.set_result, stop=stop))
+    try:
+        address = (await asyncio.wait_for(started, TIMEOUT_S)).addresses["sealed"]
+        async with grpc.aio.insecure_channel(address) as channel:  # (plaintext: no answer)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await pb_grpc.EngineStub(channel).Stats(pb.StatsRequest(), timeout=5)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        endpoint = EngineEndpoint(engine_id="sealed", address=address)
+        async with (
+            scheduler(redis_url, engines=(endpoint,), engine_ca_file=str(pki.other_ca)) as (
+                served,
+                _,
+            ),
+            client(redis_url, served.port) as stranger,
+        ):
+            await asyncio.sleep(1.0)  # (probes fail: the certificate is another CA's)
+            [engine] = (await stranger.status()).engines
+            assert not engine.healthy and engine.last_error
+        async with (
+            scheduler(redis_url, engines=(endpoint,), engine_ca_file=str(pki.ca)) as (served, _),
+            client(redis_url, served.port) as trainer,
+        ):
+            assert await trainer.submit([group("g0")]) == 1
+            async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
+                assert item.result.status == GroupStatus.DELIVERED, item.result.error
+                await item.done()
             await trainer.delete_run()
     finally:
         stop.set()

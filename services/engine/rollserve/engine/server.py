@@ -104,7 +104,12 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        port = server.add_insecure_port(settings.address)
+        tls = settings.api_tls()
+        port = (
+            server.add_insecure_port(settings.address)
+            if tls is None
+            else server.add_secure_port(settings.address, tls.grpc_credentials())
+        )
     except RuntimeError as exc:  # grpcio raises where it cannot bind
         raise SystemExit(f"port {settings.port}: could not bind {settings.address}: {exc}") from exc
     await set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)

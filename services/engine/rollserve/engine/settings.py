@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
 from rollserve.client.credentials import SchedulerCredentials
-from rollserve.common.access import TokenFile
+from rollserve.common.access import ServerTls, TokenFile
 from rollserve.engine.cpu_features import emulates_bf16
 from rollserve.engine.host_memory import host_memory_bytes
 
@@ -114,6 +114,13 @@ class SchedulerLink(BaseModel):
         "the scheduler's --engine-token-file holds one. Read again when it changes; none: "
         "the API asks for none.",
     )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate chain the engine's gRPC API serves TLS with (with "
+        "tls_key_file; the scheduler's --engine-ca-file names its CA); read again when it "
+        "changes; none: plaintext.",
+    )
+    tls_key_file: str | None = Field(None, description="PEM key of tls_cert_file.")
 
     @model_validator(mode="after")
     def _readable_scheduler_credentials(self) -> SchedulerLink:
@@ -129,7 +136,16 @@ class SchedulerLink(BaseModel):
             raise ValueError(f"{named}: for a scheduler; give scheduler_address too")
         self.scheduler_credentials()  # (its ValueError names the file)
         self.api_tokens()
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
+        self.api_tls()
         return self
+
+    def api_tls(self) -> ServerTls | None:
+        """The TLS of the engine's API (files read and checked now); None: plaintext."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return ServerTls.load(self.tls_cert_file, self.tls_key_file)
 
     def api_tokens(self) -> TokenFile | None:
         """The tokens calls of the engine's API must carry (read now); None: none asked."""

@@ -29,6 +29,22 @@ CHANNEL_OPTIONS = (
 )
 
 
+@dataclass(frozen=True)
+class EngineTls:
+    """How the scheduler reaches engines that serve TLS: the CA that signed their
+    certificates (PEM), and the name to check in them (None: the address's host)."""
+
+    ca_pem: bytes
+    server_name: str | None = None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
+        if self.server_name is not None:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 @dataclass(slots=True)
 class EngineLoad:
     """What the scheduler has running on an engine, summed over its running samples."""
@@ -67,14 +83,20 @@ class EngineHandle:
         address: str,
         capacity_factor: float,
         metadata: Callable[[], Metadata] = lambda: (),
+        tls: EngineTls | None = None,
     ) -> None:
         """``metadata``: what each call of the Engine API carries (its token, where engines
-        ask for one), asked for at each call."""
+        ask for one), asked for at each call; ``tls``: how to reach an engine that serves
+        TLS (None: plaintext)."""
         self.engine_id = engine_id
         self.address = address
         self._capacity_factor = capacity_factor
         self._metadata = metadata
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if tls is None
+            else tls.channel(address)
+        )
         self._stub = pb_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.info: EngineInfo | None = None

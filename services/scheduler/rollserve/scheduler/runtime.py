@@ -356,6 +356,7 @@ class SchedulerRuntime:
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
         self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
+        self._engine_tls = settings.engine_tls()  # (read once: a new CA needs a restart)
         engine_token = settings.engine_token()  # (the engines' calls show it, where given)
         self._engine_metadata: Callable[[], Metadata] = (
             (lambda: ()) if engine_token is None else engine_token.metadata
@@ -2069,7 +2070,11 @@ class SchedulerRuntime:
 
     def _add_engine(self, engine_id: str, address: str) -> EngineHandle:
         engine = EngineHandle(
-            engine_id, address, self.settings.capacity_factor, self._engine_metadata
+            engine_id,
+            address,
+            self.settings.capacity_factor,
+            self._engine_metadata,
+            self._engine_tls,
         )
         engine.probe_slot = self._engines_added  # spreads the watched engines' probes
         self._engines_added += 1

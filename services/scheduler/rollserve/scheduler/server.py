@@ -272,6 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding the token (alone) every call to the engines carries, for engines "
         "started with --auth-tokens-file; read again when it changes",
     )
+    p.add_argument(
+        "--engine-ca-file",
+        help="PEM CA certificates that signed the engines' (engines started with "
+        "--tls-cert-file): the engines are reached over TLS",
+    )
+    p.add_argument(
+        "--engine-tls-server-name",
+        help="the name the engines' certificates carry, where it is not their addresses' host",
+    )
     p.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
     p.add_argument(
         "--engine",
@@ -468,6 +477,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         tls_client_ca_file=args.tls_client_ca_file,
         auth_tokens_file=args.auth_tokens_file,
         engine_token_file=args.engine_token_file,
+        engine_ca_file=args.engine_ca_file,
+        engine_tls_server_name=args.engine_tls_server_name,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),
         policy=args.policy,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.common.access import BearerFile, ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
+from rollserve.scheduler.engines import EngineTls
 from rollserve.scheduler.roles import ROLES
 
 
@@ -68,6 +71,16 @@ class SchedulerSettings(BaseModel):
         description="file holding the token (alone) that every call to the engines carries, "
         "for engines started with --auth-tokens-file; read again when it changes; None: no "
         "token sent",
+    )
+    engine_ca_file: str | None = Field(
+        None,
+        description="PEM CA certificates that signed the engines' (engines started with "
+        "--tls-cert-file): the scheduler reaches the engines over TLS; None: plaintext",
+    )
+    engine_tls_server_name: str | None = Field(
+        None,
+        description="the name the engines' certificates must carry, where it is not the "
+        "host of their addresses (engines addressed by IP); needs engine_ca_file",
     )
     redis_url: str = Field(description="Redis the scheduler keeps its state and streams in")
     engines: tuple[EngineEndpoint, ...] = Field(
@@ -290,6 +303,9 @@ class SchedulerSettings(BaseModel):
         self.server_tls()  # (their errors name the file and what is wrong)
         self.token_file()
         self.engine_token()
+        if self.engine_tls_server_name is not None and self.engine_ca_file is None:
+            raise ValueError("engine_tls_server_name needs engine_ca_file: it is a TLS setting")
+        self.engine_tls()
         return self
 
     def server_tls(self) -> ServerTls | None:
@@ -303,6 +319,20 @@ class SchedulerSettings(BaseModel):
         if self.auth_tokens_file is None:
             return None
         return TokenFile(self.auth_tokens_file, roles=ROLES)
+
+    def engine_tls(self) -> EngineTls | None:
+        """How the engines are reached over TLS (the CA read now); None: plaintext."""
+        if self.engine_ca_file is None:
+            return None
+        try:
+            ca_pem = Path(self.engine_ca_file).read_bytes()
+        except OSError as exc:
+            raise ValueError(
+                f"engine_ca_file {self.engine_ca_file}: cannot read it: {exc}"
+            ) from exc
+        if b"-----BEGIN CERTIFICATE-----" not in ca_pem:
+            raise ValueError(f"engine_ca_file {self.engine_ca_file}: no PEM certificate in it")
+        return EngineTls(ca_pem, self.engine_tls_server_name)
 
     def engine_token(self) -> BearerFile | None:
         """The token the engines' API is called with (read now); None: none sent."""

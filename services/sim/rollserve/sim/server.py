@@ -609,7 +609,12 @@ async def _start_engine(parts: EngineParts, index: int) -> _Served:
         (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = settings.bind_address(index)
-    port = server.add_insecure_port(address)
+    tls = settings.api_tls()
+    port = (
+        server.add_insecure_port(address)
+        if tls is None
+        else server.add_secure_port(address, tls.grpc_credentials())
+    )
     if port == 0:
         raise OSError(f"engine {servicer.engine_id}: could not bind {address}")
     await server.start()
