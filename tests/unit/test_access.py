@@ -26,7 +26,7 @@ from grpc_health.v1 import health as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from rich.console import Console
-from rollserve.cli.stack import free_port
+from rollserve.cli.stack import StackConfig, free_port
 from rollserve.cli.status import UNREACHABLE_EXIT_CODE, run_status
 from rollserve.client import (
     AsyncRolloutClient,
@@ -41,7 +41,12 @@ from rollserve.client import (
 )
 from rollserve.client.credentials import NO_CREDENTIALS
 from rollserve.common.access import RELOAD_INTERVAL_S, Grant, ServerTls, TokenFile, parse_tokens
-from rollserve.engine.server import stay_registered
+from rollserve.engine.server import (
+    AioHealthServicer,
+    serve_metrics,
+    set_health,
+    stay_registered,
+)
 from rollserve.engine.settings import EngineSettings, SchedulerLink
 from rollserve.scheduler.roles import ROLES
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
@@ -288,7 +293,10 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
         engine_tls_server_name="engines.internal"
     )
     assert f"engine_ca_file {missing}: cannot read it" in refused(engine_ca_file=str(missing))
-    assert "no PEM certificate in it" in refused(engine_ca_file=str(tokens_file))
+    assert "not PEM certificates" in refused(engine_ca_file=str(tokens_file))
+    assert "at least 1 character" in refused(engine_ca_file=str(pki.ca), engine_tls_server_name="")
+    with pytest.raises(ValueError, match="the dev stack's scheduler reaches its engines"):
+        StackConfig(model=tmp_path, engine_args=("--tls-cert-file=/x",))
     with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file: give both"):
         SimSettings(tls_cert_file=str(pki.server_cert))
 
@@ -905,3 +913,27 @@ async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
     finally:
         stop.set()
         await asyncio.wait_for(fleet, TIMEOUT_S)
+
+
+async def test_an_engine_says_its_health_in_plaintext_http_for_probes(tmp_path: Path) -> None:
+    """An engine whose gRPC port serves TLS cannot be probed by the kubelet's gRPC probe:
+    its metrics port answers ``GET /healthz`` from the same health status."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    settings = EngineSettings(model=tmp_path, host="127.0.0.1", metrics_port=free_port())
+    servicer = AioHealthServicer()
+    await set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # (as it loads)
+    metrics = await serve_metrics(settings, servicer)
+    assert metrics is not None
+    url = f"http://127.0.0.1:{settings.metrics_port}/healthz"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url) as reply:
+                assert (reply.status, await reply.json()) == (503, {"status": "NOT_SERVING"})
+            await set_health(servicer, health_pb2.HealthCheckResponse.SERVING)
+            async with http.get(url) as reply:
+                assert (reply.status, await reply.json()) == (200, {"status": "SERVING"})
+            await servicer.enter_graceful_shutdown()
+            async with http.get(url) as reply:
+                assert reply.status == 503
+    finally:
+        await metrics.stop()

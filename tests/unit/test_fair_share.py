@@ -203,6 +203,10 @@ async def test_a_group_s_later_calls_keep_its_first_calls_place_in_the_engines_q
         assert runtime._engine_tag(newer, 2) == 2
         assert runtime._engine_tag(older, 1) == 0  # its resumed sample, placed later
         assert older.engine_tag == 0 and newer.engine_tag == 2
+        # Nothing in flight: the counters start again, and a group placed again does not
+        # keep a tag from before that would now put it behind every newer call.
+        runtime._oldest_tag = None
+        assert runtime._engine_tag(newer, 2) == 0 and newer.engine_tag == 0
 
 
 @asynccontextmanager

@@ -91,6 +91,9 @@ def wait_serving(address: str, timeout_s: float, proc: ManagedProcess | None = N
             time.sleep(0.25)
 
 
+_ENGINE_ACCESS_FLAGS = ("--tls-cert-file", "--tls-key-file", "--auth-tokens-file")
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -201,6 +204,13 @@ class StackConfig:
         if self.sim_profile is not None and self.engine_args:
             raise ValueError(
                 f"engine_args {list(self.engine_args)}: simulated engines take no vLLM flags"
+            )
+        secured = [a for a in self.engine_args if a.split("=")[0] in _ENGINE_ACCESS_FLAGS]
+        if secured:
+            raise ValueError(
+                f"engine_args {secured}: the dev stack's scheduler reaches its engines in "
+                "plaintext without a token; run the engines and the scheduler yourself for "
+                "that (docs/access.md)"
             )
         if self.http_port is None:
             return

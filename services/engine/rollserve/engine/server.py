@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args, get_origin
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
@@ -130,7 +131,7 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     children_exit_s = CHILD_EXIT_TIMEOUT_S
     metrics: HttpServer | None = None
     try:
-        metrics = await serve_metrics(settings)
+        metrics = await serve_metrics(settings, health_servicer)
         # The import takes seconds and needs no event loop; model loading must run on this
         # thread (vLLM starts its engine-core child from the calling thread and binds its
         # output handler to the running loop), so it blocks the loop while it runs.
@@ -199,16 +200,36 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
         raise SystemExit(ENGINE_DIED_EXIT_CODE)
 
 
-async def serve_metrics(settings: EngineSettings) -> HttpServer | None:
+async def serve_metrics(
+    settings: EngineSettings, health_servicer: AioHealthServicer | None = None
+) -> HttpServer | None:
     """The Prometheus endpoint of ``settings.metrics_port``, serving this process's registry
-    (where vLLM's stat logger keeps its ``vllm:`` metrics once the engine is built); None
-    without one. A port that cannot be bound stops the engine, naming it."""
+    (where vLLM's stat logger keeps its ``vllm:`` metrics once the engine is built), and
+    ``GET /healthz``: what ``health_servicer`` says of the engine (200 SERVING, else 503), in
+    plaintext for probes that cannot speak to a gRPC port serving TLS. None without a port.
+    A port that cannot be bound stops the engine, naming it."""
     if settings.metrics_port is None:
         return None
     from prometheus_client import REGISTRY
 
+    async def healthz(request: web.Request) -> web.Response:
+        status = "NOT_SERVING"
+        if health_servicer is not None:
+            try:
+                reply = await health_servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except Exception:  # (no status set yet: not serving)
+                pass
+        code = 200 if status == "SERVING" else 503
+        return web.json_response({"status": status}, status=code)
+
     # (vLLM's metrics are prometheus_client's own, safe to read from the formatting thread)
-    server = HttpServer(lambda: REGISTRY, settings.host, settings.metrics_port)
+    server = HttpServer(
+        lambda: REGISTRY,
+        settings.host,
+        settings.metrics_port,
+        routes=[web.get("/healthz", healthz)],
+    )
     return await start_http(server, "engine")
 
 

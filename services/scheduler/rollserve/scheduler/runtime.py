@@ -1374,11 +1374,12 @@ class SchedulerRuntime:
         if not self.settings.fair_share:
             return 0
         tag = self._tags.tag(record.spec.run_id, samples, self._oldest_tag, self._tag_window)
+        # (the least: the group's first tag, unless the counters started again since)
+        sent = tag if record.engine_tag is None else min(record.engine_tag, tag)
+        record.engine_tag = sent
         if self._oldest_tag is None:
-            self._oldest_tag = tag  # (in flight from now on)
-        if record.engine_tag is None:
-            record.engine_tag = tag
-        return record.engine_tag
+            self._oldest_tag = sent  # (in flight from now on)
+        return sent
 
     def _room(self) -> dict[str, int]:
         """Per engine, the samples it can take before it is at capacity."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -79,6 +80,7 @@ class SchedulerSettings(BaseModel):
     )
     engine_tls_server_name: str | None = Field(
         None,
+        min_length=1,
         description="the name the engines' certificates must carry, where it is not the "
         "host of their addresses (engines addressed by IP); needs engine_ca_file",
     )
@@ -330,8 +332,12 @@ class SchedulerSettings(BaseModel):
             raise ValueError(
                 f"engine_ca_file {self.engine_ca_file}: cannot read it: {exc}"
             ) from exc
-        if b"-----BEGIN CERTIFICATE-----" not in ca_pem:
-            raise ValueError(f"engine_ca_file {self.engine_ca_file}: no PEM certificate in it")
+        try:
+            ssl.create_default_context(cadata=ca_pem.decode("ascii"))
+        except (ssl.SSLError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise ValueError(
+                f"engine_ca_file {self.engine_ca_file}: not PEM certificates: {exc}"
+            ) from exc
         return EngineTls(ca_pem, self.engine_tls_server_name)
 
     def engine_token(self) -> BearerFile | None:
