@@ -29,7 +29,7 @@ from rollserve.client import (
     SamplingParams,
     SchedulerStatus,
 )
-from rollserve.client.wire import samples_stream_key, stream_key
+from rollserve.client.wire import DELETES_KEPT_S, deletes_key, samples_stream_key, stream_key
 from rollserve.scheduler.lease import LEASE_KEY
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -172,11 +172,14 @@ def test_16_groups_of_4_give_exactly_64_samples(
     # What the engine serves, as its Stats said and the scheduler passes on.
     [e0] = status.engines
     assert e0.model and e0.dtype in ("float32", "bfloat16"), (e0.model, e0.dtype)
-    # The run ends for good: nothing of it is left in Redis.
+    # The run ends for good: nothing of it is left in Redis but the count of its deletes,
+    # which tells late readers and expires.
     with RolloutClient(scheduler.address, scheduler_redis_url, rid) as client:
         deleted = client.delete_run()
     assert (deleted.cancelled, deleted.existed) == (0, True)
-    assert list(redis.Redis.from_url(scheduler_redis_url).scan_iter(f"rollserve:{{{rid}}}:*")) == []
+    left = redis.Redis.from_url(scheduler_redis_url)
+    assert list(left.scan_iter(f"rollserve:{{{rid}}}:*")) == [deletes_key(rid).encode()]
+    assert 0 < left.ttl(deletes_key(rid)) <= DELETES_KEPT_S
 
 
 def test_samples_streamed_as_they_finish_are_the_ones_their_groups_carry(
