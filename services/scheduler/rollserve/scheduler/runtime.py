@@ -1298,7 +1298,8 @@ class SchedulerRuntime:
             ):
                 continue
             plan = self._policy.plan(self.snapshot())
-            self._look_at_tags()
+            if plan.assignments:
+                self._look_at_tags()
             for assign in plan.assignments:
                 self._carry_out(assign)
             if plan.preempts:
@@ -1361,7 +1362,10 @@ class SchedulerRuntime:
 
     def _look_at_tags(self) -> None:
         """Notes, before calls start, what their tags count from (``EngineTags``): the least
-        tag of the calls in flight (None when none is), and the fleet's slots."""
+        tag of the calls in flight (None when none is), and the fleet's slots. Nothing to
+        note without fair share (every tag 0)."""
+        if not self.settings.fair_share:
+            return
         self._oldest_tag = min(
             (call.tag for calls in self._calls.values() for call in calls.values()),
             default=None,
