@@ -461,7 +461,7 @@ class RolloutClient:
         # A stream that vanished under a reader: a deleted run's (its deletes counted one
         # more since), or one an operator removed. Only the latter is made again.
         before = deletes_count(self._redis.get(self.config.deletes))
-        if self._state.lost and self._state.deleted_since(before):
+        if self._state.deleted_since(before):  # (None seen yet: its first group)
             raise RunDeleted(run_deleted(self.config))
         try:
             self._redis.xgroup_create(
@@ -480,7 +480,6 @@ class RolloutClient:
             except redis.ResponseError as exc:
                 raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
-        self._state.lost = False
 
     def _delivery_counts(self, batch: Batch) -> dict[str, int]:
         """Delivery counts of the redelivered entries of a batch (one round trip)."""

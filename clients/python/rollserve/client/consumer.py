@@ -440,7 +440,6 @@ class ConsumerState:
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
         self.group_ready = False  # XGROUP CREATE done (or the group was there)
-        self.lost = False  # the stream or its group vanished since (NOGROUP)
         # The run's deletes counted when the group was made: one more since, and the stream
         # read is gone for good (a Submit of the id makes another run's).
         self.deletes_seen: int | None = None
@@ -571,7 +570,6 @@ class ConsumerState:
             self.config.consumer_group,
         )
         self.group_ready = False
-        self.lost = True
         self._pending_cursor = PENDING_START_ID
         self._claim_cursor = CLAIM_START_CURSOR
 
