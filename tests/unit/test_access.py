@@ -40,7 +40,14 @@ from rollserve.client import (
     Unauthenticated,
 )
 from rollserve.client.credentials import NO_CREDENTIALS
-from rollserve.common.access import RELOAD_INTERVAL_S, Grant, ServerTls, TokenFile, parse_tokens
+from rollserve.common.access import (
+    RELOAD_INTERVAL_S,
+    ClientTls,
+    Grant,
+    ServerTls,
+    TokenFile,
+    parse_tokens,
+)
 from rollserve.engine.server import (
     AioHealthServicer,
     serve_metrics,
@@ -48,6 +55,7 @@ from rollserve.engine.server import (
     stay_registered,
 )
 from rollserve.engine.settings import EngineSettings, SchedulerLink
+from rollserve.scheduler.engines import EngineHandle, EngineTls
 from rollserve.scheduler.roles import ROLES
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.sim.server import FleetStarted
@@ -58,6 +66,7 @@ from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
 from tests.served import ServedScheduler, served_scheduler
+from tests.unit.builders import spec
 from tests.unit.certs import Pki, encrypt_key, make_pki
 
 TIMEOUT_S = 30.0
@@ -92,6 +101,19 @@ async def scheduler(redis_url: str, **given: Any) -> AsyncIterator[tuple[ServedS
     )
     async with served_scheduler(settings, TIMEOUT_S) as served:
         yield served, http_port
+
+
+@asynccontextmanager
+async def sim_engine(settings: SimSettings) -> AsyncIterator[str]:
+    """A sim engine served with ``settings``: its address."""
+    stop = asyncio.Event()
+    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
+    fleet = asyncio.create_task(sim_serve(settings, ready=started.set_result, stop=stop))
+    try:
+        yield (await asyncio.wait_for(started, TIMEOUT_S)).addresses[settings.engine_id]
+    finally:
+        stop.set()
+        await asyncio.wait_for(fleet, TIMEOUT_S)
 
 
 def group(group_id: str) -> PromptGroup:
@@ -292,13 +314,41 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
     assert "engine_tls_server_name needs engine_ca_file" in refused(
         engine_tls_server_name="engines.internal"
     )
-    assert f"engine_ca_file {missing}: cannot read it" in refused(engine_ca_file=str(missing))
+    assert f"engine TLS: the CA {missing}: cannot read it" in refused(engine_ca_file=str(missing))
+    assert "engine TLS: the CA" in refused(engine_ca_file=str(tokens_file))
     assert "not PEM certificates" in refused(engine_ca_file=str(tokens_file))
     assert "at least 1 character" in refused(engine_ca_file=str(pki.ca), engine_tls_server_name="")
+    # Mutual TLS to the engines: the certificate the scheduler shows them, with its key.
+    assert "engine_cert_file and engine_key_file: give both" in refused(
+        engine_ca_file=str(pki.ca), engine_cert_file=str(pki.client_cert)
+    )
+    assert "engine_cert_file needs engine_ca_file" in refused(
+        engine_cert_file=str(pki.client_cert), engine_key_file=str(pki.client_key)
+    )
+    assert f"the certificate {pki.client_cert} and the key {pki.server_key}" in refused(
+        engine_ca_file=str(pki.ca),
+        engine_cert_file=str(pki.client_cert),
+        engine_key_file=str(pki.server_key),
+    )
+    assert "the key is encrypted; give it unencrypted" in refused(
+        engine_ca_file=str(pki.ca),
+        engine_cert_file=str(pki.server_cert),
+        engine_key_file=str(encrypted),
+    )
     with pytest.raises(ValueError, match="the dev stack's scheduler reaches its engines"):
         StackConfig(model=tmp_path, engine_args=("--tls-cert-file=/x",))
     with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file: give both"):
         SimSettings(tls_cert_file=str(pki.server_cert))
+    with pytest.raises(ValidationError, match="tls_client_ca_file needs tls_cert_file"):
+        SimSettings(tls_client_ca_file=str(pki.ca))
+    with pytest.raises(ValidationError, match="not PEM certificates"):
+        SimSettings(
+            tls_cert_file=str(pki.server_cert),
+            tls_key_file=str(pki.server_key),
+            tls_client_ca_file=str(tokens_file),
+        )
+    with pytest.raises(ValueError, match="the dev stack's scheduler reaches its engines"):
+        StackConfig(model=tmp_path, engine_args=("--tls-client-ca-file=/x",))
 
 
 def test_an_engines_scheduler_credentials_are_checked_at_start(tmp_path: Path, pki: Pki) -> None:
@@ -823,11 +873,7 @@ async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
     token_file = tmp_path / "engine-token"
     token_file.write_text(f"{TOKEN}\n")
     settings = SimSettings(engine_id="locked", time_scale=0.05, auth_tokens_file=str(api_tokens))
-    stop = asyncio.Event()
-    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
-    fleet = asyncio.create_task(sim_serve(settings, ready=started.set_result, stop=stop))
-    try:
-        address = (await asyncio.wait_for(started, TIMEOUT_S)).addresses["locked"]
+    async with sim_engine(settings) as address:
         async with grpc.aio.insecure_channel(address) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10
@@ -867,9 +913,6 @@ async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
                     api_tokens.write_text(f"next:{ENGINE_TOKEN}\n")
                     await asyncio.sleep(RELOAD_INTERVAL_S + 0.5)
             await trainer.delete_run()
-    finally:
-        stop.set()
-        await asyncio.wait_for(fleet, TIMEOUT_S)
 
 
 async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
@@ -881,11 +924,7 @@ async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
         tls_cert_file=str(pki.server_cert),
         tls_key_file=str(pki.server_key),
     )
-    stop = asyncio.Event()
-    started: asyncio.Future[FleetStarted] = asyncio.get_running_loop().create_future()
-    fleet = asyncio.create_task(sim_serve(settings, ready=started.set_result, stop=stop))
-    try:
-        address = (await asyncio.wait_for(started, TIMEOUT_S)).addresses["sealed"]
+    async with sim_engine(settings) as address:
         async with grpc.aio.insecure_channel(address) as channel:  # (plaintext: no answer)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await pb_grpc.EngineStub(channel).Stats(pb.StatsRequest(), timeout=5)
@@ -910,9 +949,98 @@ async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
                 assert item.result.status == GroupStatus.DELIVERED, item.result.error
                 await item.done()
             await trainer.delete_run()
-    finally:
-        stop.set()
-        await asyncio.wait_for(fleet, TIMEOUT_S)
+
+
+async def test_engines_asking_for_mutual_tls_take_the_certificate_the_scheduler_shows(
+    redis_url: str, tmp_path: Path, pki: Pki
+) -> None:
+    """A sim engine started with ``--tls-client-ca-file``: a caller that shows no
+    certificate, or one another CA signed, cannot reach it. The scheduler's CA and
+    certificate files rewritten (renewed, say), it reaches the engine within the reload
+    interval, with no restart."""
+    (tmp_path / "second").mkdir()
+    stranger = make_pki(tmp_path / "second")  # (its client certificate: another CA's)
+    ca, cert, key = (tmp_path / name for name in ("e-ca.pem", "e-cert.pem", "e-key.pem"))
+    ca.write_bytes(pki.other_ca.read_bytes())
+    cert.write_bytes(stranger.client_cert.read_bytes())
+    key.write_bytes(stranger.client_key.read_bytes())
+    settings = SimSettings(
+        engine_id="mutual",
+        time_scale=0.05,
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_client_ca_file=str(pki.ca),
+    )
+    async with sim_engine(settings) as address:
+        no_certificate = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+        async with grpc.aio.secure_channel(address, no_certificate) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await pb_grpc.EngineStub(channel).Stats(pb.StatsRequest(), timeout=5)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        endpoint = EngineEndpoint(engine_id="mutual", address=address)
+        files = {
+            "engine_ca_file": str(ca),
+            "engine_cert_file": str(cert),
+            "engine_key_file": str(key),
+        }
+        async with (
+            scheduler(redis_url, engines=(endpoint,), **files) as (served, _),
+            client(redis_url, served.port) as trainer,
+        ):
+
+            async def healthy_within(seconds: float) -> bool:
+                for _ in range(int(seconds / 0.25)):
+                    [engine] = (await trainer.status()).engines
+                    if engine.healthy:
+                        return True
+                    await asyncio.sleep(0.25)
+                return False
+
+            assert not await healthy_within(1.0)  # (neither side trusts the other)
+            ca.write_bytes(pki.ca.read_bytes())
+            assert not await healthy_within(RELOAD_INTERVAL_S + 2.0)  # (the engine still not)
+            cert.write_bytes(pki.client_cert.read_bytes())
+            key.write_bytes(pki.client_key.read_bytes())
+            assert await healthy_within(RELOAD_INTERVAL_S + 10.0)
+            assert await trainer.submit([group("g0")]) == 1
+            async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
+                assert item.result.status == GroupStatus.DELIVERED, item.result.error
+                await item.done()
+            await trainer.delete_run()
+
+
+async def test_a_call_in_flight_ends_on_its_connection_when_engine_credentials_change(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """New credentials open a new connection to the engine for the calls made from then on;
+    a stream already running on the old one runs to its end (the old connection is closed
+    after it)."""
+    settings = SimSettings(
+        engine_id="renewed",
+        time_scale=1.0,
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+    )
+    ca = tmp_path / "engine-ca.pem"
+    ca.write_bytes(pki.ca.read_bytes())
+    tls = EngineTls(ClientTls(ca, reload_interval_s=0.0))
+    async with sim_engine(settings) as address:
+        handle = EngineHandle("renewed", address, 1.0, tls=tls)
+        try:
+            await handle.probe(TIMEOUT_S)
+            call = handle.generate(spec(max_tokens=400), "call-0", [0, 1])
+            replies = aiter(call)
+            await asyncio.wait_for(anext(replies), TIMEOUT_S)
+            ca.write_bytes(pki.ca.read_bytes() + b"\n")  # (renewed: the same CA, new bytes)
+            await handle.stats(TIMEOUT_S)  # (on a new connection)
+            assert tls.client.generation == 1
+            assert not call.done()
+            async for _ in replies:
+                pass
+            assert await call.code() == grpc.StatusCode.OK
+            assert await handle.probe(TIMEOUT_S) is False
+        finally:
+            await handle.close()
 
 
 async def test_an_engine_says_its_health_in_plaintext_http_for_probes(tmp_path: Path) -> None:

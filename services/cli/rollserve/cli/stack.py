@@ -91,7 +91,12 @@ def wait_serving(address: str, timeout_s: float, proc: ManagedProcess | None = N
             time.sleep(0.25)
 
 
-_ENGINE_ACCESS_FLAGS = ("--tls-cert-file", "--tls-key-file", "--auth-tokens-file")
+_ENGINE_ACCESS_FLAGS = (
+    "--tls-cert-file",
+    "--tls-key-file",
+    "--tls-client-ca-file",
+    "--auth-tokens-file",
+)
 
 
 @dataclass

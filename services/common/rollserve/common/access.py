@@ -52,6 +52,7 @@ __all__ = [
     "CALLER",
     "OPEN_GRPC_PREFIXES",
     "BearerFile",
+    "ClientTls",
     "Grant",
     "GrpcTokenCheck",
     "Role",
@@ -557,6 +558,13 @@ def _no_password() -> str:
     raise ValueError("the key is encrypted; give it unencrypted (a file only the service reads)")
 
 
+def _file_bytes(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot read it: {exc}") from exc
+
+
 class _Watch:
     """Whether files changed since the last look, looked at every ``interval_s`` at most;
     safe from any thread (gRPC asks from its own)."""
@@ -633,20 +641,14 @@ class ServerTls:
         ca = () if self.client_ca_file is None else (self.client_ca_file,)
         return (self.cert_file, self.key_file, *ca)
 
-    def _read(self, path: Path, what: str) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{what} {path}: cannot read it: {exc}") from exc
-
     def _material(self) -> tuple[bytes, bytes, bytes | None]:
         """The files' bytes: (certificate chain, key, client CA or None)."""
-        chain = self._read(self.cert_file, "the certificate")
-        key = self._read(self.key_file, "the key")
+        chain = _file_bytes(self.cert_file, "the certificate")
+        key = _file_bytes(self.key_file, "the key")
         client_ca = (
             None
             if self.client_ca_file is None
-            else self._read(self.client_ca_file, "the client CA")
+            else _file_bytes(self.client_ca_file, "the client CA")
         )
         return chain, key, client_ca
 
@@ -654,8 +656,8 @@ class ServerTls:
         """A server context of the files as they are now (TLS 1.2 at least)."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._read(self.cert_file, "the certificate")
-        self._read(self.key_file, "the key")
+        _file_bytes(self.cert_file, "the certificate")
+        _file_bytes(self.key_file, "the key")
         try:
             context.load_cert_chain(self.cert_file, self.key_file, password=_no_password)
         except (ssl.SSLError, OSError, ValueError) as exc:
@@ -664,7 +666,7 @@ class ServerTls:
                 f"certificate chain and its key, unencrypted: {exc}"
             ) from exc
         if self.client_ca_file is not None:
-            self._read(self.client_ca_file, "the client CA")
+            _file_bytes(self.client_ca_file, "the client CA")
             try:
                 context.load_verify_locations(cafile=self.client_ca_file)
             except (ssl.SSLError, OSError) as exc:
@@ -745,3 +747,90 @@ class ServerTls:
             cast(Callable[[], grpc.ServerCertificateConfiguration], fetch),  # (None: no change)
             require_client_authentication=client_ca is not None,
         )
+
+
+class _Changing(ValueError):
+    """Files changed while they were read and checked."""
+
+
+class ClientTls:
+    """What a client reaches TLS servers with: the CA that signed their certificates, and for
+    mutual TLS the certificate chain and key it shows them (PEM files).
+
+    The files are looked at again every ``reload_interval_s`` at most, when asked for the
+    credentials; a set that changed and is valid (the CA parses, the key is the
+    certificate's) is taken, and ``generation`` counts up: connections opened from then on
+    should use it. One that is not (a file being written) leaves the set read before, and
+    says why in the log. gRPC fixes a channel's credentials when it is made: a client takes
+    new ones by opening a new channel."""
+
+    def __init__(
+        self,
+        ca_file: str | os.PathLike[str],
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        *,
+        reload_interval_s: float = RELOAD_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Reads and checks the files now: ValueError names the one that cannot be read or
+        the pair that does not match."""
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+        self.ca_file = Path(ca_file)
+        self.cert_file = None if cert_file is None else Path(cert_file)
+        self.key_file = None if key_file is None else Path(key_file)
+        paths = tuple(p for p in (self.ca_file, self.cert_file, self.key_file) if p is not None)
+        self._watch = _Watch(paths, reload_interval_s, clock)
+        self._lock = threading.Lock()
+        self.generation = 0
+        self._credentials = self._load()
+
+    def _material(self) -> tuple[bytes, bytes | None, bytes | None]:
+        ca = _file_bytes(self.ca_file, "the CA")
+        if self.cert_file is None or self.key_file is None:
+            return ca, None, None
+        return (
+            ca,
+            _file_bytes(self.cert_file, "the certificate"),
+            _file_bytes(self.key_file, "the key"),
+        )
+
+    def _load(self) -> grpc.ChannelCredentials:
+        """Credentials of the files as they are now, checked."""
+        ca, chain, key = self._material()
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        try:
+            context.load_verify_locations(cadata=ca.decode("ascii"))
+        except (ssl.SSLError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise ValueError(f"the CA {self.ca_file}: not PEM certificates: {exc}") from exc
+        if self.cert_file is not None and self.key_file is not None:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file, password=_no_password)
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise ValueError(
+                    f"the certificate {self.cert_file} and the key {self.key_file}: not a PEM "
+                    f"certificate chain and its key, unencrypted: {exc}"
+                ) from exc
+        if self._material() != (ca, chain, key):  # (written meanwhile: checked another set)
+            raise _Changing(f"{self.ca_file}: its files changed while they were read")
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=chain
+        )
+
+    def credentials(self) -> tuple[int, grpc.ChannelCredentials]:
+        """The latest valid set, and its generation."""
+        if self._watch.changed():
+            try:
+                credentials = self._load()
+            except _Changing:
+                self._watch.again()  # (the next look reads them again)
+            except ValueError as exc:
+                log.error("%s; the credentials read before stay", exc)
+            else:
+                with self._lock:
+                    self._credentials = credentials
+                    self.generation += 1
+                log.info("%s: read again, for new connections", self.ca_file)
+        with self._lock:
+            return self.generation, self._credentials

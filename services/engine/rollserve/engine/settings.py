@@ -121,6 +121,12 @@ class SchedulerLink(BaseModel):
         "changes; none: plaintext.",
     )
     tls_key_file: str | None = Field(None, description="PEM key of tls_cert_file.")
+    tls_client_ca_file: str | None = Field(
+        None,
+        description="PEM CA certificates: callers of the engine's gRPC API must show a "
+        "certificate one of them signed (mutual TLS; needs tls_cert_file; the scheduler's "
+        "--engine-cert-file shows one); read again when it changes; none: callers show none.",
+    )
 
     @model_validator(mode="after")
     def _readable_scheduler_credentials(self) -> SchedulerLink:
@@ -138,6 +144,10 @@ class SchedulerLink(BaseModel):
         self.api_tokens()
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS"
+            )
         self.api_tls()
         return self
 
@@ -145,7 +155,7 @@ class SchedulerLink(BaseModel):
         """The TLS of the engine's API (files read and checked now); None: plaintext."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
-        return ServerTls.load(self.tls_cert_file, self.tls_key_file)
+        return ServerTls.load(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
     def api_tokens(self) -> TokenFile | None:
         """The tokens calls of the engine's API must carry (read now); None: none asked."""

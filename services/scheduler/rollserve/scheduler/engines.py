@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rollserve.common.access import ClientTls
 from rollserve.scheduler.core.snapshot import EngineView
 from rollserve.scheduler.state import GroupSpec
 from rollserve.v1 import rollserve_pb2 as pb
@@ -32,17 +35,34 @@ CHANNEL_OPTIONS = (
 @dataclass(frozen=True)
 class EngineTls:
     """How the scheduler reaches engines that serve TLS: the CA that signed their
-    certificates (PEM), and the name to check in them (None: the address's host)."""
+    certificates and, for engines that ask for one (mutual TLS), the certificate the
+    scheduler shows (``client``, its files read again when they change); the name to check
+    in the engines' certificates (None: the address's host)."""
 
-    ca_pem: bytes
+    client: ClientTls
     server_name: str | None = None
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> tuple[int, grpc.aio.Channel]:
+        """A channel to ``address`` with the latest credentials, and their generation."""
         options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
         if self.server_name is not None:
             options.append(("grpc.ssl_target_name_override", self.server_name))
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
-        return grpc.aio.secure_channel(address, credentials, options=options)
+        generation, credentials = self.client.credentials()
+        return generation, grpc.aio.secure_channel(address, credentials, options=options)
+
+
+@dataclass(eq=False)
+class _Link:
+    """A channel to an engine, its stubs, and how many calls it has open (its health watch
+    not counted)."""
+
+    channel: grpc.aio.Channel
+    generation: int  # of the credentials it was made with (0 in plaintext)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.stub = pb_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
 
 
 @dataclass(slots=True)
@@ -92,13 +112,12 @@ class EngineHandle:
         self.address = address
         self._capacity_factor = capacity_factor
         self._metadata = metadata
-        self._channel = (
-            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            if tls is None
-            else tls.channel(address)
-        )
-        self._stub = pb_grpc.EngineStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._tls = tls
+        self._link = self._connect()
+        # Links made with credentials since replaced, closed once their calls end (a
+        # health watch on one breaks then, and is opened again on the latest).
+        self._retired: set[_Link] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self.info: EngineInfo | None = None
         self.healthy = False
         self.failed_probes = 0
@@ -125,6 +144,40 @@ class EngineHandle:
         self.boot_id = ""  # its process's, as its Stats last said ("": not known or not said)
         self.restarts = 0  # times its Stats gave a boot id other than the one before
 
+    def _connect(self) -> _Link:
+        if self._tls is None:
+            return _Link(grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS), 0)
+        generation, channel = self._tls.channel(self.address)
+        return _Link(channel, generation)
+
+    def _latest(self) -> _Link:
+        """The link with the latest credentials: a new one when they changed since the
+        current was made (the current retires)."""
+        if self._tls is not None and self._tls.client.credentials()[0] != self._link.generation:
+            self._retired.add(self._link)
+            self._close_if_idle(self._link)
+            self._link = self._connect()
+            log.info("engine %s: new connections with the new TLS credentials", self.engine_id)
+        return self._link
+
+    def _close_if_idle(self, link: _Link) -> None:
+        if link in self._retired and link.calls == 0:
+            self._retired.discard(link)
+            task = asyncio.get_running_loop().create_task(link.channel.close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[_Link]:
+        """The link a unary call goes on, its call counted while it runs."""
+        link = self._latest()
+        link.calls += 1
+        try:
+            yield link
+        finally:
+            link.calls -= 1
+            self._close_if_idle(link)
+
     @property
     def capacity_samples(self) -> int:
         if self.info is None:
@@ -150,9 +203,10 @@ class EngineHandle:
         asked to ``look`` (it may have restarted), learning its limits again; returns whether
         it is another process than the one whose Stats were read before: a new boot id, or
         one it does not give (nothing tells then), or the first time."""
-        reply = await self._health.Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-        )
+        with self._call() as link:
+            reply = await link.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(
                 f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
@@ -179,7 +233,7 @@ class EngineHandle:
     async def watch(self) -> AsyncGenerator[bool, None]:
         """Its health as it changes (gRPC health Watch): True while SERVING. Ends or raises
         grpc.aio.AioRpcError when the stream breaks."""
-        replies = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
+        replies = self._latest().health.Watch(health_pb2.HealthCheckRequest(service=""))
         try:
             async for reply in replies:
                 yield reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -189,7 +243,8 @@ class EngineHandle:
     async def update_weights(self, path: str, version: int, timeout_s: float) -> None:
         """Has the engine load the checkpoint at ``path`` as weights ``version``."""
         request = pb.UpdateWeightsRequest(weights_path=path, version=version)
-        await self._stub.UpdateWeights(request, timeout=timeout_s, metadata=self._metadata())
+        with self._call() as link:
+            await link.stub.UpdateWeights(request, timeout=timeout_s, metadata=self._metadata())
 
     async def add_outputs(
         self,
@@ -206,16 +261,18 @@ class EngineHandle:
                 for prompt, outputs in prompts
             ]
         )
-        reply: pb.AddOutputsResponse = await self._stub.AddOutputs(
-            request, timeout=timeout_s, metadata=self._metadata()
-        )
+        with self._call() as link:
+            reply: pb.AddOutputsResponse = await link.stub.AddOutputs(
+                request, timeout=timeout_s, metadata=self._metadata()
+            )
         return reply.taken
 
     async def stats(self, timeout_s: float, *, with_progress: bool = False) -> pb.StatsResponse:
         request = pb.StatsRequest(with_progress=with_progress)
-        reply: pb.StatsResponse = await self._stub.Stats(
-            request, timeout=timeout_s, metadata=self._metadata()
-        )
+        with self._call() as link:
+            reply: pb.StatsResponse = await link.stub.Stats(
+                request, timeout=timeout_s, metadata=self._metadata()
+            )
         return reply
 
     def generate(
@@ -260,17 +317,27 @@ class EngineHandle:
             sample_indices=[] if len(set(indices)) == spec.n else indices,
             earlier_outputs=[pb.EarlierOutput(token_ids=o) for o in earlier_outputs],
         )
-        return self._stub.Generate(request, metadata=self._metadata())
+        link = self._latest()
+        call = link.stub.Generate(request, metadata=self._metadata())
+        link.calls += 1
+
+        def ended(_: object) -> None:
+            link.calls -= 1
+            self._close_if_idle(link)
+
+        call.add_done_callback(ended)
+        return call
 
     async def abort(self, request_id: str, indices: Sequence[int], timeout_s: float) -> bool:
         """Asks the engine to stop samples ``indices`` of call ``request_id``: each ends with
         a Complete of reason abort on the call's stream. False when the call was not running
         there (it ended, or has not reached the engine yet)."""
-        reply: pb.AbortResponse = await self._stub.Abort(
-            pb.AbortRequest(request_id=request_id, sample_indices=indices),
-            timeout=timeout_s,
-            metadata=self._metadata(),
-        )
+        with self._call() as link:
+            reply: pb.AbortResponse = await link.stub.Abort(
+                pb.AbortRequest(request_id=request_id, sample_indices=indices),
+                timeout=timeout_s,
+                metadata=self._metadata(),
+            )
         return reply.found
 
     def mark(self, healthy: bool, error: str = "") -> bool:
@@ -306,4 +373,6 @@ class EngineHandle:
         self.last_heartbeat = time.monotonic()
 
     async def close(self) -> None:
-        await self._channel.close(grace=None)
+        links = [self._link, *self._retired]
+        self._retired.clear()
+        await asyncio.gather(*(link.channel.close(grace=None) for link in links), *self._closing)

@@ -356,7 +356,7 @@ class SchedulerRuntime:
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
         self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
-        self._engine_tls = settings.engine_tls()  # (read once: a new CA needs a restart)
+        self._engine_tls = settings.engine_tls()  # (its files read again when they change)
         engine_token = settings.engine_token()  # (the engines' calls show it, where given)
         self._engine_metadata: Callable[[], Metadata] = (
             (lambda: ()) if engine_token is None else engine_token.metadata

@@ -275,8 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-ca-file",
         help="PEM CA certificates that signed the engines' (engines started with "
-        "--tls-cert-file): the engines are reached over TLS",
+        "--tls-cert-file): the engines are reached over TLS; read again when it changes",
     )
+    p.add_argument(
+        "--engine-cert-file",
+        help="PEM certificate chain shown to engines that ask for one (engines started with "
+        "--tls-client-ca-file: mutual TLS); needs --engine-key-file and --engine-ca-file; read "
+        "again when it changes",
+    )
+    p.add_argument("--engine-key-file", help="PEM key of --engine-cert-file")
     p.add_argument(
         "--engine-tls-server-name",
         help="the name the engines' certificates carry, where it is not their addresses' host",
@@ -478,6 +485,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         auth_tokens_file=args.auth_tokens_file,
         engine_token_file=args.engine_token_file,
         engine_ca_file=args.engine_ca_file,
+        engine_cert_file=args.engine_cert_file,
+        engine_key_file=args.engine_key_file,
         engine_tls_server_name=args.engine_tls_server_name,
         redis_url=args.redis_url,
         engines=tuple(EngineEndpoint.parse(text, i) for i, text in enumerate(args.engine)),

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ssl
-from pathlib import Path
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from rollserve.common.access import BearerFile, ServerTls, TokenFile
+from rollserve.common.access import BearerFile, ClientTls, ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import EngineTls
@@ -78,6 +75,13 @@ class SchedulerSettings(BaseModel):
         description="PEM CA certificates that signed the engines' (engines started with "
         "--tls-cert-file): the scheduler reaches the engines over TLS; None: plaintext",
     )
+    engine_cert_file: str | None = Field(
+        None,
+        description="PEM certificate chain the scheduler shows engines that ask for one "
+        "(engines started with --tls-client-ca-file: mutual TLS; with engine_key_file, needs "
+        "engine_ca_file); read again when it changes, as is engine_ca_file",
+    )
+    engine_key_file: str | None = Field(None, description="PEM key of engine_cert_file")
     engine_tls_server_name: str | None = Field(
         None,
         min_length=1,
@@ -307,6 +311,14 @@ class SchedulerSettings(BaseModel):
         self.engine_token()
         if self.engine_tls_server_name is not None and self.engine_ca_file is None:
             raise ValueError("engine_tls_server_name needs engine_ca_file: it is a TLS setting")
+        if (self.engine_cert_file is None) != (self.engine_key_file is None):
+            raise ValueError(
+                "engine_cert_file and engine_key_file: give both (mutual TLS) or neither"
+            )
+        if self.engine_cert_file is not None and self.engine_ca_file is None:
+            raise ValueError(
+                "engine_cert_file needs engine_ca_file: the certificate is shown over TLS"
+            )
         self.engine_tls()
         return self
 
@@ -323,22 +335,15 @@ class SchedulerSettings(BaseModel):
         return TokenFile(self.auth_tokens_file, roles=ROLES)
 
     def engine_tls(self) -> EngineTls | None:
-        """How the engines are reached over TLS (the CA read now); None: plaintext."""
+        """How the engines are reached over TLS (the files read and checked now, and again
+        when they change); None: plaintext."""
         if self.engine_ca_file is None:
             return None
         try:
-            ca_pem = Path(self.engine_ca_file).read_bytes()
-        except OSError as exc:
-            raise ValueError(
-                f"engine_ca_file {self.engine_ca_file}: cannot read it: {exc}"
-            ) from exc
-        try:
-            ssl.create_default_context(cadata=ca_pem.decode("ascii"))
-        except (ssl.SSLError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
-            raise ValueError(
-                f"engine_ca_file {self.engine_ca_file}: not PEM certificates: {exc}"
-            ) from exc
-        return EngineTls(ca_pem, self.engine_tls_server_name)
+            client = ClientTls(self.engine_ca_file, self.engine_cert_file, self.engine_key_file)
+        except ValueError as exc:
+            raise ValueError(f"engine TLS: {exc}") from exc
+        return EngineTls(client, self.engine_tls_server_name)
 
     def engine_token(self) -> BearerFile | None:
         """The token the engines' API is called with (read now); None: none sent."""
