@@ -4,6 +4,7 @@ the scheduler builds, the policy the real one."""
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from dataclasses import replace
 
@@ -251,3 +252,45 @@ def test_moves_split_long_running_samples_sharing_an_engine() -> None:
     # A move that saves little is not made.
     short = (running("a", 0, "e0", 20000), running("b", 0, "e0", 10))
     assert policy.plan(Snapshot((), engines, running=short)).preempts == ()
+
+
+def test_a_deep_queue_is_placed_in_the_order_of_a_sort_of_every_sample() -> None:
+    """The policy looks only at the first samples of its order (as many as there are free
+    slots, and one): they are those a sort of every queued sample by (turn, priority,
+    longest predicted first, seq, index) puts first, whatever mix of whole, partial and
+    per-sample-predicted groups the queue holds."""
+    rng = random.Random(7)
+    policy = RLPolicy()
+    for trial in range(300):
+        queue = []
+        for g, seq in enumerate(rng.sample(range(10_000), rng.randrange(1, 60))):
+            n = rng.choice((1, 2, 4, 8))
+            samples = tuple(rng.sample(range(n), rng.randrange(1, n + 1)))
+            pending = tuple(sorted(samples)) if len(samples) < n else tuple(range(n))
+            lens = tuple(rng.choice((10.0, 300.0, 5000.0)) for _ in pending)
+            queue.append(
+                QueuedGroup(
+                    key=f"g{g}",
+                    n=n,
+                    prompt_len=100,
+                    max_tokens=rng.choice((64, 4096)),
+                    priority=rng.randrange(2),
+                    seq=seq,
+                    turn=(rng.randrange(2), rng.randrange(2)),
+                    samples=samples if len(samples) < n else (),
+                    predicted_len=rng.choice((None, 20.0, 900.0)),
+                    predicted_lens=lens if rng.random() < 0.3 else (),
+                )
+            )
+        every = []
+        for q in queue:
+            lengths = q.predicted_lens or (q.predicted_len or 1024.0,) * len(q.pending)
+            for index, length in zip(q.pending, lengths, strict=True):
+                capped = max(1.0, min(length, q.max_tokens))
+                every.append(((q.turn, q.priority, -capped, q.seq, index), capped, q.key))
+        every.sort()
+        entries, queued, _ = policy._entries(tuple(queue))
+        assert queued == len(every)
+        limit = rng.randrange(1, len(every) + 3)
+        first = [(length, i, group.key) for length, i, group in policy._first(entries, limit)]
+        assert first == [(length, key[4], g) for key, length, g in every[:limit]], trial

@@ -9,6 +9,13 @@ process. The table gives microseconds per call and per sample placed, and the gr
 the smallest fleet next to the growth of the fleet itself: a policy whose cost grows no faster
 than the engine count scales at most linearly. Real time of the real policy code; nothing here
 is simulated except the snapshot's contents.
+
+A second table (``depths``) times the plan a busy scheduler makes most: a fleet of
+``depth_engines`` engines with room for one group left, and a queue ``depth`` groups deep
+(a trainer that queued an epoch ahead, say). Such a plan places one group, whatever the
+depth; its cost against the shallowest queue's, next to the queue's own growth, shows what
+a deeper queue costs each plan. The runtime's own pass over the queue (gathering the
+policy's view of it) is not in these figures.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from rich.table import Table
 
 DEFAULT_ENGINES = (8, 64, 512)
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl")
+DEFAULT_DEPTHS = (1_000, 10_000, 100_000)
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,16 @@ class DecisionsConfig:
     n: int = 8
     repeats: int = 5
     seed: int = 0
+    depths: tuple[int, ...] = ()
+    depth_engines: int = 64
     json_path: Path | None = None
 
 
-def _snapshot(engines: int, cfg: DecisionsConfig) -> Any:
-    from rollserve.scheduler.core.snapshot import EngineView, QueuedGroup, Snapshot
+def _queue(groups: int, cfg: DecisionsConfig, rng: random.Random) -> list[Any]:
+    from rollserve.scheduler.core.snapshot import QueuedGroup
 
-    rng = random.Random(cfg.seed)
     queue = []
-    for g in range(cfg.groups):
+    for g in range(groups):
         prompt_len = max(1, round(400 * math.exp(0.5 * rng.gauss(0, 1))))
         predicted = 1000 * math.exp(0.95 * rng.gauss(0, 1))
         tokens = tuple(rng.randrange(32000) for _ in range(math.ceil(prompt_len / 16)))
@@ -61,6 +70,14 @@ def _snapshot(engines: int, cfg: DecisionsConfig) -> Any:
                 predicted_len=predicted,
             )
         )
+    return queue
+
+
+def _snapshot(engines: int, cfg: DecisionsConfig) -> Any:
+    from rollserve.scheduler.core.snapshot import EngineView, Snapshot
+
+    rng = random.Random(cfg.seed)
+    queue = _queue(cfg.groups, cfg, rng)
     views = []
     for e in range(engines):
         inflight = rng.randrange(0, 64)
@@ -81,9 +98,77 @@ def _snapshot(engines: int, cfg: DecisionsConfig) -> Any:
     return Snapshot(tuple(queue), tuple(views))
 
 
-def run_decisions(cfg: DecisionsConfig, console: Console | None = None) -> dict[str, Any]:
+def _deep_snapshot(depth: int, cfg: DecisionsConfig) -> Any:
+    """``depth`` groups queued; every engine full but the first, which has room for one."""
+    from rollserve.scheduler.core.snapshot import EngineView, Snapshot
+
+    rng = random.Random(cfg.seed)
+    queue = _queue(depth, cfg, rng)
+    capacity = 256
+    views = [
+        EngineView(
+            engine_id=f"e{e:04d}",
+            healthy=True,
+            capacity_samples=capacity,
+            inflight_samples=capacity - (cfg.n if e == 0 else 0),
+            outstanding_tokens=capacity * 32768,
+            predicted_outstanding=capacity * 1000.0,
+            predicted_longest=8000.0,
+            kv_capacity_tokens=4 * capacity * 1400,
+            kv_used_tokens=capacity * 1400,
+        )
+        for e in range(cfg.depth_engines)
+    ]
+    return Snapshot(tuple(queue), tuple(views))
+
+
+def _plan_s(name: str, snapshot: Any, repeats: int) -> float:
+    """The median wall time of ``repeats`` plans, each by a fresh policy object."""
     from rollserve.scheduler.core.policy import create_policy
 
+    times = []
+    for _ in range(repeats):
+        policy = create_policy(name)
+        t0 = time.perf_counter()
+        policy.plan(snapshot)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _run_depths(cfg: DecisionsConfig, console: Console) -> dict[str, Any]:
+    snapshots = {d: _deep_snapshot(d, cfg) for d in cfg.depths}
+    shallowest = min(cfg.depths)
+    table = Table(
+        title=f"a busy fleet's plan ({cfg.depth_engines} engines, room for one group of "
+        f"{cfg.n}) against the queue's depth (real time)"
+    )
+    table.add_column("policy")
+    for d in cfg.depths:
+        table.add_column(f"{d:,} queued µs", justify="right")
+    for d in cfg.depths:
+        if d != shallowest:
+            table.add_column(f"growth (queue {d // shallowest}x)", justify="right")
+    out: dict[str, Any] = {}
+    for name in cfg.policies:
+        costs = {d: _plan_s(name, snapshots[d], cfg.repeats) for d in cfg.depths}
+        out[name] = {
+            str(d): {
+                "plan_us": 1e6 * costs[d],
+                "growth": costs[d] / costs[shallowest],
+                "queue_growth": d / shallowest,
+            }
+            for d in cfg.depths
+        }
+        table.add_row(
+            name,
+            *(f"{1e6 * costs[d]:,.0f}" for d in cfg.depths),
+            *(f"{costs[d] / costs[shallowest]:.1f}x" for d in cfg.depths if d != shallowest),
+        )
+    console.print(table)
+    return out
+
+
+def run_decisions(cfg: DecisionsConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(width=150)
     snapshots = {e: _snapshot(e, cfg) for e in cfg.engines}
     samples = cfg.groups * cfg.n
@@ -103,15 +188,7 @@ def run_decisions(cfg: DecisionsConfig, console: Console | None = None) -> dict[
         if e != smallest:
             table.add_column(f"growth {e}/{smallest} (fleet {e // smallest}x)", justify="right")
     for name in cfg.policies:
-        costs: dict[int, float] = {}
-        for e in cfg.engines:
-            times = []
-            for _ in range(cfg.repeats):
-                policy = create_policy(name)
-                t0 = time.perf_counter()
-                policy.plan(snapshots[e])
-                times.append(time.perf_counter() - t0)
-            costs[e] = statistics.median(times)
+        costs = {e: _plan_s(name, snapshots[e], cfg.repeats) for e in cfg.engines}
         growth = {e: costs[e] / costs[smallest] for e in cfg.engines}
         out["policies"][name] = {
             str(e): {
@@ -128,6 +205,8 @@ def run_decisions(cfg: DecisionsConfig, console: Console | None = None) -> dict[
             *(f"{growth[e]:.2f}x" for e in cfg.engines if e != smallest),
         )
     console.print(table)
+    if cfg.depths:
+        out["depths"] = {"engines": cfg.depth_engines, "policies": _run_depths(cfg, console)}
     if cfg.json_path is not None:
         cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
         cfg.json_path.write_text(json.dumps(out, indent=2) + "\n")

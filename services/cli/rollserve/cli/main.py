@@ -245,6 +245,8 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
             groups=args.groups,
             n=args.n,
             repeats=args.repeats,
+            depths=tuple(positive_int(d) for d in args.depths.split(",") if d),
+            depth_engines=args.depth_engines,
             json_path=args.json,
         )
     )
@@ -600,6 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_argument("--groups", type=positive_int, default=128)
     decisions.add_argument("--n", type=positive_int, default=8)
     decisions.add_argument("--repeats", type=positive_int, default=5)
+    decisions.add_argument(
+        "--depths",
+        default="1000,10000,100000",
+        help="comma-separated queue depths (groups) for the busy fleet's table; '' for none",
+    )
+    decisions.add_argument(
+        "--depth-engines", type=positive_int, default=64, help="the busy fleet's engines"
+    )
     decisions.add_argument("--json", type=output_file)
     decisions.set_defaults(func=_cmd_bench_decisions)
     bound = bench_sub.add_parser(

@@ -149,6 +149,9 @@ _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 _MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
 PREDICTOR_SCORE_WINDOW = 4096
+# A plan that took longer is followed by a wait as long (the dispatch loop's pacing); a
+# plan of a queue of a few thousand groups takes less.
+PACED_PLAN_S = 0.02
 _T = TypeVar("_T")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
@@ -1154,8 +1157,12 @@ class SchedulerRuntime:
         """Predicted length of a queued sample of the group, from its prompt's history, its
         finished siblings and its running siblings' furthest progress (a lower bound)."""
         spec = record.spec
-        finished = record.finished_lengths()
-        furthest = max(record.running_progress(), default=0)
+        if record.revision == 0:  # (none of its samples ever started: most of a deep queue)
+            finished: tuple[int, ...] = ()
+            furthest = 0
+        else:
+            finished = record.finished_lengths()
+            furthest = max(record.running_progress(), default=0)
         stamp = (self._learned, len(finished), furthest)
         cached = self._predicted.get(spec.key)
         if cached is not None and cached[0] == stamp:
@@ -1218,9 +1225,8 @@ class SchedulerRuntime:
         for key in self._queue:
             record = self._groups[key]
             spec = record.spec
-            waiting.append(
-                Waiting(key, spec.run_id, spec.priority, record.seq, len(record.pending))
-            )
+            pending = spec.n if record.revision == 0 else len(record.pending)
+            waiting.append(Waiting(key, spec.run_id, spec.priority, record.seq, pending))
         running: dict[str, int] = {}
         for calls in self._calls.values():
             for call in calls.values():
@@ -1297,6 +1303,7 @@ class SchedulerRuntime:
                 for engine_id, room in self._room().items()
             ):
                 continue
+            began = time.perf_counter()
             plan = self._policy.plan(self.snapshot())
             if plan.assignments:
                 self._look_at_tags()
@@ -1306,6 +1313,16 @@ class SchedulerRuntime:
                 room = self._room()
                 for preempt in plan.preempts:
                     self._preempt(preempt, room)
+            spent = time.perf_counter() - began
+            if spent > PACED_PLAN_S:
+                # A plan goes over the whole queue. Deep (tens of thousands of groups), it
+                # takes tens of ms, and every finished sample asks for one: back to back, the
+                # plans would take all of the process's time, and calls, streams and
+                # Submits would wait behind them (a Submit ran past its deadline). The loop
+                # waits as long as the plan took: plans take half the time at most, and the
+                # slots freed meanwhile are filled by the next (the engines' own queues,
+                # capacity_factor, keep them busy until then).
+                await asyncio.sleep(spent)
 
     def _carry_out(self, assign: Assign) -> None:
         """Starts the call ``assign`` asks for, or logs why it cannot be."""

@@ -217,7 +217,8 @@ class GroupRecord:
     samples: list[SampleRecord]
     last_error: str = ""
     # Bumped by every change of a sample's state (the methods below are the only ways to
-    # change one): the queued samples and their kept tokens are the same while it is.
+    # change one): the queued samples and their kept tokens are the same while it is. 0: no
+    # sample ever left the queue (all queued, none with tokens).
     revision: int = 0
     # Finished samples as written to the run's samples stream (``stream_samples``): the
     # group's entry carries them as they were, whatever is learnt of their tokens' versions

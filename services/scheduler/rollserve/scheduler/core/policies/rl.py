@@ -174,6 +174,11 @@ class RLSettings:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
 
 
+# A run of samples in placement order: ((turn, priority, -predicted length, seq, first index,
+# position), their indices, their group); the position makes every key unique.
+_Ordered = tuple[tuple[tuple[int, int], int, float, int, int, int], tuple[int, ...], QueuedGroup]
+
+
 class _Engine:
     """One engine's predicted load while a plan is being made."""
 
@@ -253,17 +258,19 @@ class RLPolicy:
             engines = _without_urgent_work(engines, snapshot)
         if not engines:
             return False
-        ordered = self._ordered(snapshot.queue)
+        entries, queued, widest = self._entries(snapshot.queue)
         if cfg.count_slack > 0:
             running = sum(e.inflight for e in engines.values())
-            placeable = min(len(ordered), sum(e.free for e in engines.values()))
+            placeable = min(queued, sum(e.free for e in engines.values()))
             cap = math.ceil(cfg.count_slack * (running + placeable) / len(engines))
-            cap = max(cap, *(len(group.pending) for group in snapshot.queue))
+            cap = max(cap, widest)
             for engine in engines.values():
                 engine.free = min(engine.free, max(0, cap - engine.inflight))
+        # Each sample placed takes a free slot, and the first that finds none ends the plan:
+        # only that many samples of the order are ever looked at.
+        ordered = self._first(entries, sum(e.free for e in engines.values()) + 1)
         heaps = _Heaps(engines, cfg.base_s)
-        for _turn, _priority, neg_len, _seq, index, group in ordered:
-            length = -neg_len
+        for length, index, group in ordered:
             target = self._choose(group, length, engines, heaps)
             if target is None:
                 # Strict order: nothing overtakes the longest work that does not fit.
@@ -277,7 +284,7 @@ class RLPolicy:
             placed.setdefault((group.key, target.engine_id), []).append(index)
             added.append((target.engine_id, length, group.prompt_len))
             self._remember(group.prompt_key or group.key, target.engine_id)
-        return True
+        return len(ordered) == queued
 
     def _moves(
         self, snapshot: Snapshot, added: list[tuple[str, float, int]]
@@ -343,22 +350,44 @@ class RLPolicy:
                 best = (after, entry, target)
         return None if best is None else (best[1], best[2])
 
-    def _ordered(
-        self, queue: tuple[QueuedGroup, ...]
-    ) -> list[tuple[tuple[int, int], int, float, int, int, QueuedGroup]]:
-        cfg = self.settings
-        out = []
+    def _entries(self, queue: tuple[QueuedGroup, ...]) -> tuple[list[_Ordered], int, int]:
+        """The queue's samples in runs of the placement order: (turn, priority, longest
+        predicted first, seq, index); a group whose samples share one predicted length is one
+        entry (its samples are next to each other in that order). With them, the samples
+        queued and the most of one group."""
+        default_len = self.settings.default_len
+        entries: list[_Ordered] = []
+        queued = widest = 0
         for group in queue:
             pending = group.pending
+            queued += len(pending)
+            widest = max(widest, len(pending))
+            cap = float(group.max_tokens)
             if group.predicted_lens and len(group.predicted_lens) == len(pending):
-                lengths: tuple[float, ...] = group.predicted_lens
-            else:
-                guess = cfg.default_len if group.predicted_len is None else group.predicted_len
-                lengths = (guess,) * len(pending)
-            for index, length in zip(pending, lengths, strict=True):
-                capped = max(1.0, min(float(length), float(group.max_tokens)))
-                out.append((group.turn, group.priority, -capped, group.seq, index, group))
-        out.sort(key=lambda item: item[:5])
+                for index, length in zip(pending, group.predicted_lens, strict=True):
+                    neg = -max(1.0, min(float(length), cap))
+                    key = (group.turn, group.priority, neg, group.seq, index, len(entries))
+                    entries.append((key, (index,), group))
+                continue
+            guess = default_len if group.predicted_len is None else group.predicted_len
+            indices = pending if not group.samples else tuple(sorted(pending))
+            neg = -max(1.0, min(float(guess), cap))
+            key = (group.turn, group.priority, neg, group.seq, indices[0], len(entries))
+            entries.append((key, indices, group))
+        return entries, queued, widest
+
+    @staticmethod
+    def _first(entries: list[_Ordered], limit: int) -> list[tuple[float, int, QueuedGroup]]:
+        """The first ``limit`` samples in placement order: (predicted length, index, group).
+        Each entry holds a sample at least, so they lie in the first ``limit`` entries: a
+        deep queue costs a pass and a heap of ``limit``, not a sort of every sample."""
+        first = heapq.nsmallest(limit, entries) if limit < len(entries) else sorted(entries)
+        out: list[tuple[float, int, QueuedGroup]] = []
+        for key, indices, group in first:
+            for index in indices:
+                if len(out) == limit:
+                    return out
+                out.append((-key[2], index, group))
         return out
 
     def _added(self, length: float, prompt_len: int) -> float:
