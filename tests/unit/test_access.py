@@ -314,9 +314,10 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
     assert "engine_tls_server_name needs engine_ca_file" in refused(
         engine_tls_server_name="engines.internal"
     )
-    assert f"engine TLS: the CA {missing}: cannot read it" in refused(engine_ca_file=str(missing))
-    assert "engine TLS: the CA" in refused(engine_ca_file=str(tokens_file))
-    assert "not PEM certificates" in refused(engine_ca_file=str(tokens_file))
+    assert f"engine_ca_file {missing}: cannot read it" in refused(engine_ca_file=str(missing))
+    assert f"engine_ca_file {tokens_file}: not PEM certificates" in refused(
+        engine_ca_file=str(tokens_file)
+    )
     assert "at least 1 character" in refused(engine_ca_file=str(pki.ca), engine_tls_server_name="")
     # Mutual TLS to the engines: the certificate the scheduler shows them, with its key.
     assert "engine_cert_file and engine_key_file: give both" in refused(
@@ -325,7 +326,7 @@ def test_the_schedulers_credentials_settings_are_checked_at_start(
     assert "engine_cert_file needs engine_ca_file" in refused(
         engine_cert_file=str(pki.client_cert), engine_key_file=str(pki.client_key)
     )
-    assert f"the certificate {pki.client_cert} and the key {pki.server_key}" in refused(
+    assert f"engine_cert_file {pki.client_cert} and engine_key_file {pki.server_key}" in refused(
         engine_ca_file=str(pki.ca),
         engine_cert_file=str(pki.client_cert),
         engine_key_file=str(pki.server_key),
@@ -1013,8 +1014,9 @@ async def test_a_call_in_flight_ends_on_its_connection_when_engine_credentials_c
     tmp_path: Path, pki: Pki
 ) -> None:
     """New credentials open a new connection to the engine for the calls made from then on;
-    a stream already running on the old one runs to its end (the old connection is closed
-    after it)."""
+    a stream already running on the old one runs to its end, and the old connection is
+    closed after it: the health watch on it ends then (to be opened again on the new one).
+    A closed handle opens no connection."""
     settings = SimSettings(
         engine_id="renewed",
         time_scale=1.0,
@@ -1028,19 +1030,31 @@ async def test_a_call_in_flight_ends_on_its_connection_when_engine_credentials_c
         handle = EngineHandle("renewed", address, 1.0, tls=tls)
         try:
             await handle.probe(TIMEOUT_S)
+            statuses = handle.watch()
+            assert await asyncio.wait_for(anext(statuses), TIMEOUT_S) is True
+
+            async def follow() -> None:
+                async for _ in statuses:
+                    pass
+
+            watching = asyncio.create_task(follow())
             call = handle.generate(spec(max_tokens=400), "call-0", [0, 1])
             replies = aiter(call)
             await asyncio.wait_for(anext(replies), TIMEOUT_S)
             ca.write_bytes(pki.ca.read_bytes() + b"\n")  # (renewed: the same CA, new bytes)
             await handle.stats(TIMEOUT_S)  # (on a new connection)
             assert tls.client.generation == 1
-            assert not call.done()
+            assert not call.done() and not watching.done()
             async for _ in replies:
                 pass
             assert await call.code() == grpc.StatusCode.OK
+            await asyncio.wait_for(watching, TIMEOUT_S)  # (ended, not cancelled)
             assert await handle.probe(TIMEOUT_S) is False
         finally:
             await handle.close()
+        ca.write_bytes(pki.ca.read_bytes())  # (a change after the close)
+        with pytest.raises(grpc.aio.UsageError, match="closed"):
+            await handle.stats(TIMEOUT_S)
 
 
 async def test_an_engine_says_its_health_in_plaintext_http_for_probes(tmp_path: Path) -> None:

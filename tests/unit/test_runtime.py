@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
@@ -20,7 +21,14 @@ from rollserve.scheduler.core.policy import Policy, create_policy
 from rollserve.scheduler.core.snapshot import Plan, QueuedGroup, Snapshot
 from rollserve.scheduler.engines import EngineHandle
 from rollserve.scheduler.lease import LEASE_KEY
-from rollserve.scheduler.runtime import FleetFull, QueueFull, SchedulerRuntime, VersionBehind
+from rollserve.scheduler.runtime import (
+    MAX_PLAN_PACE_S,
+    FleetFull,
+    QueueFull,
+    SchedulerRuntime,
+    VersionBehind,
+    plan_pace,
+)
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
 from rollserve.scheduler.store import DuplicateGroup, Store
@@ -131,6 +139,54 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
     assert (lengths.count, lengths.sum) == (15, 15 * 6)
     assert dict(lengths.cumulative())["16.0"] == 15  # 6 tokens each: the first bucket
     assert (staleness.count, staleness.sum) == (15 * 6, 0)  # no publish: all on-policy
+
+
+def test_a_slow_plan_is_followed_by_a_wait_as_long_up_to_a_quarter_second() -> None:
+    settings = SchedulerSettings(redis_url="redis://x:1")
+    assert settings.plan_pace_from_s == 0.02
+    assert plan_pace(0.02, settings) == 0.0  # (shallow queues: no wait)
+    assert plan_pace(0.08, settings) == 0.08
+    assert plan_pace(3.0, settings) == MAX_PLAN_PACE_S == 0.25
+    assert plan_pace(0.001, settings.model_copy(update={"plan_pace_from_s": 0.0})) == 0.001
+
+
+class _SlowPlans:
+    """A policy that takes ``least_outstanding``'s plans, each after a busy wait (a deep
+    queue's plan, in time) and counts them."""
+
+    def __init__(self) -> None:
+        self._inner = create_policy("least_outstanding")
+        self.name = "slow"
+        self.whole_groups = True
+        self.moves_running = False
+        self.uses_predictions = False
+        self.plans = 0
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        self.plans += 1
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.03:
+            pass
+        return self._inner.plan(snapshot)
+
+
+async def test_groups_come_in_while_paced_plans_wait_are_all_placed(redis_url: str) -> None:
+    """Every plan is followed by a wait (``plan_pace_from_s`` 0): groups submitted and samples
+    finished during the waits are placed by the plans after them, none left queued."""
+    engine = await FakeEngine("e0", max_num_seqs=2, step_s=0.01).start()
+    policy = _SlowPlans()
+    runtime = await make_runtime(redis_url, [engine], policy, plan_pace_from_s=0.0)
+    run = new_run()
+    try:
+        for i in range(4):
+            await runtime.submit(run, [spec(f"g{i}", n=2, run_id=run)])
+        results = await read_stream(redis_url, run, 4)
+        assert sorted(r.group_id for r in results) == [f"g{i}" for i in range(4)]
+        assert all(r.status == GroupStatus.DELIVERED for r in results)
+        assert policy.plans >= 2  # (the engine takes one group at a time, near enough)
+    finally:
+        await runtime.stop()
+        await engine.stop()
 
 
 async def test_a_probe_answered_before_a_failure_does_not_put_the_engine_back(

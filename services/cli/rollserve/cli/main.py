@@ -236,7 +236,12 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_decisions(args: argparse.Namespace) -> int:
-    from rollserve.bench.decisions import DEFAULT_POLICIES, DecisionsConfig, run_decisions
+    from rollserve.bench.decisions import (
+        DEFAULT_DEPTHS,
+        DEFAULT_POLICIES,
+        DecisionsConfig,
+        run_decisions,
+    )
 
     run_decisions(
         DecisionsConfig(
@@ -245,7 +250,9 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
             groups=args.groups,
             n=args.n,
             repeats=args.repeats,
-            depths=tuple(positive_int(d) for d in args.depths.split(",") if d),
+            depths=tuple(positive_int(d) for d in args.depths.split(",") if d)
+            if args.depths is not None
+            else DEFAULT_DEPTHS,
             depth_engines=args.depth_engines,
             json_path=args.json,
         )
@@ -595,7 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_dtype(bench_sub)
     decisions = bench_sub.add_parser(
-        "decisions", help="one scheduling decision's cost over 8, 64 and 512 engines"
+        "decisions",
+        help="one scheduling decision's cost over 8, 64 and 512 engines, and a busy fleet's "
+        "against the queue's depth",
     )
     decisions.add_argument("--engines", default="8,64,512", help="comma-separated fleet sizes")
     decisions.add_argument("--policies", default="", help="comma-separated (default: all)")
@@ -604,8 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_argument("--repeats", type=positive_int, default=5)
     decisions.add_argument(
         "--depths",
-        default="1000,10000,100000",
-        help="comma-separated queue depths (groups) for the busy fleet's table; '' for none",
+        help="comma-separated queue depths (groups) for the busy fleet's table (default: "
+        "1000,10000,100000); '' for none",
     )
     decisions.add_argument(
         "--depth-engines", type=positive_int, default=64, help="the busy fleet's engines"

@@ -770,13 +770,16 @@ class ClientTls:
         cert_file: str | os.PathLike[str] | None = None,
         key_file: str | os.PathLike[str] | None = None,
         *,
+        names: tuple[str, str, str] = ("the CA", "the certificate", "the key"),
         reload_interval_s: float = RELOAD_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Reads and checks the files now: ValueError names the one that cannot be read or
-        the pair that does not match."""
+        the pair that does not match, as ``names`` call the CA, certificate and key (the
+        settings that gave them, say)."""
+        self._names = names
         if (cert_file is None) != (key_file is None):
-            raise ValueError("a client certificate needs its key, and a key its certificate")
+            raise ValueError(f"{names[1]} and {names[2]}: give both or neither")
         self.ca_file = Path(ca_file)
         self.cert_file = None if cert_file is None else Path(cert_file)
         self.key_file = None if key_file is None else Path(key_file)
@@ -787,13 +790,13 @@ class ClientTls:
         self._credentials = self._load()
 
     def _material(self) -> tuple[bytes, bytes | None, bytes | None]:
-        ca = _file_bytes(self.ca_file, "the CA")
+        ca = _file_bytes(self.ca_file, self._names[0])
         if self.cert_file is None or self.key_file is None:
             return ca, None, None
         return (
             ca,
-            _file_bytes(self.cert_file, "the certificate"),
-            _file_bytes(self.key_file, "the key"),
+            _file_bytes(self.cert_file, self._names[1]),
+            _file_bytes(self.key_file, self._names[2]),
         )
 
     def _load(self) -> grpc.ChannelCredentials:
@@ -803,13 +806,16 @@ class ClientTls:
         try:
             context.load_verify_locations(cadata=ca.decode("ascii"))
         except (ssl.SSLError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
-            raise ValueError(f"the CA {self.ca_file}: not PEM certificates: {exc}") from exc
+            raise ValueError(
+                f"{self._names[0]} {self.ca_file}: not PEM certificates: {exc}"
+            ) from exc
         if self.cert_file is not None and self.key_file is not None:
             try:
                 context.load_cert_chain(self.cert_file, self.key_file, password=_no_password)
             except (ssl.SSLError, OSError, ValueError) as exc:
+                _, cert_name, key_name = self._names
                 raise ValueError(
-                    f"the certificate {self.cert_file} and the key {self.key_file}: not a PEM "
+                    f"{cert_name} {self.cert_file} and {key_name} {self.key_file}: not a PEM "
                     f"certificate chain and its key, unencrypted: {exc}"
                 ) from exc
         if self._material() != (ca, chain, key):  # (written meanwhile: checked another set)
@@ -831,6 +837,7 @@ class ClientTls:
                 with self._lock:
                     self._credentials = credentials
                     self.generation += 1
-                log.info("%s: read again, for new connections", self.ca_file)
+                files = ", ".join(str(p) for p in (self.ca_file, self.cert_file) if p)
+                log.info("%s: read again, for new connections", files)
         with self._lock:
             return self.generation, self._credentials

@@ -118,6 +118,7 @@ class EngineHandle:
         # health watch on one breaks then, and is opened again on the latest).
         self._retired: set[_Link] = set()
         self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False  # (no new connection after close: nothing would close it)
         self.info: EngineInfo | None = None
         self.healthy = False
         self.failed_probes = 0
@@ -153,7 +154,11 @@ class EngineHandle:
     def _latest(self) -> _Link:
         """The link with the latest credentials: a new one when they changed since the
         current was made (the current retires)."""
-        if self._tls is not None and self._tls.client.credentials()[0] != self._link.generation:
+        if (
+            self._tls is not None
+            and not self._closed
+            and self._tls.client.credentials()[0] != self._link.generation
+        ):
             self._retired.add(self._link)
             self._close_if_idle(self._link)
             self._link = self._connect()
@@ -232,11 +237,18 @@ class EngineHandle:
 
     async def watch(self) -> AsyncGenerator[bool, None]:
         """Its health as it changes (gRPC health Watch): True while SERVING. Ends or raises
-        grpc.aio.AioRpcError when the stream breaks."""
+        grpc.aio.AioRpcError when the stream breaks (it ends when its connection retires:
+        open it again, on the latest)."""
         replies = self._latest().health.Watch(health_pb2.HealthCheckRequest(service=""))
         try:
             async for reply in replies:
                 yield reply.status == health_pb2.HealthCheckResponse.SERVING
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # Not this task's cancel: its connection was closed under it (it retired when
+            # the TLS credentials changed), which cancels its calls. The stream ended.
         finally:
             replies.cancel()
 
@@ -295,7 +307,8 @@ class EngineHandle:
         so sample ``i`` resumes on seed ``seed + n * resumption + i``, a stream of its own
         (the same seed would replay the random draws its first tokens were sampled with).
         ``earlier_outputs``: outputs of the prompt for the engine's drafter (see
-        :mod:`rollserve.scheduler.outputs`)."""
+        :mod:`rollserve.scheduler.outputs`). Read the call to its end or cancel it: until it
+        is done it holds its connection open (one retired by new credentials included)."""
         s = spec.sampling
         sampling = pb.SamplingParams(
             temperature=s.temperature,
@@ -373,6 +386,7 @@ class EngineHandle:
         self.last_heartbeat = time.monotonic()
 
     async def close(self) -> None:
+        self._closed = True
         links = [self._link, *self._retired]
         self._retired.clear()
         await asyncio.gather(*(link.channel.close(grace=None) for link in links), *self._closing)

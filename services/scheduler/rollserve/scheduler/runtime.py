@@ -149,9 +149,7 @@ _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 _MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
 PREDICTOR_SCORE_WINDOW = 4096
-# A plan that took longer is followed by a wait as long (the dispatch loop's pacing); a
-# plan of a queue of a few thousand groups takes less.
-PACED_PLAN_S = 0.02
+MAX_PLAN_PACE_S = 0.25  # the longest wait after a plan (settings.plan_pace_from_s)
 _T = TypeVar("_T")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
@@ -169,6 +167,21 @@ def _log_unheard(task: asyncio.Task[Any]) -> None:
 
 class QueueFull(Exception):
     pass
+
+
+def plan_pace(spent_s: float, settings: SchedulerSettings) -> float:
+    """How long the dispatch loop waits after a plan that took ``spent_s``.
+
+    A plan goes over the whole queue. Deep (tens of thousands of groups), it takes tens of
+    ms, and every finished sample asks for one: back to back, the plans would take all of
+    the process's time, and calls, streams and Submits would wait behind them (a Submit of
+    a thousand groups ran past its 30 s deadline). After a plan that took over
+    ``plan_pace_from_s`` the loop waits as long (``MAX_PLAN_PACE_S`` at most), so plans take
+    half the time; the slots freed meanwhile are filled by the next plan, and the engines'
+    own queues (``capacity_factor``) keep them busy until then."""
+    if spent_s <= settings.plan_pace_from_s:
+        return 0.0
+    return min(spent_s, MAX_PLAN_PACE_S)
 
 
 class FleetFull(Exception):
@@ -1313,16 +1326,9 @@ class SchedulerRuntime:
                 room = self._room()
                 for preempt in plan.preempts:
                     self._preempt(preempt, room)
-            spent = time.perf_counter() - began
-            if spent > PACED_PLAN_S:
-                # A plan goes over the whole queue. Deep (tens of thousands of groups), it
-                # takes tens of ms, and every finished sample asks for one: back to back, the
-                # plans would take all of the process's time, and calls, streams and
-                # Submits would wait behind them (a Submit ran past its deadline). The loop
-                # waits as long as the plan took: plans take half the time at most, and the
-                # slots freed meanwhile are filled by the next (the engines' own queues,
-                # capacity_factor, keep them busy until then).
-                await asyncio.sleep(spent)
+            pace = plan_pace(time.perf_counter() - began, self.settings)
+            if pace:
+                await asyncio.sleep(pace)
 
     def _carry_out(self, assign: Assign) -> None:
         """Starts the call ``assign`` asks for, or logs why it cannot be."""

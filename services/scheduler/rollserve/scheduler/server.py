@@ -315,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument(
+        "--plan-pace-from-s",
+        type=float,
+        default=0.02,
+        help="a plan that took longer is followed by a wait as long (0.25 s at most): plans "
+        "of a deep queue leave the scheduler time for its calls and Submits",
+    )
+    p.add_argument(
         "--no-fair-share",
         dest="fair_share",
         action="store_false",
@@ -505,6 +512,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         forget_engine_after_s=args.forget_engine_after_s,
         max_model_len=args.max_model_len,
         capacity_factor=args.capacity_factor,
+        plan_pace_from_s=args.plan_pace_from_s,
         fair_share=args.fair_share,
         trim_acked=not args.keep_acked_entries,
         acked_retention_s=args.acked_retention_s,

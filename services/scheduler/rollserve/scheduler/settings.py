@@ -135,6 +135,14 @@ class SchedulerSettings(BaseModel):
         le=16,
         description="samples in flight per engine, as a multiple of its max_num_seqs",
     )
+    plan_pace_from_s: float = Field(
+        0.02,
+        ge=0,
+        le=10,
+        description="a plan that took longer is followed by a wait as long (a quarter second "
+        "at most), so that plans of a deep queue leave the scheduler time for its calls, "
+        "streams and Submits",
+    )
     max_attempts: int = Field(
         3,
         ge=1,
@@ -339,10 +347,12 @@ class SchedulerSettings(BaseModel):
         when they change); None: plaintext."""
         if self.engine_ca_file is None:
             return None
-        try:
-            client = ClientTls(self.engine_ca_file, self.engine_cert_file, self.engine_key_file)
-        except ValueError as exc:
-            raise ValueError(f"engine TLS: {exc}") from exc
+        client = ClientTls(
+            self.engine_ca_file,
+            self.engine_cert_file,
+            self.engine_key_file,
+            names=("engine_ca_file", "engine_cert_file", "engine_key_file"),
+        )
         return EngineTls(client, self.engine_tls_server_name)
 
     def engine_token(self) -> BearerFile | None:

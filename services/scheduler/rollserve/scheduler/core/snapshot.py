@@ -18,7 +18,7 @@ class QueuedGroup:
     prompt_len: int
     max_tokens: int
     priority: int = 0  # lower runs first
-    seq: int = 0  # arrival order, ties broken by it
+    seq: int = 0  # arrival order, ties broken by it (one a group: the runtime's are)
     # Fair share between runs (``core.fairshare``): lower goes first (compared as a pair),
     # before priority; (0, 0) for every group while one run has groups queued.
     turn: tuple[int, int] = (0, 0)

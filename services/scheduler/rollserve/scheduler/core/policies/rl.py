@@ -97,7 +97,9 @@ trained reasoner not even a sample's own state gives one: ``rollserve bench rema
 Placing a sample costs O(log engines): engines whose longest sample is at least ``L`` are
 ordered by ``T``, the others by ``T - base_s * longest`` (what ``T`` becomes when ``L`` is
 their new longest), and as ``L`` falls engines move from the second heap to the first. A
-plan of ``s`` samples over ``e`` engines costs O(e + s log e).
+plan that places ``s`` samples over ``e`` engines from a queue of ``g`` groups costs
+O(e + g + s log e + s log s): the queue is gone over once, and only its first ``s + 1``
+samples in order are picked out (a heap), not sorted whole.
 
 Settings (:class:`RLSettings`)
 ------------------------------
@@ -360,6 +362,8 @@ class RLPolicy:
         queued = widest = 0
         for group in queue:
             pending = group.pending
+            if not pending:
+                continue
             queued += len(pending)
             widest = max(widest, len(pending))
             cap = float(group.max_tokens)
