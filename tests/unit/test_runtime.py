@@ -133,12 +133,13 @@ async def test_groups_are_delivered_whole_and_once(redis_url: str, engine: FakeE
     assert runtime.counters.samples_delivered == 15
     assert runtime._outputs is not None and len(runtime._outputs) == 0  # no engine drafts
     # the metrics endpoint's distributions: a latency per group, a length per sample
-    latency, lengths, staleness = runtime.histograms
+    latency, lengths, staleness, plans = runtime.histograms
     assert latency.count == 5
     assert latency.sum == pytest.approx(sum(r.latency_s for r in results))
     assert (lengths.count, lengths.sum) == (15, 15 * 6)
     assert dict(lengths.cumulative())["16.0"] == 15  # 6 tokens each: the first bucket
     assert (staleness.count, staleness.sum) == (15 * 6, 0)  # no publish: all on-policy
+    assert plans.name == "plan_seconds" and plans.count >= 1  # (5 groups took a plan or more)
 
 
 def test_a_slow_plan_is_followed_by_a_wait_as_long_up_to_a_quarter_second() -> None:

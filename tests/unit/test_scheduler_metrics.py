@@ -247,6 +247,7 @@ async def test_a_scheduler_serves_its_status_as_metrics(other_redis_url: str) ->
         assert samples[("rollserve_groups_delivered_total", ())] == 0
         assert samples[("rollserve_group_latency_seconds_count", ())] == 0  # (none delivered)
         assert samples[("rollserve_sample_output_tokens_bucket", (("le", "+Inf"),))] == 0
+        assert samples[("rollserve_plan_seconds_count", ())] == 0  # (no engine: no plan)
     with pytest.raises(aiohttp.ClientConnectionError):  # stopped with the scheduler
         async with aiohttp.ClientSession() as http, http.get(url) as reply:
             pass

@@ -1,7 +1,8 @@
 """Distributions the scheduler keeps of what it delivers, for its Prometheus endpoint: how
 long a group took from Submit to its stream entry, how many tokens each sample made (the
-long tail of an RL step, as it happens), and how stale the tokens were (off-policy). Pure:
-observed by the runtime, read by ``rollserve.scheduler.metrics``."""
+long tail of an RL step, as it happens), and how stale the tokens were (off-policy); and of
+its own work: how long each plan took. Pure: observed by the runtime, read by
+``rollserve.scheduler.metrics``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-__all__ = ["GROUP_LATENCY_BOUNDS_S", "OUTPUT_TOKENS_BOUNDS", "STALENESS_BOUNDS", "Histogram"]
+__all__ = [
+    "GROUP_LATENCY_BOUNDS_S",
+    "OUTPUT_TOKENS_BOUNDS",
+    "PLAN_BOUNDS_S",
+    "STALENESS_BOUNDS",
+    "Histogram",
+]
 
 GROUP_LATENCY_BOUNDS_S = (
     0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200
@@ -21,6 +28,9 @@ OUTPUT_TOKENS_BOUNDS = tuple(2**k for k in range(4, 18))  # 16 .. 131,072
 STALENESS_BOUNDS = (0, 1, 2, 3, 4, 8, 16)
 """Upper bounds of the staleness buckets, policy versions: 0 is on-policy, tail deferral
 keeps most tokens within a version or two."""
+PLAN_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+"""Upper bounds of the plan duration buckets, seconds: a plan of a short queue takes about a
+millisecond, one of 100,000 queued groups most of a second."""
 
 
 @dataclass(slots=True)

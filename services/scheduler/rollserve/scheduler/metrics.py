@@ -6,7 +6,8 @@ scrapes), and histograms of the groups delivered since start that Status does no
 (``rollserve.scheduler.histogram``): ``rollserve_group_latency_seconds``, Submit to stream
 entry, ``rollserve_sample_output_tokens``, each sample's length, and
 ``rollserve_token_staleness_versions``, output tokens by how far behind their run's version
-at delivery they were made.
+at delivery they were made; and ``rollserve_plan_seconds``, how long each plan took (it
+grows with the queue's depth).
 
 Names start with ``rollserve_``; the counters (``_total``) and histograms count since the
 scheduler process started, as Status's counters do. Per engine, the series carry the label

@@ -108,6 +108,7 @@ from rollserve.scheduler.engines import EngineHandle, EngineLoad, Metadata
 from rollserve.scheduler.histogram import (
     GROUP_LATENCY_BOUNDS_S,
     OUTPUT_TOKENS_BOUNDS,
+    PLAN_BOUNDS_S,
     STALENESS_BOUNDS,
     Histogram,
 )
@@ -344,6 +345,12 @@ class SchedulerRuntime:
             "Output tokens of the groups delivered, by how many policy versions the run's "
             "version at delivery is ahead of the one they were made under (0: on-policy).",
             STALENESS_BOUNDS,
+        )
+        self.plan_seconds = Histogram(
+            "plan_seconds",
+            "Seconds each plan took (the policy's, with the view of the queue and engines it "
+            "was shown); a plan over plan_pace_from_s is followed by a wait as long.",
+            PLAN_BOUNDS_S,
         )
         # Finished outputs by prompt, for engines that draft from those they did not make.
         self._outputs = (
@@ -1001,8 +1008,9 @@ class SchedulerRuntime:
 
     @property
     def histograms(self) -> tuple[Histogram, ...]:
-        """The distributions of what was delivered since start (not in Status)."""
-        return (self.group_latency, self.output_tokens, self.token_staleness)
+        """The distributions of what was delivered since start, and of the plans' durations
+        (not in Status)."""
+        return (self.group_latency, self.output_tokens, self.token_staleness, self.plan_seconds)
 
     def status(self) -> pb.StatusResponse:
         loads = self._loads()
@@ -1326,7 +1334,9 @@ class SchedulerRuntime:
                 room = self._room()
                 for preempt in plan.preempts:
                     self._preempt(preempt, room)
-            pace = plan_pace(time.perf_counter() - began, self.settings)
+            spent = time.perf_counter() - began
+            self.plan_seconds.observe(spent)
+            pace = plan_pace(spent, self.settings)
             if pace:
                 await asyncio.sleep(pace)
 
