@@ -18,6 +18,8 @@ def row(policy: str, mode: str, steps: tuple[float, ...], a_delivered: int) -> T
         a_groups_per_simulated_s=a_delivered / sum(steps),
         fleet_behind_s=0.0,
         a_drained=a_delivered == 100,
+        engine_batch=123.4,
+        engine_preemptions=7,
     )
 
 
@@ -37,13 +39,14 @@ def test_each_mode_is_compared_with_b_alone_under_its_own_policy() -> None:
         if "│" in line
     ]
     by = {(cells[0], cells[1]): cells for cells in lines}
-    # columns: policy, mode, mean, max, vs alone, A delivered, A groups/s
+    # columns: policy, mode, mean, max, vs alone, A delivered, A groups/s, batch, preemptions
     assert by[("rl", "arrival order")][2:5] == ["21.00", "40.00", "10.50x"]
     assert by[("rl", "fair share")][4:6] == ["2.50x", "80"]
     assert by[("least_outstanding", "fair share")][4] == "1.50x"
-    assert by[("rl", "B alone")][5:] == ["-", "-"]
+    assert by[("rl", "B alone")][5:7] == ["-", "-"]
     assert by[("rl", "arrival order")][6].endswith("(drained)")
     assert not by[("rl", "fair share")][6].endswith("(drained)")
+    assert by[("rl", "fair share")][7:] == ["123", "7"]  # the engines' batch, preemptions
 
 
 def test_its_flags_make_its_config() -> None:

@@ -74,6 +74,10 @@ class TenantsRow:
     a_groups_per_simulated_s: float
     fleet_behind_s: float  # real seconds the most-behind engine fell behind its clock
     a_drained: bool = False  # A's backlog was all delivered before B's last step ended
+    # Over the row, the engines' own figures: tokens decoded a step (the sequences in a
+    # step's batch, on average) and samples they preempted (recomputed later).
+    engine_batch: float = 0.0
+    engine_preemptions: int = 0
 
 
 def run_tenants(cfg: TenantsConfig, console: Console | None = None) -> dict[str, Any]:
@@ -142,6 +146,8 @@ def _table(rows: list[TenantsRow], profile: str) -> Table:
         "B vs alone",
         "A groups delivered",
         "A groups/sim s",
+        "engine batch (seqs a step)",
+        "engine preemptions",
     ):
         table.add_column(column, justify="right")
     alone = {r.policy: r for r in rows if r.mode == MODES[0]}
@@ -159,6 +165,8 @@ def _table(rows: list[TenantsRow], profile: str) -> Table:
             "-"
             if r.mode == MODES[0]
             else f"{r.a_groups_per_simulated_s:.2f}" + (" (drained)" if r.a_drained else ""),
+            f"{r.engine_batch:.0f}",
+            str(r.engine_preemptions),
         )
     return table
 
@@ -234,7 +242,7 @@ def _run_row(
         if fleet is not None:
             fleet.stop()
         scheduler.stop()
-    behind_s = float(json.loads(stats.read_text())["behind_s_max"])
+    totals = json.loads(stats.read_text())
     return TenantsRow(
         policy=policy,
         mode=mode,
@@ -242,6 +250,8 @@ def _run_row(
         b_mean_step_simulated_s=statistics.fmean(steps),
         a_groups_delivered=a_delivered,
         a_groups_per_simulated_s=a_delivered / simulated_s,
-        fleet_behind_s=behind_s,
+        fleet_behind_s=float(totals["behind_s_max"]),
         a_drained=mode != MODES[0] and a_delivered >= cfg.backlog_groups,
+        engine_batch=totals["generated_tokens"] / max(1, totals["steps"]),
+        engine_preemptions=int(totals["preemptions"]),
     )

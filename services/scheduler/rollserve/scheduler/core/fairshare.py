@@ -14,7 +14,9 @@ Algorithm (fair queuing over sample slots, with equal weights)
    down, compared as a pair. Use comes first: a run that holds more than its share of the
    slots now waits for the runs below theirs (a trainer that comes while another's backlog
    fills the fleet gets the next slots that free, up to its share). *Served*, the samples
-   the scheduler started for the run while it was active, breaks ties between runs that
+   the scheduler started for the run while it was active (a sample resumed after a
+   preemption, or requeued after its engine failed, counts again: it takes a slot again),
+   breaks ties between runs that
    hold as much: when a slot frees with nothing running, the run served less goes first, so
    two runs on one slot alternate rather than the older one winning every time. A run that
    becomes active starts at the least served count of the runs active then (0 if none): it
