@@ -174,13 +174,14 @@ def test_every_change_of_a_sample_state_bumps_the_revision_and_tokens_do_not() -
     # The scheduler reuses a queued group's view while its revision stands still.
     record = GroupRecord.new(spec("g", n=3), seq=0)
     seen = [record.revision]
+    assert record.untouched and record.pending == (0, 1, 2)  # (a deep queue's usual group)
 
     def changed() -> bool:
         seen.append(record.revision)
         return seen[-1] > seen[-2]
 
     record.start((0, 1), "e0")
-    assert changed()
+    assert changed() and not record.untouched
     record.add_tokens(0, [1, 2], [-0.1, -0.2])
     assert not changed()
     record.preempt(0)

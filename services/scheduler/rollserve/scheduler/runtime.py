@@ -1178,7 +1178,7 @@ class SchedulerRuntime:
         """Predicted length of a queued sample of the group, from its prompt's history, its
         finished siblings and its running siblings' furthest progress (a lower bound)."""
         spec = record.spec
-        if record.revision == 0:  # (none of its samples ever started: most of a deep queue)
+        if record.untouched:
             finished: tuple[int, ...] = ()
             furthest = 0
         else:
@@ -1246,7 +1246,7 @@ class SchedulerRuntime:
         for key in self._queue:
             record = self._groups[key]
             spec = record.spec
-            pending = spec.n if record.revision == 0 else len(record.pending)
+            pending = spec.n if record.untouched else len(record.pending)
             waiting.append(Waiting(key, spec.run_id, spec.priority, record.seq, pending))
         running: dict[str, int] = {}
         for calls in self._calls.values():

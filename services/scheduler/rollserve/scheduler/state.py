@@ -217,8 +217,7 @@ class GroupRecord:
     samples: list[SampleRecord]
     last_error: str = ""
     # Bumped by every change of a sample's state (the methods below are the only ways to
-    # change one): the queued samples and their kept tokens are the same while it is. 0: no
-    # sample ever left the queue (all queued, none with tokens).
+    # change one): the queued samples and their kept tokens are the same while it is.
     revision: int = 0
     # Finished samples as written to the run's samples stream (``stream_samples``): the
     # group's entry carries them as they were, whatever is learnt of their tokens' versions
@@ -235,6 +234,12 @@ class GroupRecord:
     @property
     def state(self) -> SampleState:
         return min(s.state for s in self.samples)
+
+    @property
+    def untouched(self) -> bool:
+        """No sample of it ever left the queue: all queued, none with tokens (told without
+        reading its samples: most of a deep queue is so)."""
+        return self.revision == 0
 
     @property
     def pending(self) -> tuple[int, ...]:
