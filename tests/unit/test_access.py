@@ -122,6 +122,14 @@ def group(group_id: str) -> PromptGroup:
     )
 
 
+async def delivered(trainer: AsyncRolloutClient, group_id: str) -> None:
+    """Submits one group and reads it back delivered."""
+    assert await trainer.submit([group(group_id)]) == 1
+    async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
+        assert item.result.status == GroupStatus.DELIVERED, item.result.error
+        await item.done()
+
+
 def client(
     redis_url: str, port: int, credentials: SchedulerCredentials = NO_CREDENTIALS
 ) -> AsyncRolloutClient:
@@ -900,10 +908,7 @@ async def test_engines_with_tokens_take_the_schedulers_calls_and_refuse_others(
             client(redis_url, served.port) as trainer,
         ):
             for round_ in range(2):
-                assert await trainer.submit([group(f"g{round_}")]) == 1
-                async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
-                    assert item.result.status == GroupStatus.DELIVERED, item.result.error
-                    await item.done()
+                await delivered(trainer, f"g{round_}")
                 if round_ == 0:
                     # The engines' token rotates, no restart: the new one added to the
                     # engines' file, the scheduler moved to it, the old one taken out (each
@@ -945,10 +950,7 @@ async def test_engines_serving_tls_are_reached_with_the_ca_that_signed_them(
             scheduler(redis_url, engines=(endpoint,), engine_ca_file=str(pki.ca)) as (served, _),
             client(redis_url, served.port) as trainer,
         ):
-            assert await trainer.submit([group("g0")]) == 1
-            async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
-                assert item.result.status == GroupStatus.DELIVERED, item.result.error
-                await item.done()
+            await delivered(trainer, "g0")
             await trainer.delete_run()
 
 
@@ -1003,10 +1005,7 @@ async def test_engines_asking_for_mutual_tls_take_the_certificate_the_scheduler_
             cert.write_bytes(pki.client_cert.read_bytes())
             key.write_bytes(pki.client_key.read_bytes())
             assert await healthy_within(RELOAD_INTERVAL_S + 10.0)
-            assert await trainer.submit([group("g0")]) == 1
-            async for item in trainer.groups(limit=1, timeout_s=TIMEOUT_S):
-                assert item.result.status == GroupStatus.DELIVERED, item.result.error
-                await item.done()
+            await delivered(trainer, "g0")
             await trainer.delete_run()
 
 
