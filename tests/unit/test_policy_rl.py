@@ -258,9 +258,11 @@ def test_a_deep_queue_is_placed_in_the_order_of_a_sort_of_every_sample() -> None
     """The policy looks only at the first samples of its order (as many as there are free
     slots, and one): they are those a sort of every queued sample by (turn, priority,
     longest predicted first, seq, index) puts first, whatever mix of whole, partial and
-    per-sample-predicted groups the queue holds."""
+    per-sample-predicted groups the queue holds; with views of a plan before (the policy
+    keeps their entries) among new ones under the same keys."""
     rng = random.Random(7)
     policy = RLPolicy()
+    earlier: dict[str, QueuedGroup] = {}
     for trial in range(300):
         queue = []
         for g, seq in enumerate(rng.sample(range(10_000), rng.randrange(1, 60))):
@@ -282,6 +284,8 @@ def test_a_deep_queue_is_placed_in_the_order_of_a_sort_of_every_sample() -> None
                     predicted_lens=lens if rng.random() < 0.3 else (),
                 )
             )
+        queue = [earlier[q.key] if q.key in earlier and rng.random() < 0.5 else q for q in queue]
+        earlier = {q.key: q for q in queue}
         every = []
         for q in queue:
             lengths = q.predicted_lens or (q.predicted_len or 1024.0,) * len(q.pending)

@@ -243,6 +243,75 @@ def test_settings_errors_name_the_value() -> None:
         PredictorSettings(max_keys=0)
     with pytest.raises(ValueError, match="sibling_weight"):
         PredictorSettings(sibling_weight=-1)
+    with pytest.raises(ValueError, match=r"reuse_tolerance \(-0.1\)"):
+        PredictorSettings(reuse_tolerance=-0.1)
+
+
+# -- reuse -----------------------------------------------------------------------------
+
+
+def test_a_prediction_kept_at_its_stamp_stays_near_a_new_one_while_the_prior_drifts() -> None:
+    """A caller keeps each prediction until its prompt's stamp changes. With lengths that
+    drift through the run (every prompt's doubling) over four epochs and prompt-length
+    buckets, no kept prediction strays past 3% of a new one, and once the prior has seen
+    some thousands of samples most predictions of unseen prompts are kept."""
+    rng = random.Random(5)
+    p = LengthPredictor()
+    keys = [f"q{i}" for i in range(60)]
+    plens = {key: rng.choice((0, 7, 60, 900)) for key in keys}
+    centers = {key: rng.uniform(3.0, 7.0) for key in keys}
+    kept: dict[str, tuple[tuple[int, int, int], float]] = {}
+    reused = checked = 0
+    for step in range(10_000):
+        key = rng.choice(keys[:40])  # the last 20 are never observed: the prior's
+        drift = math.log(2.0) * step / 10_000
+        length = round(math.expm1(rng.gauss(centers[key] + drift, 0.6)))
+        p.observe(key, length, epoch=step // 2500, prompt_len=plens[key])
+        for query in rng.sample(keys, 4):
+            stamp, mean = p.stamp(query, plens[query]), p.predict(query, plens[query]).mean
+            known = kept.get(query)
+            late_unseen = step >= 5000 and query in keys[40:]
+            checked += late_unseen
+            if known is not None and known[0] == stamp:
+                reused += late_unseen
+                assert abs(known[1] - mean) <= 0.03 * mean, (step, query)
+            else:
+                kept[query] = (stamp, mean)
+    assert reused > 0.5 * checked
+
+
+def test_the_stamp_changes_with_the_key_the_clock_and_a_load() -> None:
+    p = LengthPredictor(PredictorSettings(max_keys=2))
+    assert p.stamp("a")[2] == -1
+    p.observe("a", 100)
+    first = p.stamp("a")
+    assert first[2] >= 0
+    p.observe("a", 100)
+    assert p.stamp("a")[2] != first[2]  # the key itself
+    generation = p.stamp("a")[0]
+    p.advance_epoch(3)
+    assert p.stamp("a")[0] != generation  # histories weigh by age against the clock
+    generation = p.stamp("a")[0]
+    p.load_globals(p.dump_globals())
+    assert p.stamp("a")[0] != generation
+    key_stamp = p.stamp("a")[2]
+    p.load_key("a", p.dump_key("a"))
+    assert p.stamp("a")[2] != key_stamp
+    p.observe("b", 100)
+    p.observe("c", 100)  # evicts a: the prior's now
+    assert p.stamp("a")[2] == -1
+
+
+def test_with_no_tolerance_any_move_of_the_prior_starts_a_generation() -> None:
+    strict = LengthPredictor(PredictorSettings(reuse_tolerance=0.0))
+    loose = LengthPredictor()
+    for i in range(200):
+        before = strict.stamp("unseen")[0], loose.stamp("unseen")[0]
+        strict.observe(f"k{i % 7}", 100 + i, prompt_len=50)
+        loose.observe(f"k{i % 7}", 100 + i, prompt_len=50)
+        assert strict.stamp("unseen")[0] != before[0]
+        if i == 199:
+            assert loose.stamp("unseen")[0] == before[1]  # 0.5% of the weight moves it less
 
 
 # -- a synthetic workload ------------------------------------------------------------
@@ -321,7 +390,9 @@ def test_the_scheduler_s_prior_is_a_setting() -> None:
     from rollserve.scheduler.server import build_parser, settings_from_args
 
     argv = ["--redis-url", "redis://127.0.0.1:1", "--predictor-default-len", "200"]
+    argv += ["--predictor-reuse-tolerance", "0"]
     settings = settings_from_args(build_parser().parse_args(argv))
     assert settings.predictor.default_len == 200
+    assert settings.predictor.reuse_tolerance == 0
     # Before anything is learnt, every prompt is predicted that long on average.
     assert LengthPredictor(settings.predictor).predict("unseen").mean == pytest.approx(200)

@@ -368,13 +368,17 @@ class SchedulerRuntime:
         self._pushers: dict[str, asyncio.Task[None]] = {}
         self._pushed_at: dict[str, float] = {}
         self._predictor = LengthPredictor(settings.predictor)
-        self._learned = 0  # groups learnt from: a cached prediction older than this is stale
         # (predicted before learning, true length) of the latest delivered samples.
         self._scores: deque[tuple[float, int]] = deque(maxlen=PREDICTOR_SCORE_WINDOW)
-        # Queued group key -> ((learned, finished siblings, furthest progress), prediction).
-        self._predicted: dict[str, tuple[tuple[int, int, int], float]] = {}
-        # Running group key -> ((learned, its revision), its length fit).
-        self._fits: dict[str, tuple[tuple[int, int], LengthFit]] = {}
+        # Predictions kept while the predictor's stamp of their prompt holds (its reuse):
+        # queued group key -> ((stamp, finished siblings, furthest progress), prediction);
+        # running group key -> ((stamp, its revision), its length fit).
+        self._predicted: dict[str, tuple[tuple[int, int, int, int, int], float]] = {}
+        self._fits: dict[str, tuple[tuple[int, int, int, int], LengthFit]] = {}
+        # The predictor's generations at the last snapshot, and the prompt keys learnt from
+        # since: an untouched queued group of another prompt is predicted as it was then.
+        self._seen_generations = (-1, -1)
+        self._relearnt: set[str] = set()
         # Queued group key -> (record, its revision, prediction, the view built from them):
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
@@ -1163,9 +1167,13 @@ class SchedulerRuntime:
 
         Every plan predicts every running sample, whose progress moves between plans; the
         group's fit (its prompt's history and finished siblings) is kept until the group
-        or the predictor changes, and only the cheap conditioning on progress is redone."""
+        or the predictor's stamp of its prompt changes, and only the cheap conditioning on
+        progress is redone."""
         spec = record.spec
-        stamp = (self._learned, record.revision)
+        stamp = (
+            *self._predictor.stamp(spec.prompt_key, len(spec.prompt_token_ids)),
+            record.revision,
+        )
         cached = self._fits.get(spec.key)
         if cached is None or cached[0] != stamp:
             fit = self._predictor.fit(
@@ -1184,13 +1192,14 @@ class SchedulerRuntime:
         else:
             finished = record.finished_lengths()
             furthest = max(record.running_progress(), default=0)
-        stamp = (self._learned, len(finished), furthest)
+        prompt_len = len(spec.prompt_token_ids)
+        stamp = (*self._predictor.stamp(spec.prompt_key, prompt_len), len(finished), furthest)
         cached = self._predicted.get(spec.key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
         prediction = self._predictor.predict(
             spec.prompt_key,
-            len(spec.prompt_token_ids),
+            prompt_len,
             finished,
             (furthest,) if furthest else (),
         )
@@ -1205,13 +1214,31 @@ class SchedulerRuntime:
         predict = self._policy.uses_predictions
         bases = self._priority_bases()
         turns = self._turns()
+        # A deep queue is mostly untouched groups whose prediction can only have changed
+        # with their prompt's history or the prior's generation: the rest keep theirs.
+        generations = self._predictor.generations
+        moved = generations != self._seen_generations
+        relearnt, self._relearnt = self._relearnt, set()
+        self._seen_generations = generations
         queue = []
         for key in self._queue:
             record = self._groups[key]
-            predicted = self._predict_queued(record) if predict else None
+            cached = self._views.get(key)
+            if not predict:
+                predicted = None
+            elif (
+                cached is not None
+                and not moved
+                and cached[0] is record
+                and cached[1] == record.revision
+                and record.untouched
+                and record.spec.prompt_key not in relearnt
+            ):
+                predicted = cached[2]
+            else:
+                predicted = self._predict_queued(record)
             priority = record.spec.priority - bases[record.spec.run_id]
             turn = turns.get(key, _FIRST_TURN)
-            cached = self._views.get(key)
             if (
                 cached is not None
                 and cached[0] is record
@@ -2042,7 +2069,7 @@ class SchedulerRuntime:
         epoch = self._predictor.epoch if spec.epoch is None else spec.epoch
         for length in lengths:
             self._predictor.observe(spec.prompt_key, length, epoch, len(spec.prompt_token_ids))
-        self._learned += 1
+        self._relearnt.add(spec.prompt_key)
         self._unsaved.pop(spec.prompt_key, None)
         self._unsaved[spec.prompt_key] = None
         self._globals_unsaved = True

@@ -409,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt keys whose length history is kept (least recently used dropped)",
     )
     p.add_argument(
+        "--predictor-reuse-tolerance",
+        type=float,
+        default=_PREDICTOR_DEFAULTS.reuse_tolerance,
+        help="how far (log space) the length prior may drift before every queued group is "
+        "predicted again; 0: after every finished group",
+    )
+    p.add_argument(
         "--earlier-outputs-per-prompt",
         type=int,
         default=64,
@@ -533,6 +540,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
             half_life_epochs=args.predictor_half_life_epochs,
             max_keys=args.predictor_max_keys,
             default_len=args.predictor_default_len,
+            reuse_tolerance=args.predictor_reuse_tolerance,
         ),
     )
 

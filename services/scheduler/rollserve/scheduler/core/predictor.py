@@ -78,6 +78,25 @@ Settings (:class:`PredictorSettings`)
 - ``default_len`` (512, >= 1): expected length when nothing was observed at all.
 - ``max_keys`` (1_000_000, >= 1): prompt keys tracked; beyond it the least recently
   observed (or loaded) key is evicted. The global prior keeps what it learnt from them.
+- ``reuse_tolerance`` (0.01, >= 0): how far the prior may move in log space (its center,
+  its variance, the pooled within-prompt variance: each by at most this much) before
+  :meth:`LengthPredictor.stamp` tells callers to predict again; see Reuse. 0: at any move.
+
+Reuse
+-----
+A scheduler predicts every queued group at every decision, and every finished sample
+moves the prior a little, so a prediction cached until the next observation is made again
+for the whole queue after each one. :meth:`LengthPredictor.stamp` gives two counters
+instead: the prior's *generation*, which advances when the global prior has moved past
+``reuse_tolerance`` since the generation began, when the clock advances or the globals
+are loaded; the generation of the prompt's length bucket, which advances when that
+bucket's prior alone did; and the key's own, which changes at each observation (or load,
+or eviction) of that key. A prediction made at the same stamp from the same siblings
+differs from a new one only by the prior's drift: the prior's log-center, log-variance and
+pooled within-prompt variance each stay within ``reuse_tolerance`` of where the generation
+began (about twice that for a bucket, whose prior also follows the global one), so
+predictions of one generation within a few times that of each other (on a drifting
+workload kept means stayed within 1.8% of new ones: ``test_predictor.py``).
 
 Durability
 ----------
@@ -141,6 +160,7 @@ class PredictorSettings:
     prior_weight: float = 0.1
     default_len: int = 512
     max_keys: int = 1_000_000
+    reuse_tolerance: float = 0.01
 
     def __post_init__(self) -> None:
         if not self.half_life_epochs > 0:
@@ -159,6 +179,11 @@ class PredictorSettings:
             raise ValueError(f"default_len ({self.default_len}) must be >= 1 token")
         if self.max_keys < 1:
             raise ValueError(f"max_keys ({self.max_keys}) must be >= 1")
+        if not (math.isfinite(self.reuse_tolerance) and self.reuse_tolerance >= 0):
+            raise ValueError(
+                f"reuse_tolerance ({self.reuse_tolerance}) must be a finite number >= 0; "
+                "0 makes every prediction anew after any change of the prior"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +250,7 @@ class _KeyStats:
     mean: float = 0.0  # weighted mean of log(1 + length)
     m2: float = 0.0  # weighted sum of squared deviations from the mean
     epochs: float = 0.0  # decayed number of epochs observed in
+    stamp: int = 0  # the predictor's observations counted at this key's last (or its load)
 
 
 class LengthPredictor:
@@ -240,6 +266,15 @@ class LengthPredictor:
         # weight that sum estimates the variance for.
         self._within_sum = 0.0
         self._within_weight = 0.0
+        # Reuse (module docstring): observations counted (keys' stamps), the prior's
+        # generation and each prompt-length bucket's, and the prior as they began: (mu, var,
+        # pooled within-prompt variance) per bucket, 0 being the global prior.
+        self._observations = 0
+        self._generation = 0
+        self._bucket_generations: dict[int, int] = {}
+        self._bucket_moves = 0  # new bucket generations, all buckets together
+        self._began: dict[int, tuple[float, float, float]] = {}
+        self._new_generation()
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -278,6 +313,52 @@ class LengthPredictor:
         self._within_sum *= factor
         self._within_weight *= factor
         self._epoch = epoch
+        self._new_generation()  # histories weigh by their age against the clock
+
+    def stamp(self, prompt_key: str, prompt_len: int = 0) -> tuple[int, int, int]:
+        """What a prediction for ``prompt_key`` (of a ``prompt_len``-token prompt) rests
+        on, as counters: the prior's generation, its prompt-length bucket's, and the key's
+        last observation (-1: untracked). A prediction made at the same stamp from the same
+        siblings may be kept (module docstring, Reuse)."""
+        stats = self._keys.get(prompt_key)
+        bucket = self._bucket_generations.get(prompt_len.bit_length(), 0) if prompt_len else 0
+        return self._generation, bucket, -1 if stats is None else stats.stamp
+
+    @property
+    def generations(self) -> tuple[int, int]:
+        """The prior's generation and how many bucket generations began: while both stay,
+        only the stamps of keys observed (or loaded) since have changed."""
+        return self._generation, self._bucket_moves
+
+    def _summary(self, prompt_len: int) -> tuple[float, float, float]:
+        mu, var = self._prior(prompt_len)
+        return mu, var, self._pool_variance(var)
+
+    def _new_generation(self) -> None:
+        self._generation += 1
+        self._began = {0: self._summary(0)}
+        for bucket in self._buckets:
+            self._began[bucket] = self._summary(1 << (bucket - 1))
+
+    def _moved(self, now: tuple[float, ...], began: tuple[float, ...]) -> bool:
+        tolerance = self.settings.reuse_tolerance
+        return any(abs(a - b) > tolerance for a, b in zip(now, began, strict=True))
+
+    def _check_prior(self, prompt_len: int) -> None:
+        """Begins a new generation if the global prior moved past ``reuse_tolerance`` since
+        this one began, or only ``prompt_len``'s bucket's if that bucket did (a bucket new
+        since then is measured against the global prior its prompts were predicted from)."""
+        if self._moved(self._summary(0), self._began[0]):
+            self._new_generation()
+            return
+        bucket = prompt_len.bit_length()
+        if not bucket:
+            return
+        now = self._summary(prompt_len)
+        if self._moved(now, self._began.get(bucket, self._began[0])):
+            self._bucket_generations[bucket] = self._bucket_generations.get(bucket, 0) + 1
+            self._bucket_moves += 1
+            self._began[bucket] = now
 
     # -- learning ----------------------------------------------------------------
 
@@ -302,6 +383,13 @@ class LengthPredictor:
             self._insert(prompt_key, stats)
         else:
             self._keys.move_to_end(prompt_key)
+        self._observations += 1
+        stats.stamp = self._observations
+        self._add_history(stats, y, epoch, w_now)
+        self._check_prior(prompt_len)
+
+    def _add_history(self, stats: _KeyStats, y: float, epoch: int, w_now: float) -> None:
+        """Adds ``y`` of ``epoch`` to a key's history and its scatter to the global pool."""
         w = self._age_key(stats, epoch)  # weight against the key's last epoch
         stats.count += 1
         if stats.weight <= 0:
@@ -461,6 +549,7 @@ class LengthPredictor:
                 f"({len(data)} bytes, expected {_KEY_FORMAT.size}); drop the field to relearn it"
             )
         _, last_epoch, count, weight, weight_sq, mean, m2, epochs = _KEY_FORMAT.unpack(data)
+        self._observations += 1
         self._insert(
             prompt_key,
             _KeyStats(
@@ -471,6 +560,7 @@ class LengthPredictor:
                 mean=mean,
                 m2=m2,
                 epochs=epochs,
+                stamp=self._observations,
             ),
         )
 
@@ -518,6 +608,7 @@ class LengthPredictor:
         self._global = _Moments(weight, mean, m2)
         self._buckets = buckets
         self._within_sum, self._within_weight = within_sum, within_weight
+        self._new_generation()
 
 
 def _check_non_negative(name: str, value: int) -> None:

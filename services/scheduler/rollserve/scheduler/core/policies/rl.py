@@ -177,8 +177,8 @@ class RLSettings:
 
 
 # A run of samples in placement order: ((turn, priority, -predicted length, seq, first index,
-# position), their indices, their group); the position makes every key unique.
-_Ordered = tuple[tuple[tuple[int, int], int, float, int, int, int], tuple[int, ...], QueuedGroup]
+# group key), their indices, their group); seq and the key make every sort key unique.
+_Ordered = tuple[tuple[tuple[int, int], int, float, int, int, str], tuple[int, ...], QueuedGroup]
 
 
 class _Engine:
@@ -230,6 +230,8 @@ class RLPolicy:
         self.moves_running = self.settings.move_running
         # prompt key -> engines it was sent to, most recent last; least recently placed first.
         self._holders: OrderedDict[str, list[str]] = OrderedDict()
+        # Queued group key -> (its view, its entries, its samples queued), as of the last plan.
+        self._kept: dict[str, tuple[QueuedGroup, list[_Ordered], int]] = {}
 
     def plan(self, snapshot: Snapshot) -> Plan:
         placed: dict[tuple[str, str], list[int]] = {}
@@ -356,29 +358,50 @@ class RLPolicy:
         """The queue's samples in runs of the placement order: (turn, priority, longest
         predicted first, seq, index); a group whose samples share one predicted length is one
         entry (its samples are next to each other in that order). With them, the samples
-        queued and the most of one group."""
-        default_len = self.settings.default_len
+        queued and the most of one group.
+
+        A deep queue changes little between plans and the runtime keeps the view of a group
+        that did not change: a view's entries are kept while the same view comes back."""
         entries: list[_Ordered] = []
         queued = widest = 0
+        kept = self._kept
+        made: dict[str, tuple[QueuedGroup, list[_Ordered], int]] = {}
         for group in queue:
-            pending = group.pending
-            if not pending:
-                continue
-            queued += len(pending)
-            widest = max(widest, len(pending))
-            cap = float(group.max_tokens)
-            if group.predicted_lens and len(group.predicted_lens) == len(pending):
-                for index, length in zip(pending, group.predicted_lens, strict=True):
-                    neg = -max(1.0, min(float(length), cap))
-                    key = (group.turn, group.priority, neg, group.seq, index, len(entries))
-                    entries.append((key, (index,), group))
-                continue
-            guess = default_len if group.predicted_len is None else group.predicted_len
-            indices = pending if not group.samples else tuple(sorted(pending))
-            neg = -max(1.0, min(float(guess), cap))
-            key = (group.turn, group.priority, neg, group.seq, indices[0], len(entries))
-            entries.append((key, indices, group))
+            known = kept.get(group.key)
+            if known is None or known[0] is not group:
+                known = (group, *self._group_entries(group))
+            made[group.key] = known
+            pending = known[2]
+            if pending:
+                queued += pending
+                widest = max(widest, pending)
+                entries.extend(known[1])
+        self._kept = made
         return entries, queued, widest
+
+    def _group_entries(self, group: QueuedGroup) -> tuple[list[_Ordered], int]:
+        """One group's entries (``_entries``) and its samples queued."""
+        pending = group.pending
+        if not pending:
+            return [], 0
+        cap = float(group.max_tokens)
+        if group.predicted_lens and len(group.predicted_lens) == len(pending):
+            out: list[_Ordered] = []
+            for index, length in zip(pending, group.predicted_lens, strict=True):
+                neg = -max(1.0, min(float(length), cap))
+                out.append(
+                    (
+                        (group.turn, group.priority, neg, group.seq, index, group.key),
+                        (index,),
+                        group,
+                    )
+                )
+            return out, len(pending)
+        guess = self.settings.default_len if group.predicted_len is None else group.predicted_len
+        indices = pending if not group.samples else tuple(sorted(pending))
+        neg = -max(1.0, min(float(guess), cap))
+        key = (group.turn, group.priority, neg, group.seq, indices[0], group.key)
+        return [(key, indices, group)], len(pending)
 
     @staticmethod
     def _first(entries: list[_Ordered], limit: int) -> list[tuple[float, int, QueuedGroup]]:
