@@ -14,8 +14,12 @@ A second table (``depths``) times the plan a busy scheduler makes most: a fleet 
 ``depth_engines`` engines with room for one group left, and a queue ``depth`` groups deep
 (a trainer that queued an epoch ahead, say). Such a plan places one group, whatever the
 depth; its cost against the shallowest queue's, next to the queue's own growth, shows what
-a deeper queue costs each plan. The runtime's own pass over the queue (gathering the
-policy's view of it) is not in these figures.
+a deeper queue costs each plan. Each policy is timed twice: its next plan (it planned on
+the same queue before, as a busy scheduler's policy has) and its first. Above them, the
+runtime's own pass over the queue that gathers the policy's view of it (``snapshot``, an
+``rl`` runtime built and not started: no engine, no Redis call), after a plan with nothing
+changed since, and after one delivered group of a new prompt was learnt from (what each
+finished group brings), with a length prior learnt from ``PRIOR_GROUPS`` groups before.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rich.table import Table
 DEFAULT_ENGINES = (8, 64, 512)
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "cache_aware", "rl")
 DEFAULT_DEPTHS = (1_000, 10_000, 100_000)
+PRIOR_GROUPS = 2_000  # groups the runtime's length prior learnt from before the depth table
 
 
 @dataclass(frozen=True)
@@ -122,17 +127,85 @@ def _deep_snapshot(depth: int, cfg: DecisionsConfig) -> Any:
     return Snapshot(tuple(queue), tuple(views))
 
 
-def _plan_s(name: str, snapshot: Any, repeats: int) -> float:
-    """The median wall time of ``repeats`` plans, each by a fresh policy object."""
+def _plan_s(name: str, snapshot: Any, repeats: int, planned_before: bool = False) -> float:
+    """The median wall time of ``repeats`` plans, each by a fresh policy object; with
+    ``planned_before``, its second plan of ``snapshot`` (what it kept from the first kept)."""
     from rollserve.scheduler.core.policy import create_policy
 
     times = []
     for _ in range(repeats):
         policy = create_policy(name)
+        if planned_before:
+            policy.plan(snapshot)
         t0 = time.perf_counter()
         policy.plan(snapshot)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _finished_record(group_id: str, prompt_len: int, length: int) -> Any:
+    """A delivered group of two samples of ``length`` tokens, as the runtime learns from."""
+    from rollserve.client.wire import FinishReason
+    from rollserve.scheduler.state import GroupRecord, GroupSpec, SamplingSpec
+
+    spec = GroupSpec(
+        run_id="bench",
+        group_id=group_id,
+        prompt_token_ids=(1,) * prompt_len,
+        n=2,
+        sampling=SamplingSpec(max_tokens=32768),
+        prompt_key=group_id,
+    )
+    record = GroupRecord.new(spec, seq=0)
+    record.start((0, 1), "e0", now=0.0)
+    for index in (0, 1):
+        record.add_tokens(index, [1] * length, [0.0] * length)
+        record.finish_sample(index, FinishReason.STOP, prompt_len, 0, now=0.0)
+    return record
+
+
+def _snapshot_s(queue: list[Any], repeats: int, seed: int) -> tuple[float, float]:
+    """The runtime's snapshot of ``queue`` (its groups submitted): median seconds with
+    nothing changed since the one before, and after a delivered group was learnt from."""
+    from rollserve.scheduler.core.policy import create_policy
+    from rollserve.scheduler.runtime import SchedulerRuntime
+    from rollserve.scheduler.settings import SchedulerSettings
+    from rollserve.scheduler.state import GroupSpec, SamplingSpec
+    from rollserve.scheduler.store import Store
+
+    settings = SchedulerSettings.model_validate(
+        {"redis_url": "redis://127.0.0.1:1", "policy": "rl"}  # never called
+    )
+    store = Store.from_url(settings.redis_url, predictor_namespace="bench-decisions")
+    runtime = SchedulerRuntime(settings, store, create_policy("rl"))
+    rng = random.Random(seed)
+    for i in range(PRIOR_GROUPS):
+        length = round(1000 * math.exp(0.95 * rng.gauss(0, 1)))
+        runtime._learn(_finished_record(f"prior{i}", 400, length))
+    prompts: dict[int, tuple[int, ...]] = {}  # one prompt a length: the runtime reads lengths
+    for q in queue:
+        tokens = prompts.setdefault(q.prompt_len, (1,) * q.prompt_len)
+        spec = GroupSpec(
+            run_id="bench",
+            group_id=q.key,
+            prompt_token_ids=tokens,
+            n=q.n,
+            sampling=SamplingSpec(max_tokens=q.max_tokens),
+            prompt_key=q.prompt_key,
+        )
+        runtime._enqueue(spec)
+    runtime.snapshot()  # the first: every view built
+    unchanged, learnt = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        runtime.snapshot()
+        unchanged.append(time.perf_counter() - t0)
+        length = round(1000 * math.exp(0.95 * rng.gauss(0, 1)))
+        runtime._learn(_finished_record(f"new{i}", 400, length))
+        t0 = time.perf_counter()
+        runtime.snapshot()
+        learnt.append(time.perf_counter() - t0)
+    return statistics.median(unchanged), statistics.median(learnt)
 
 
 def _run_depths(cfg: DecisionsConfig, console: Console) -> dict[str, Any]:
@@ -148,12 +221,22 @@ def _run_depths(cfg: DecisionsConfig, console: Console) -> dict[str, Any]:
     for d in cfg.depths:
         if d != shallowest:
             table.add_column(f"growth (queue {d // shallowest}x)", justify="right")
-    out: dict[str, Any] = {}
+    rows: dict[str, dict[int, float]] = {}
+    snapshot_s = {
+        d: _snapshot_s(list(snapshots[d].queue), cfg.repeats, cfg.seed) for d in cfg.depths
+    }
+    rows["runtime snapshot, nothing changed"] = {d: snapshot_s[d][0] for d in cfg.depths}
+    rows["runtime snapshot, a group learnt"] = {d: snapshot_s[d][1] for d in cfg.depths}
     for name in cfg.policies:
-        costs = {d: _plan_s(name, snapshots[d], cfg.repeats) for d in cfg.depths}
+        rows[name] = {d: _plan_s(name, snapshots[d], cfg.repeats, True) for d in cfg.depths}
+        rows[f"{name}, first plan"] = {
+            d: _plan_s(name, snapshots[d], cfg.repeats) for d in cfg.depths
+        }
+    out: dict[str, Any] = {}
+    for name, costs in rows.items():
         out[name] = {
             str(d): {
-                "plan_us": 1e6 * costs[d],
+                "us": 1e6 * costs[d],
                 "growth": costs[d] / costs[shallowest],
                 "queue_growth": d / shallowest,
             }
@@ -206,7 +289,7 @@ def run_decisions(cfg: DecisionsConfig, console: Console | None = None) -> dict[
         )
     console.print(table)
     if cfg.depths:
-        out["depths"] = {"engines": cfg.depth_engines, "policies": _run_depths(cfg, console)}
+        out["depths"] = {"engines": cfg.depth_engines, "rows": _run_depths(cfg, console)}
     if cfg.json_path is not None:
         cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
         cfg.json_path.write_text(json.dumps(out, indent=2) + "\n")

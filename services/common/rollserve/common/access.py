@@ -636,6 +636,23 @@ class ServerTls:
         tls._context()
         return tls
 
+    @classmethod
+    def from_settings(
+        cls, cert_file: str | None, key_file: str | None, client_ca_file: str | None
+    ) -> ServerTls | None:
+        """A server's TLS from its ``tls_cert_file``, ``tls_key_file`` and
+        ``tls_client_ca_file`` settings, checked now (None: plaintext); ValueError names the
+        setting given without its partner, or the file that cannot be used."""
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
+        if client_ca_file is not None and cert_file is None:
+            raise ValueError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS"
+            )
+        if cert_file is None or key_file is None:
+            return None
+        return cls.load(cert_file, key_file, client_ca_file)
+
     @property
     def _paths(self) -> tuple[Path, ...]:
         ca = () if self.client_ca_file is None else (self.client_ca_file,)

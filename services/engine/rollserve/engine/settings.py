@@ -142,20 +142,14 @@ class SchedulerLink(BaseModel):
             raise ValueError(f"{named}: for a scheduler; give scheduler_address too")
         self.scheduler_credentials()  # (its ValueError names the file)
         self.api_tokens()
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
-        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError(
-                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS"
-            )
         self.api_tls()
         return self
 
     def api_tls(self) -> ServerTls | None:
         """The TLS of the engine's API (files read and checked now); None: plaintext."""
-        if self.tls_cert_file is None or self.tls_key_file is None:
-            return None
-        return ServerTls.load(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        return ServerTls.from_settings(
+            self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+        )
 
     def api_tokens(self) -> TokenFile | None:
         """The tokens calls of the engine's API must carry (read now); None: none asked."""

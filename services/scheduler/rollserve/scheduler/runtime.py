@@ -379,6 +379,9 @@ class SchedulerRuntime:
         # since: an untouched queued group of another prompt is predicted as it was then.
         self._seen_generations = (-1, -1)
         self._relearnt: set[str] = set()
+        # Per prompt-length bucket: (the predictor's generation and the bucket's, the prior's
+        # mean there), what a group with nothing of its own is predicted.
+        self._prior_means: dict[int, tuple[tuple[int, ...], float]] = {}
         # Queued group key -> (record, its revision, prediction, the view built from them):
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
@@ -1197,13 +1200,20 @@ class SchedulerRuntime:
         cached = self._predicted.get(spec.key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        prediction = self._predictor.predict(
-            spec.prompt_key,
-            prompt_len,
-            finished,
-            (furthest,) if furthest else (),
-        )
-        value = min(prediction.mean, float(spec.sampling.max_tokens))
+        if stamp[2:] == (-1, 0, 0):
+            # Nothing of its own (a prompt not seen yet, in a first epoch most of the
+            # queue): the prior of its prompt length's bucket, alike for all such groups.
+            bucket = prompt_len.bit_length()
+            prior = self._prior_means.get(bucket)
+            if prior is None or prior[0] != stamp[:2]:
+                mean = self._predictor.predict(spec.prompt_key, prompt_len).mean
+                prior = self._prior_means[bucket] = (stamp[:2], mean)
+            mean = prior[1]
+        else:
+            mean = self._predictor.predict(
+                spec.prompt_key, prompt_len, finished, (furthest,) if furthest else ()
+            ).mean
+        value = min(mean, float(spec.sampling.max_tokens))
         self._predicted[spec.key] = (stamp, value)
         return value
 
@@ -1239,15 +1249,12 @@ class SchedulerRuntime:
                 predicted = self._predict_queued(record)
             priority = record.spec.priority - bases[record.spec.run_id]
             turn = turns.get(key, _FIRST_TURN)
-            if (
-                cached is not None
-                and cached[0] is record
-                and cached[1] == record.revision
-                and cached[2] == predicted
-            ):
-                view = cached[3]
-                if view.priority != priority or view.turn != turn:  # its run's base or share
-                    view = dataclasses.replace(view, priority=priority, turn=turn)
+            if cached is not None and cached[0] is record and cached[1] == record.revision:
+                view = cached[3]  # its samples as they were: only what is told apart may move
+                if view.priority != priority or view.turn != turn or cached[2] != predicted:
+                    view = dataclasses.replace(
+                        view, priority=priority, turn=turn, predicted_len=predicted
+                    )
                     self._views[key] = (record, record.revision, predicted, view)
                 queue.append(view)
                 continue
@@ -1287,8 +1294,12 @@ class SchedulerRuntime:
         record: GroupRecord, predicted: float | None, priority: int, turn: tuple[int, int]
     ) -> QueuedGroup:
         spec = record.spec
-        pending = record.pending
-        progress = record.progress(pending)
+        if record.untouched:  # all queued, none with tokens: its samples go unread
+            pending: tuple[int, ...] = ()
+            progress: tuple[int, ...] = ()
+        else:
+            pending = record.pending
+            progress = record.progress(pending)
         return QueuedGroup(
             key=spec.key,
             n=spec.n,

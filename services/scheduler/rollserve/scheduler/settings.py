@@ -308,13 +308,7 @@ class SchedulerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _readable_credentials(self) -> SchedulerSettings:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file: give both (TLS) or neither")
-        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError(
-                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS"
-            )
-        self.server_tls()  # (their errors name the file and what is wrong)
+        self.server_tls()  # (its errors name the setting, or the file and what is wrong)
         self.token_file()
         self.engine_token()
         if self.engine_tls_server_name is not None and self.engine_ca_file is None:
@@ -332,9 +326,9 @@ class SchedulerSettings(BaseModel):
 
     def server_tls(self) -> ServerTls | None:
         """The servers' TLS (files read and checked now); None: plaintext."""
-        if self.tls_cert_file is None or self.tls_key_file is None:
-            return None
-        return ServerTls.load(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        return ServerTls.from_settings(
+            self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+        )
 
     def token_file(self) -> TokenFile | None:
         """The tokens calls must carry (read now); None: none asked."""
