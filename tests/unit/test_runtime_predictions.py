@@ -1,5 +1,6 @@
 """The runtime keeps a queued group's predicted length between plans while nothing it rests
-on changed, and predicts it again when its prompt is learnt or the prior moves.
+on changed, and predicts it again when its prompt is learnt or the prior moves; a kept
+view is relabelled whole.
 
 Nothing is faked: the runtime is built, not started (no engine, no Redis call), its
 snapshot read as a plan reads it, and groups are learnt from as a delivery does
@@ -8,31 +9,34 @@ snapshot read as a plan reads it, and groups are learnt from as a delivery does
 
 from __future__ import annotations
 
+import dataclasses
+
 from rollserve.client.wire import FinishReason
 from rollserve.scheduler.core.policy import create_policy
+from rollserve.scheduler.core.snapshot import QueuedGroup
 from rollserve.scheduler.runtime import SchedulerRuntime
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, SamplingSpec
 from rollserve.scheduler.store import Store
 
 
-def group(group_id: str, prompt_key: str) -> GroupSpec:
+def group(group_id: str, prompt_key: str, prompt_len: int = 40) -> GroupSpec:
     return GroupSpec(
         run_id="run",
         group_id=group_id,
-        prompt_token_ids=tuple(range(40)),
+        prompt_token_ids=tuple(range(prompt_len)),
         n=2,
         sampling=SamplingSpec(max_tokens=8192),
         prompt_key=prompt_key,
     )
 
 
-def finished(group_id: str, prompt_key: str, length: int) -> GroupRecord:
-    record = GroupRecord.new(group(group_id, prompt_key), seq=0)
+def finished(group_id: str, prompt_key: str, length: int, prompt_len: int = 40) -> GroupRecord:
+    record = GroupRecord.new(group(group_id, prompt_key, prompt_len), seq=0)
     record.start((0, 1), "e0", now=0.0)
     for index in (0, 1):
         record.add_tokens(index, [7] * length, [-0.5] * length)
-        record.finish_sample(index, FinishReason.STOP, 40, 0, now=1.0)
+        record.finish_sample(index, FinishReason.STOP, prompt_len, 0, now=1.0)
     return record
 
 
@@ -55,10 +59,11 @@ def test_a_queued_prediction_changes_with_its_prompt_s_history_or_the_prior(
         runtime._learn(finished(f"old{i}", f"old{i}", 90 + i % 20))
     runtime._enqueue(group("qa", "pa"))
     runtime._enqueue(group("qb", "pb"))
+    runtime._enqueue(group("qc", "pc", prompt_len=1000))  # unseen too, its length's prior
     before = predicted(runtime)
 
-    def fresh(prompt_key: str) -> float:
-        return runtime.predictor.predict(prompt_key, 40).mean
+    def fresh(prompt_key: str, prompt_len: int = 40) -> float:
+        return runtime.predictor.predict(prompt_key, prompt_len).mean
 
     # Prompt pa's first group was long: its queued group is predicted again, pb's kept.
     runtime._learn(finished("done-a", "pa", 3000))
@@ -74,3 +79,50 @@ def test_a_queued_prediction_changes_with_its_prompt_s_history_or_the_prior(
     later = predicted(runtime)
     assert later["pb"] > 1.2 * after["pb"]
     assert abs(later["pb"] - fresh("pb")) <= 0.03 * fresh("pb")
+
+    # Prompts of about 1000 tokens came out short: pc's bucket's prior is its own.
+    for i in range(300):
+        runtime._learn(finished(f"wide{i}", f"wide{i}", 20, prompt_len=1000))
+    last = predicted(runtime)
+    assert last["pc"] < 0.5 * last["pb"]
+    assert abs(last["pc"] - fresh("pc", 1000)) <= 0.03 * fresh("pc", 1000)
+    assert abs(last["pb"] - fresh("pb")) <= 0.03 * fresh("pb")
+
+    # One more of them, longer: pc's bucket begins a generation, the prior's does not.
+    generation, bucket_moves = runtime.predictor.generations
+    runtime._learn(finished("wide-long", "wide-long", 500, prompt_len=1000))
+    assert runtime.predictor.generations[0] == generation
+    assert runtime.predictor.generations[1] > bucket_moves
+    again = predicted(runtime)
+    assert again["pc"] == fresh("pc", 1000)  # predicted anew
+    assert again["pb"] == last["pb"]  # kept
+
+
+def test_a_relabelled_view_keeps_every_other_field() -> None:
+    view = QueuedGroup(
+        key="run/g",
+        n=4,
+        prompt_len=3,
+        max_tokens=99,
+        priority=2,
+        seq=7,
+        turn=(1, 2),
+        run_id="run",
+        prompt_key="p",
+        samples=(1, 3),
+        prompt_token_ids=(4, 5, 6),
+        predicted_len=10.0,
+        predicted_lens=(11.0, 12.0),
+        progress=(0, 5),
+    )
+    assert {f.name for f in dataclasses.fields(QueuedGroup)} == set(vars_of(view))
+    assert view.relabelled(0, (0, 0), 20.0) == dataclasses.replace(
+        view, priority=0, turn=(0, 0), predicted_len=20.0
+    )
+
+
+def vars_of(view: QueuedGroup) -> dict[str, object]:
+    """Every field given a value that is not its default (so a field added to QueuedGroup
+    and not to the view above fails here, not silently in ``relabelled``)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(QueuedGroup)}
+    return {name: getattr(view, name) for name in defaults if getattr(view, name) != defaults[name]}

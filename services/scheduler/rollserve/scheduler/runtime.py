@@ -378,6 +378,7 @@ class SchedulerRuntime:
         # The predictor's generations at the last snapshot, and the prompt keys learnt from
         # since: an untouched queued group of another prompt is predicted as it was then.
         self._seen_generations = (-1, -1)
+        self._seen_buckets: dict[int, int] = {}
         self._relearnt: set[str] = set()
         # Per prompt-length bucket: (the predictor's generation and the bucket's, the prior's
         # mean there), what a group with nothing of its own is predicted.
@@ -1224,12 +1225,11 @@ class SchedulerRuntime:
         predict = self._policy.uses_predictions
         bases = self._priority_bases()
         turns = self._turns()
-        # A deep queue is mostly untouched groups whose prediction can only have changed
-        # with their prompt's history or the prior's generation: the rest keep theirs.
-        generations = self._predictor.generations
-        moved = generations != self._seen_generations
+        # A deep queue is mostly untouched groups, whose prediction can only have changed
+        # with their prompt's history, the prior's generation or their prompt length's
+        # bucket's: the others keep theirs.
+        moved, stale = self._prior_moved()
         relearnt, self._relearnt = self._relearnt, set()
-        self._seen_generations = generations
         queue = []
         for key in self._queue:
             record = self._groups[key]
@@ -1239,6 +1239,7 @@ class SchedulerRuntime:
             elif (
                 cached is not None
                 and not moved
+                and (not stale or len(record.spec.prompt_token_ids).bit_length() not in stale)
                 and cached[0] is record
                 and cached[1] == record.revision
                 and record.untouched
@@ -1252,9 +1253,7 @@ class SchedulerRuntime:
             if cached is not None and cached[0] is record and cached[1] == record.revision:
                 view = cached[3]  # its samples as they were: only what is told apart may move
                 if view.priority != priority or view.turn != turn or cached[2] != predicted:
-                    view = dataclasses.replace(
-                        view, priority=priority, turn=turn, predicted_len=predicted
-                    )
+                    view = view.relabelled(priority, turn, predicted)
                     self._views[key] = (record, record.revision, predicted, view)
                 queue.append(view)
                 continue
@@ -1265,6 +1264,19 @@ class SchedulerRuntime:
         engines = tuple(e.view(loads[engine_id]) for engine_id, e in self._engines.items())
         running = self._running_samples(predict, bases) if self._policy.moves_running else ()
         return Snapshot(tuple(queue), engines, now=time.monotonic(), running=running)
+
+    def _prior_moved(self) -> tuple[bool, set[int]]:
+        """Since the last snapshot: whether the predictor's prior began a new generation
+        (every prediction may have moved), else the prompt-length buckets that did."""
+        generations = self._predictor.generations
+        seen, self._seen_generations = self._seen_generations, generations
+        if generations == seen:
+            return False, set()
+        buckets = self._predictor.bucket_generations()
+        before, self._seen_buckets = self._seen_buckets, buckets
+        if generations[0] != seen[0]:
+            return True, set()
+        return False, {b for b, g in buckets.items() if before.get(b) != g}
 
     def _turns(self) -> dict[str, tuple[int, int]]:
         """Each queued group's fair-share turn (``core.fairshare``); empty (all (0, 0)) with

@@ -330,6 +330,10 @@ class LengthPredictor:
         only the stamps of keys observed (or loaded) since have changed."""
         return self._generation, self._bucket_moves
 
+    def bucket_generations(self) -> dict[int, int]:
+        """Each prompt-length bucket's generation (a copy), by ``prompt_len.bit_length()``."""
+        return dict(self._bucket_generations)
+
     def _summary(self, prompt_len: int) -> tuple[float, float, float]:
         mu, var = self._prior(prompt_len)
         return mu, var, self._pool_variance(var)

@@ -43,6 +43,28 @@ class QueuedGroup:
         """The sample indices to place."""
         return self.samples or tuple(range(self.n))
 
+    def relabelled(
+        self, priority: int, turn: tuple[int, int], predicted_len: float | None
+    ) -> QueuedGroup:
+        """The same group with these (what moves between plans while its samples do not);
+        a deep queue's are made at every plan, at half ``dataclasses.replace``'s cost."""
+        return QueuedGroup(
+            key=self.key,
+            n=self.n,
+            prompt_len=self.prompt_len,
+            max_tokens=self.max_tokens,
+            priority=priority,
+            seq=self.seq,
+            turn=turn,
+            run_id=self.run_id,
+            prompt_key=self.prompt_key,
+            samples=self.samples,
+            prompt_token_ids=self.prompt_token_ids,
+            predicted_len=predicted_len,
+            predicted_lens=self.predicted_lens,
+            progress=self.progress,
+        )
+
     @property
     def max_new_tokens(self) -> int:
         """Upper bound of the tokens the pending samples will generate."""
