@@ -10,6 +10,7 @@ snapshot read as a plan reads it, and groups are learnt from as a delivery does
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from rollserve.client.wire import FinishReason
 from rollserve.scheduler.core.policy import create_policy
@@ -126,3 +127,39 @@ def vars_of(view: QueuedGroup) -> dict[str, object]:
     and not to the view above fails here, not silently in ``relabelled``)."""
     defaults = {f.name: f.default for f in dataclasses.fields(QueuedGroup)}
     return {name: getattr(view, name) for name in defaults if getattr(view, name) != defaults[name]}
+
+
+def test_kept_predictions_stay_near_new_ones_through_random_arrivals_and_deliveries(
+    redis_url: str,
+) -> None:
+    """Groups of a few prompts and lengths arrive and are delivered at random (some prompts
+    never), the long prompts' lengths drifting upward: at every snapshot each queued
+    group's prediction is within 3% of what the predictor says now, and its view is the
+    one built anew."""
+    rng = random.Random(11)
+    settings = SchedulerSettings.model_validate({"redis_url": redis_url, "policy": "rl"})
+    runtime = SchedulerRuntime(
+        settings, Store.from_url(redis_url, predictor_namespace="unused"), create_policy("rl")
+    )
+    prompts = [(f"p{i}", rng.choice((20, 40, 300, 1000))) for i in range(12)]
+    unseen = [(f"u{i}", prompt_len) for i, prompt_len in enumerate((20, 40, 300, 1000))]
+    arrived = 0
+    for step in range(600):
+        if rng.random() < 0.4 and arrived - step // 3 < 40:
+            key, prompt_len = rng.choice(prompts + unseen)
+            runtime._enqueue(group(f"q{arrived}", key, prompt_len))
+            arrived += 1
+        else:
+            key, prompt_len = rng.choice(prompts)
+            # Long prompts' responses grow through the run, the others' stay: their
+            # bucket's prior moves more than the whole prior.
+            scale = 50 * (1 + step / 100) if prompt_len == 1000 else 50
+            length = round(scale * rng.lognormvariate(0, 0.5))
+            runtime._learn(finished(f"d{step}", key, length, prompt_len))
+        for view in runtime.snapshot().queue:
+            assert view.predicted_len is not None
+            fresh = runtime.predictor.predict(view.prompt_key, view.prompt_len).mean
+            assert abs(view.predicted_len - fresh) <= 0.03 * fresh, (step, view.key)
+            record = runtime._groups[view.key]
+            built = runtime._queued_view(record, view.predicted_len, view.priority, view.turn)
+            assert view == built, (step, view.key)
