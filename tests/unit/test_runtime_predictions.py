@@ -1,6 +1,6 @@
 """The runtime keeps a queued group's predicted length between plans while nothing it rests
 on changed, and predicts it again when its prompt is learnt or the prior moves; a kept
-view is relabelled whole.
+view is relabelled whole; what fair share sees of a group is kept while the group is.
 
 Nothing is faked: the runtime is built, not started (no engine, no Redis call), its
 snapshot read as a plan reads it, and groups are learnt from as a delivery does
@@ -163,3 +163,25 @@ def test_kept_predictions_stay_near_new_ones_through_random_arrivals_and_deliver
             record = runtime._groups[view.key]
             built = runtime._queued_view(record, view.predicted_len, view.priority, view.turn)
             assert view == built, (step, view.key)
+
+
+def test_fair_share_sees_a_queued_group_s_pending_samples_as_they_are_now(
+    redis_url: str,
+) -> None:
+    """What fair share sees of each queued group is kept between plans; a group some of
+    whose samples started is seen anew (its pending samples fewer)."""
+    settings = SchedulerSettings.model_validate({"redis_url": redis_url, "policy": "rl"})
+    runtime = SchedulerRuntime(
+        settings, Store.from_url(redis_url, predictor_namespace="unused"), create_policy("rl")
+    )
+    for i in range(10):
+        for run in ("a", "b"):
+            spec = dataclasses.replace(group(f"{run}{i}", f"{run}{i}"), run_id=run)
+            runtime._enqueue(spec)
+    kept = runtime._turns(["a", "b"])
+    for i in range(5):
+        runtime._groups[f"a/a{i}"].start((0,), "e0", now=0.0)  # one sample of each runs
+    now = runtime._turns(["a", "b"])
+    runtime._waiting.clear()
+    assert now == runtime._turns(["a", "b"])  # as if nothing were kept
+    assert now != kept  # (a's later groups have fewer samples ahead of them)

@@ -70,6 +70,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Collection,
     Coroutine,
     Iterator,
     Sequence,
@@ -386,6 +387,8 @@ class SchedulerRuntime:
         # Queued group key -> (record, its revision, prediction, the view built from them):
         # a plan runs at every finished sample, and most queued groups have not changed.
         self._views: dict[str, tuple[GroupRecord, int, float | None, QueuedGroup]] = {}
+        # Queued group key -> (record, its revision, what fair share sees of it).
+        self._waiting: dict[str, tuple[GroupRecord, int, Waiting]] = {}
         self._share = FairShare()  # the runs' fair share of the engines (settings.fair_share)
         self._engine_tls = settings.engine_tls()  # (its files read again when they change)
         engine_token = settings.engine_token()  # (the engines' calls show it, where given)
@@ -1111,12 +1114,13 @@ class SchedulerRuntime:
         self._held_prompt_tokens += len(spec.prompt_token_ids)
         self._queue[spec.key] = None
 
-    def _priority_bases(self) -> dict[str, int]:
+    def _priority_bases(self) -> tuple[dict[str, int], int]:
         """Per run, what its priorities count from: the lowest of its queued groups', or
         with none queued, the highest of its running groups' (its newest work: what runs
         of earlier steps stays more urgent). Priorities order a run's own groups; counted
         so, runs share the engines on equal terms (a trainer whose step numbers are its
-        priorities, as ``StepBatcher`` submits, does not go before one further on)."""
+        priorities, as ``StepBatcher`` submits, does not go before one further on). With
+        them, how many runs have groups queued (the first that many of the bases)."""
         bases: dict[str, int] = {}
         for key in self._queue:
             spec = self._groups[key].spec
@@ -1131,7 +1135,7 @@ class SchedulerRuntime:
                     base = running.get(spec.run_id)
                     if base is None or spec.priority > base:
                         running[spec.run_id] = spec.priority
-        return bases | running
+        return bases | running, len(bases)
 
     def _loads(
         self, predict: bool = True, bases: dict[str, int] | None = None
@@ -1223,8 +1227,8 @@ class SchedulerRuntime:
         # Predictions cost a predictor call per queued group and running sample at every
         # plan: only for a policy that reads them.
         predict = self._policy.uses_predictions
-        bases = self._priority_bases()
-        turns = self._turns()
+        bases, queued_runs = self._priority_bases()
+        turns = self._turns(list(bases)[:queued_runs])
         # A deep queue is mostly untouched groups, whose prediction can only have changed
         # with their prompt's history, the prior's generation or their prompt length's
         # bucket's: the others keep theirs.
@@ -1278,22 +1282,27 @@ class SchedulerRuntime:
             return True, set()
         return False, {b for b, g in buckets.items() if before.get(b) != g}
 
-    def _turns(self) -> dict[str, tuple[int, int]]:
-        """Each queued group's fair-share turn (``core.fairshare``); empty (all (0, 0)) with
-        fair share off, or while fewer than two runs have groups queued."""
+    def _turns(self, runs: Collection[str]) -> dict[str, tuple[int, int]]:
+        """Each queued group's fair-share turn (``core.fairshare``), ``runs`` being those
+        with groups queued; empty (all (0, 0)) with fair share off, or while fewer than
+        two runs have groups queued."""
         if not self.settings.fair_share:
             return {}
-        runs = {self._groups[key].spec.run_id for key in self._queue}
         if len(runs) < 2:
             self._share.active(runs)
             return {}
         slots = sum(e.capacity_samples for e in self._engines.values() if e.healthy)
         waiting = []
+        kept = self._waiting
         for key in self._queue:
             record = self._groups[key]
-            spec = record.spec
-            pending = spec.n if record.untouched else len(record.pending)
-            waiting.append(Waiting(key, spec.run_id, spec.priority, record.seq, pending))
+            known = kept.get(key)
+            if known is None or known[0] is not record or known[1] != record.revision:
+                spec = record.spec
+                pending = spec.n if record.untouched else len(record.pending)
+                entry = Waiting(key, spec.run_id, spec.priority, record.seq, pending)
+                known = kept[key] = (record, record.revision, entry)
+            waiting.append(known[2])
         running: dict[str, int] = {}
         for calls in self._calls.values():
             for call in calls.values():
@@ -1930,6 +1939,7 @@ class SchedulerRuntime:
         self._predicted.pop(key, None)
         self._fits.pop(key, None)
         self._views.pop(key, None)
+        self._waiting.pop(key, None)
         current = asyncio.current_task()
         for call in self._calls.pop(key, {}).values():
             if call.task is not None and call.task is not current:
