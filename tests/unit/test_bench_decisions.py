@@ -31,6 +31,8 @@ def test_the_depth_table_times_the_runtime_s_snapshot_and_each_policy_s_plans(
     assert set(rows) == {
         "runtime snapshot, nothing changed",
         "runtime snapshot, a group learnt",
+        "runtime snapshot, two runs, nothing changed",
+        "runtime snapshot, two runs, a group learnt",
         "round_robin",
         "round_robin, first plan",
         "rl",

@@ -39,8 +39,8 @@ Costs O(q log q) a plan for q queued groups, and only while two runs or more hav
 queued: ``turns`` alone takes 72 ms at 100,000 groups in two runs on this project's 2-core
 machine (127 ms before session 37). The runtime keeps what it hands ``turns`` of each group
 while the group does not change; its whole snapshot of a queue in two runs (the policy's
-view, turns included) takes about 25 ms at 10,000 groups and 380 ms at 100,000 (49 and 800
-ms before session 38; one run: 8 and 170 ms).
+view, turns included) takes about 30 ms at 10,000 groups and 460 ms at 100,000 (80 and 1,100
+ms before session 38; one run: 11 and 160 ms): ``rollserve bench decisions``.
 """
 
 from __future__ import annotations
