@@ -2102,7 +2102,8 @@ class SchedulerRuntime:
         epoch = self._predictor.epoch if spec.epoch is None else spec.epoch
         for length in lengths:
             self._predictor.observe(spec.prompt_key, length, epoch, len(spec.prompt_token_ids))
-        self._relearnt.add(spec.prompt_key)
+        if self._queue:  # (with none queued no view is kept to be stale: the set stays small)
+            self._relearnt.add(spec.prompt_key)
         self._unsaved.pop(spec.prompt_key, None)
         self._unsaved[spec.prompt_key] = None
         self._globals_unsaved = True
