@@ -95,8 +95,8 @@ or eviction) of that key. A prediction made at the same stamp from the same sibl
 differs from a new one only by the prior's drift: the prior's log-center, log-variance and
 pooled within-prompt variance each stay within ``reuse_tolerance`` of where the generation
 began (about twice that for a bucket, whose prior also follows the global one), so
-predictions of one generation within a few times that of each other (on a drifting
-workload kept means stayed within 1.8% of new ones: ``test_predictor.py``).
+predictions made in one generation are within a few times that of each other (on a
+drifting workload kept means stayed within 2.1% of new ones: ``test_predictor.py``).
 
 Durability
 ----------
