@@ -86,7 +86,7 @@ Reuse
 -----
 A scheduler predicts every queued group at every decision, and every finished sample
 moves the prior a little, so a prediction cached until the next observation is made again
-for the whole queue after each one. :meth:`LengthPredictor.stamp` gives two counters
+for the whole queue after each one. :meth:`LengthPredictor.stamp` gives three counters
 instead: the prior's *generation*, which advances when the global prior has moved past
 ``reuse_tolerance`` since the generation began, when the clock advances or the globals
 are loaded; the generation of the prompt's length bucket, which advances when that
