@@ -31,6 +31,7 @@ from rollserve.client import (
     SchedulerUnavailable,
     StepBatch,
     StepBatcher,
+    StepCounts,
     StreamUnavailable,
 )
 from rollserve.client.consumer import ReceivedBase
@@ -595,6 +596,30 @@ def test_when_keep_turns_every_group_away_iteration_ends_without_a_batch() -> No
     assert next(batcher, None) is None
     assert sorted(run.acked) == sorted(f"g{i}" for i in range(9))
     assert batcher.state.filtered == 9 and batcher.state.exhausted
+
+
+def not_the_last_two(result: GroupResult) -> bool:
+    return result.group_id not in ("g4", "g5")
+
+
+def test_the_groups_turned_away_after_the_last_batch_are_counted() -> None:
+    run = FakeRun()
+    batcher = StepBatcher(run, prompt_groups(6), batch_size=2, keep=not_the_last_two)
+    batches = take(batcher, 10)
+    assert [ids(b) for b in batches] == [["g0", "g1"], ["g2", "g3"]]
+    # Step 2 launched g4 and g5, turned both away, and ended without a batch.
+    assert batcher.state.counts_now() == StepCounts(step=2, launched=2, filtered=2)
+    assert sum(b.filtered for b in batches) + 2 == batcher.state.filtered == 2
+    assert sum(b.launched for b in batches) + 2 == len(run.submitted) == 6
+
+
+async def test_the_async_batcher_counts_what_came_after_its_last_batch() -> None:
+    batcher = AsyncStepBatcher(
+        AsyncFakeRun(FakeRun()), prompt_groups(6), batch_size=2, keep=not_the_last_two
+    )
+    batches = [batch async for batch in batcher]
+    assert len(batches) == 2
+    assert batcher.state.counts_now() == StepCounts(step=2, launched=2, filtered=2)
 
 
 async def test_the_async_batcher_keeps_the_same_groups() -> None:

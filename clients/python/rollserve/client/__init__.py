@@ -14,6 +14,7 @@ from rollserve.client.batches import (
     GroupsRefused,
     StepBatch,
     StepBatcher,
+    StepCounts,
 )
 from rollserve.client.client import ReceivedGroup, ReceivedSample, RolloutClient
 from rollserve.client.credentials import SchedulerCredentials
@@ -87,6 +88,7 @@ __all__ = [
     "SchedulerUnavailable",
     "StepBatch",
     "StepBatcher",
+    "StepCounts",
     "StreamUnavailable",
     "Unauthenticated",
     "UndecodableEntry",

@@ -93,6 +93,7 @@ __all__ = [
     "GroupsRefused",
     "StepBatch",
     "StepBatcher",
+    "StepCounts",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,18 @@ class StepBatch(Generic[R]):
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCounts:
+    """What the step being assembled has done so far, before its batch is handed out. When
+    iteration ends these are what came after the last batch: the groups launched and those
+    ``keep`` turned away since (a trainer logging the filter rate per step adds them to its
+    last step's)."""
+
+    step: int
+    launched: int
+    filtered: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +331,10 @@ class BatcherState(Generic[R]):
         self.launched_now = 0
         self.filtered_now = 0
         return batch
+
+    def counts_now(self) -> StepCounts:
+        """The current step's counts so far (:class:`StepCounts`)."""
+        return StepCounts(self.step, self.launched_now, self.filtered_now)
 
     def outstanding_groups(self) -> tuple[list[str], list[R]]:
         """Every outstanding group: (ids still running, finished entries held)."""
@@ -531,7 +548,9 @@ class StepBatcher(Generic[R]):
         launched as it finishes (a failed one too); a group it returns False for is
         acknowledged unused and another is launched in its place, so that batches hold the
         groups it kept (for GRPO, those whose rewards differ). None keeps every group.
-        ``StepBatch.filtered`` counts the groups it turned away during the step.
+        ``StepBatch.filtered`` counts the groups it turned away during the step; those
+        turned away after the last batch, when iteration ends, are in
+        ``state.counts_now()``.
     """
 
     def __init__(
