@@ -322,6 +322,35 @@ async def test_registered_engines_down_and_silent_leave_the_fleet_which_has_a_li
         await up.stop()
 
 
+async def test_an_engine_whose_stats_make_no_sense_stays_out_and_limits_nothing(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """An engine that says its context is 0 tokens would refuse every Submit of every run
+    (the limits are the engines' minimum): it stays out of service, its error naming the
+    field, and the others' limits hold."""
+    odd = await FakeEngine("odd", max_model_len=0).start()
+    runtime = await make_runtime(redis_url, [engine], health_failures=1)
+    try:
+        await runtime.register_engine("odd", odd.address)
+
+        def odd_view() -> pb.EngineStatus:
+            (view,) = (e for e in runtime.status().engines if e.engine_id == "odd")
+            return view
+
+        async def probed() -> bool:
+            return "max_model_len (0) must be >= 2" in odd_view().last_error
+
+        await eventually(probed, "the odd engine's probe")
+        assert not odd_view().healthy
+        assert runtime.limits().max_model_len == engine.max_model_len
+        run = new_run()
+        await runtime.submit(run, specs(run, 1))
+        assert len(await read_stream(redis_url, run, 1)) == 1
+    finally:
+        await runtime.stop()
+        await odd.stop()
+
+
 async def test_group_fails_with_reason_after_max_attempts(redis_url: str) -> None:
     dying = await FakeEngine("dying", behaviour=Behaviour.DIE_MID_STREAM).start()
     runtime = await make_runtime(redis_url, [dying], max_attempts=2, health_failures=100)

@@ -94,6 +94,29 @@ class EngineInfo:
 _INT64 = 1 << 63
 
 
+def _check_stats(stats: pb.StatsResponse) -> None:
+    """Raises when an engine's Stats cannot be an engine's: Submit's limits come from them
+    (a context of 0 would refuse every group), so such an engine stays out of service with
+    this as its error."""
+    wrong = [
+        f"{name} ({value}) must be {bound}"
+        for name, value, ok, bound in (
+            ("max_model_len", stats.max_model_len, stats.max_model_len >= 2, ">= 2"),
+            ("max_num_seqs", stats.max_num_seqs, stats.max_num_seqs >= 1, ">= 1"),
+            ("vocab_size", stats.vocab_size, stats.vocab_size >= 0, ">= 0 (0: unknown)"),
+            (
+                "kv_capacity_tokens",
+                stats.kv_capacity_tokens,
+                stats.kv_capacity_tokens >= 0,
+                ">= 0 (0: unknown)",
+            ),
+        )
+        if not ok
+    ]
+    if wrong:
+        raise RuntimeError(f"its Stats make no sense: {'; '.join(wrong)}")
+
+
 class EngineHandle:
     """One engine: its channel, what the scheduler has seen of its health, its load."""
 
@@ -223,6 +246,7 @@ class EngineHandle:
         if self.boot_id and stats.boot_id and stats.boot_id != self.boot_id:
             self.restarts += 1
             log.warning("engine %s restarted (a new boot id)", self.engine_id)
+        _check_stats(stats)
         self.boot_id = stats.boot_id
         self.info = EngineInfo(
             stats.max_model_len,
