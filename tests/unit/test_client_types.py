@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
@@ -90,3 +92,59 @@ def test_the_status_lists_the_engines_dtypes_once_each_leaving_out_those_not_sai
     status = SchedulerStatus.from_proto(pb.StatusResponse(engines=engines))
     assert status.engine_dtypes == ("bfloat16", "float32")
     assert SchedulerStatus.from_proto(pb.StatusResponse()).engine_dtypes == ()
+
+
+def test_one_stop_string_is_one_stop_string_not_its_characters() -> None:
+    assert SamplingParams(stop="</s>").stop == ("</s>",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_the_least_int32_priority_is_sent() -> None:
+    group = PromptGroup(group_id="g", prompt_token_ids=[1], n=1, priority=-(2**31))
+    assert group.to_proto().priority == -(2**31)
+
+
+def test_numpy_integers_pass_as_token_ids_and_counts() -> None:
+    np = pytest.importorskip("numpy")
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    group = PromptGroup(
+        group_id="g",
+        prompt_token_ids=ids,
+        n=np.int64(2),
+        sampling=SamplingParams(max_tokens=np.int32(8), temperature=np.float32(0.5)),
+    )
+    wire = group.to_proto()
+    assert list(wire.prompt_token_ids) == [5, 6, 7] and wire.n == 2
+    assert wire.sampling.max_tokens == 8
+
+
+GROUP: dict[str, Any] = {"group_id": "g", "prompt_token_ids": [1], "n": 1}
+
+
+@pytest.mark.parametrize(
+    ("make", "given", "message"),
+    [
+        (SamplingParams, {"temperature": "1"}, "temperature must be a number, got str"),
+        (SamplingParams, {"max_tokens": 1.5}, "max_tokens must be an int, got float"),
+        (SamplingParams, {"seed": True}, "seed must be an int, got bool"),
+        (SamplingParams, {"stop_token_ids": ["1"]}, r"stop_token_ids\[0\] must be an int"),
+        (
+            PromptGroup,
+            {**GROUP, "prompt_token_ids": [1.0]},
+            r"prompt_token_ids\[0\] must be an int, got float",
+        ),
+        (PromptGroup, {**GROUP, "group_id": 5}, "group_id must be a str"),
+        (PromptGroup, {**GROUP, "n": "2"}, "n must be an int"),
+        (PromptGroup, {**GROUP, "sampling": {}}, "sampling must be a SamplingParams, got dict"),
+        (
+            PromptGroup,
+            {**GROUP, "group_id": "g" * 257},
+            "group_id is 257 characters; it must be 1 to 256",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_with_its_argument_named(
+    make: Callable[..., object], given: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        make(**given)

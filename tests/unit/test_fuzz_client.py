@@ -27,18 +27,23 @@ INTS = (0, 1, -1, 2, 255, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2
 FLOATS = (0.0, -0.0, 0.5, 1.0, 1.5, -1.0, 1e-45, 1e-50, 1e300, math.nan, math.inf, -math.inf)
 STRINGS = ("", " ", "x", "\x00", "²", "😀", "\ud800", "x" * 300, "é" * 5_000, "a/b", "run-1")
 TOKEN_LISTS = ((), (5, 6, 7), (0,), (-1,), (2**31,), (2**31 - 1, 3), (1,) * 1000)
+# Values of another type than the argument's: refused with the argument named too.
+NOT_INTS = ("1", 1.5, None, True, b"x", [1])
+NOT_FLOATS = ("1", None, True, [1.0])
+NOT_STRINGS = (5, None, b"x", ["x"])
+NOT_TOKEN_LISTS = ((1.0,), ("1",), (None,), (True,), (5, "6"))
 CASES = 3_000
 
 
 def sampling_kwargs(rng: random.Random) -> dict[str, Any]:
     choices: dict[str, tuple[Any, ...]] = {
-        "temperature": FLOATS,
-        "top_p": FLOATS,
-        "top_k": INTS,
-        "max_tokens": INTS,
-        "stop": ((), ("</s>",), ("",), ("\ud800",), ("\x00", "x")),
-        "stop_token_ids": TOKEN_LISTS,
-        "seed": (None, *INTS),
+        "temperature": FLOATS + NOT_FLOATS,
+        "top_p": FLOATS + NOT_FLOATS,
+        "top_k": INTS + NOT_INTS,
+        "max_tokens": INTS + NOT_INTS,
+        "stop": ((), ("</s>",), ("",), ("\ud800",), ("\x00", "x"), "</s>", (5,), ("x",) * 65),
+        "stop_token_ids": TOKEN_LISTS + NOT_TOKEN_LISTS,
+        "seed": (None, *INTS, *NOT_INTS),
     }
     return {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.4}
 
@@ -46,14 +51,24 @@ def sampling_kwargs(rng: random.Random) -> dict[str, Any]:
 def group_kwargs(rng: random.Random) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"group_id": "g", "prompt_token_ids": (5, 6), "n": 2}
     choices: dict[str, tuple[Any, ...]] = {
-        "group_id": STRINGS,
-        "prompt_token_ids": TOKEN_LISTS,
-        "prompt_text": STRINGS,
-        "n": INTS,
-        "prompt_key": STRINGS,
-        "priority": INTS,
-        "epoch": (None, *INTS, 1_000_000, 1_000_001),
-        "metadata": ({}, {"k": "v"}, {"\ud800": "v"}, {"k": "\ud800"}, {"": ""}),
+        "group_id": STRINGS + NOT_STRINGS,
+        "prompt_token_ids": TOKEN_LISTS + NOT_TOKEN_LISTS,
+        "prompt_text": STRINGS + NOT_STRINGS,
+        "n": INTS + NOT_INTS,
+        "prompt_key": STRINGS + NOT_STRINGS + ("k" * 1025,),
+        "priority": INTS + NOT_INTS,
+        "epoch": (None, *INTS, 1_000_000, 1_000_001, *NOT_INTS),
+        "metadata": (
+            {},
+            {"k": "v"},
+            {"\ud800": "v"},
+            {"k": "\ud800"},
+            {"": ""},
+            {"k": 5},
+            {5: "v"},
+            {"k": "\U0001f642" * 4096},
+            ["k"],
+        ),
     }
     for name, values in choices.items():
         if rng.random() < 0.3:

@@ -13,6 +13,8 @@ import asyncio
 import json
 import random
 import re
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -209,6 +211,30 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
         ("/v1/runs/r/groups", b"\xff\xfe", 400, "not JSON"),
         ("/v1/runs/" + "x" * 300 + "/groups", {"groups": [group("a")]}, 422, "run_id"),
         ("/v1/runs/r/cancel", {"group_ids": []}, 422, "group_ids is empty"),
+        (
+            "/v1/runs/r/cancel",
+            {"group_ids": ["x" * 257]},
+            422,
+            "group_ids holds an id of 257 characters; the limit is 256",
+        ),
+        (
+            "/v1/runs/r/cancel",
+            {"group_ids": [f"g{i}" for i in range(10_001)]},
+            422,
+            "group_ids has 10001 ids; the limit per call is 10000 (max_groups_per_submit)",
+        ),
+        (
+            "/v1/runs/r/groups",
+            {"groups": [group("a", groupId="b")]},
+            422,
+            "SubmitRequest.groups[0].group_id is given twice, also as groupId; give it once",
+        ),
+        (
+            "/v1/runs/r/groups",
+            {"groups": [group("a", promptTokenIds=[9])]},
+            422,
+            "prompt_token_ids is given twice, also as promptTokenIds",
+        ),
         ("/v1/runs/r/versions", {"version": -1}, 422, "version (-1)"),
     ],
 )
@@ -223,6 +249,35 @@ async def test_each_refusal_answers_its_status_and_names_the_field(
         fits("Error", answer)
         # nothing of it was done
         assert (await api.call("GET", "/v1/status"))[1]["queue_depth"] == 0
+
+
+async def test_a_body_that_does_not_inflate_is_refused_and_a_null_run_id_is_the_paths(
+    other_redis_url: str,
+) -> None:
+    async with scheduler(other_redis_url, None) as api:
+        # (urllib, as curl: aiohttp's client reads no answer once the server closes)
+        request = urllib.request.Request(
+            f"{api.url}/v1/runs/r/groups",
+            data=b"not gzip at all",
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+
+        def post() -> tuple[int, Any]:
+            try:
+                with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+                    return reply.status, json.loads(reply.read())
+            except urllib.error.HTTPError as refused:
+                return refused.code, json.loads(refused.read())
+
+        status, answer = await asyncio.to_thread(post)
+        assert status == 400, answer
+        assert answer["error"]["message"] == (
+            "the body cannot be read: Can not decode content-encoding: gzip"
+        ), answer
+        status, answer = await api.call(
+            "POST", "/v1/runs/r/groups", {"run_id": None, "groups": [group("a")]}
+        )
+        assert status == 200 and answer["accepted"] == 1, answer
 
 
 async def test_a_full_queue_a_duplicate_and_a_large_body_are_refused_as_http_says(

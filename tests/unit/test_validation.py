@@ -156,3 +156,100 @@ def test_stream_samples_is_carried_to_the_spec() -> None:
     group.stream_samples = True
     [streaming] = validate_submit(submit(group), LIMITS, None)
     assert streaming.stream_samples
+
+
+def test_what_a_group_carries_is_bounded() -> None:
+    """Each of these is kept in memory and in Redis until the group ends (the prompt key in
+    the length history for good): no field is unbounded."""
+    sampling = pb.SamplingParams(max_tokens=4)
+    cases = [
+        (
+            pb.PromptGroup(
+                group_id="a", prompt_token_ids=[1], n=1, sampling=sampling, prompt_key="k" * 1025
+            ),
+            r"prompt_key is 1025 characters; the limit is 1024",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1],
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=4, stop=["x"] * 65),
+            ),
+            r"stop has 65 strings; the limit is 64",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1],
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=4, stop=["x" * 1025]),
+            ),
+            r"stop holds a string of 1025 characters; the limit is 1024",
+        ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1],
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=4, stop_token_ids=[1] * 1025),
+            ),
+            r"stop_token_ids has 1025 ids; the limit is 1024",
+        ),
+        (
+            # 4 bytes a character in UTF-8: 4,097 characters are over 16 KiB
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1],
+                n=1,
+                sampling=sampling,
+                metadata={"k": "\U0001f642" * 4096},
+            ),
+            r"metadata holds 16385 bytes \(UTF-8, keys and values\); the limit is 16384",
+        ),
+    ]
+    for group, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            validate_submit(submit(group), LIMITS, None)
+    # At the limits they pass.
+    [spec] = validate_submit(
+        submit(
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1],
+                n=1,
+                prompt_key="k" * 1024,
+                sampling=pb.SamplingParams(
+                    max_tokens=4, stop=["x" * 1024] * 64, stop_token_ids=[1] * 1024
+                ),
+                metadata={"k": "\U0001f642" * 4095 + "abc"},
+            )
+        ),
+        LIMITS,
+        None,
+    )
+    assert len(spec.sampling.stop) == 64
+
+
+def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
+    tokenized: list[str] = []
+
+    def tokenize(text: str) -> list[int]:
+        tokenized.append(text)
+        return [1] * len(text)
+
+    group = pb.PromptGroup(
+        group_id="t", prompt_text="x" * 801, n=1, sampling=pb.SamplingParams(max_tokens=4)
+    )
+    with pytest.raises(
+        ValidationError,
+        match=r"prompt_text is 801 characters; the limit is 800 \(8 a token of "
+        r"max_prompt_tokens, 100\): send prompt_token_ids instead",
+    ):
+        validate_submit(submit(group), LIMITS, tokenize)
+    assert tokenized == []
+
+
+def test_an_id_that_does_not_print_is_quoted_in_messages() -> None:
+    with pytest.raises(ValidationError, match=r"groups\[0\] \('a\\nb'\)\.n \(0\)"):
+        validate_submit(submit(proto_group("a\nb", n=0)), LIMITS, None)

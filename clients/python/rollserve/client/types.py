@@ -10,17 +10,27 @@ its queue size).
 
 from __future__ import annotations
 
+import numbers
+import operator
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.wire import (
     INT32_MAX,
+    INT32_MIN,
     INT64_MAX,
     INT64_MIN,
     MAX_EPOCH,
+    MAX_GROUP_ID_LEN,
+    MAX_METADATA_BYTES,
     MAX_POLICY_VERSION,
+    MAX_PROMPT_KEY_LEN,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     FinishReason,
     GroupResult,
@@ -47,9 +57,40 @@ def _as_float32(value: float) -> float:
     return float(struct.unpack("<f", struct.pack("<f", value))[0])
 
 
-def _check_text(where: str, text: str) -> None:
-    """Raises InvalidArgument unless ``text`` can go on the wire (UTF-8: a lone surrogate,
-    as a bad decode leaves, cannot)."""
+def _check_int(where: str, value: object) -> None:
+    """Raises InvalidArgument unless ``value`` is an integer (an int, or numpy's; a bool is
+    not)."""
+    if type(value) is int:
+        return
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{where} must be an int, got {type(value).__name__}") from None
+
+
+def _check_number(where: str, value: object) -> None:
+    """Raises InvalidArgument unless ``value`` is a real number (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{where} must be a number, got {type(value).__name__}")
+
+
+def _check_token_ids(where: str, values: Sequence[object]) -> None:
+    """Raises InvalidArgument unless every value is an integer in 0..INT32_MAX."""
+    if not all(type(v) is int for v in values):  # (a prompt's ids are ints, as a rule)
+        for i, value in enumerate(values):
+            _check_int(f"{where}[{i}]", value)
+    ints = cast(Sequence[int], values)
+    if ints and not 0 <= min(ints) <= max(ints) <= INT32_MAX:
+        raise InvalidArgument(f"{where} must be in 0..{INT32_MAX}")
+
+
+def _check_text(where: str, text: object) -> None:
+    """Raises InvalidArgument unless ``text`` is a str that can go on the wire (UTF-8: a lone
+    surrogate, as a bad decode leaves, cannot)."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{where} must be a str, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -67,8 +108,9 @@ class SamplingParams:
     top_k: -1 (or 0) disables; otherwise >= 1.
     max_tokens: response tokens per sample, >= 1 (the scheduler also bounds it by
         the model's context minus the prompt).
-    stop: stop strings (need an engine that detokenizes).
-    stop_token_ids: extra token ids that end a sample.
+    stop: stop strings (need an engine that detokenizes; one str is one stop string), at
+        most 64 of at most 1,024 characters.
+    stop_token_ids: extra token ids that end a sample, at most 1,024.
     seed: None for random; sample i of a group uses seed + i.
     """
 
@@ -81,8 +123,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("temperature", "top_p"):
+            _check_number(name, getattr(self, name))
+        for name in ("top_k", "max_tokens"):
+            _check_int(name, getattr(self, name))
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidArgument(
                 f"temperature ({self.temperature}) must be in [0, {MAX_TEMPERATURE:g}]; 0 is greedy"
@@ -93,12 +143,21 @@ class SamplingParams:
             raise InvalidArgument(f"top_k ({self.top_k}) must be -1 or 0 (disabled) or >= 1")
         if not 1 <= self.max_tokens <= INT32_MAX:
             raise InvalidArgument(f"max_tokens ({self.max_tokens}) must be >= 1")
-        if any(not s for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(
+                f"stop has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}"
+            )
         for i, text in enumerate(self.stop):
             _check_text(f"stop[{i}]", text)
-        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise InvalidArgument(f"stop_token_ids ({self.stop_token_ids}) must be >= 0")
+            if not 0 < len(text) <= MAX_STOP_LEN:
+                raise InvalidArgument(
+                    f"stop[{i}] is {len(text)} characters; it must be 1 to {MAX_STOP_LEN}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; the limit is "
+                f"{MAX_STOP_TOKEN_IDS}"
+            )
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise InvalidArgument(f"seed ({self.seed}) must fit in int64")
 
@@ -150,15 +209,37 @@ class PromptGroup:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if not isinstance(self.metadata, Mapping):
+            raise InvalidArgument(
+                f"metadata must be a mapping of str to str, got {type(self.metadata).__name__}"
+            )
         object.__setattr__(self, "metadata", dict(self.metadata))
-        if not self.group_id:
-            raise InvalidArgument("group_id must not be empty")
+        _check_text("group_id", self.group_id)
+        if not 0 < len(self.group_id) <= MAX_GROUP_ID_LEN:
+            raise InvalidArgument(
+                f"group_id is {len(self.group_id)} characters; it must be 1 to {MAX_GROUP_ID_LEN}"
+            )
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgument(
+                f"group {self.group_id!r}: sampling must be a SamplingParams, got "
+                f"{type(self.sampling).__name__}"
+            )
+        for name in ("n", "priority"):
+            _check_int(f"group {self.group_id!r}: {name}", getattr(self, name))
+        if self.epoch is not None:
+            _check_int(f"group {self.group_id!r}: epoch", self.epoch)
+        _check_token_ids(f"group {self.group_id!r}: prompt_token_ids", self.prompt_token_ids)
+        for name in ("prompt_text", "prompt_key"):
+            _check_text(f"group {self.group_id!r}: {name}", getattr(self, name))
+        if len(self.prompt_key) > MAX_PROMPT_KEY_LEN:
+            raise InvalidArgument(
+                f"group {self.group_id!r}: prompt_key is {len(self.prompt_key)} characters; "
+                f"the limit is {MAX_PROMPT_KEY_LEN} (key a longer id by its hash)"
+            )
         if bool(self.prompt_token_ids) == bool(self.prompt_text):
             raise InvalidArgument(
                 f"group {self.group_id!r}: give exactly one of prompt_token_ids and prompt_text"
             )
-        if any(not 0 <= t <= INT32_MAX for t in self.prompt_token_ids):
-            raise InvalidArgument(f"group {self.group_id!r}: prompt_token_ids must be >= 0")
         if not 1 <= self.n <= INT32_MAX:
             raise InvalidArgument(f"group {self.group_id!r}: n ({self.n}) must be >= 1")
         seed = self.sampling.seed
@@ -167,7 +248,7 @@ class PromptGroup:
                 f"group {self.group_id!r}: sampling.seed ({seed}) + n - 1 ({self.n - 1}) passes "
                 f"int64's limit ({INT64_MAX}); sample i is seeded seed + i"
             )
-        if not -INT32_MAX <= self.priority <= INT32_MAX:
+        if not INT32_MIN <= self.priority <= INT32_MAX:
             raise InvalidArgument(
                 f"group {self.group_id!r}: priority ({self.priority}) must fit in int32"
             )
@@ -179,12 +260,15 @@ class PromptGroup:
             raise InvalidArgument(f"group {self.group_id!r}: metadata values must be str")
         if any(not isinstance(k, str) for k in self.metadata):
             raise InvalidArgument(f"group {self.group_id!r}: metadata keys must be str")
-        _check_text("group_id", self.group_id)
-        for name in ("prompt_text", "prompt_key"):
-            _check_text(f"group {self.group_id!r}: {name}", getattr(self, name))
         for key, value in self.metadata.items():
             _check_text(f"group {self.group_id!r}: a metadata key", key)
             _check_text(f"group {self.group_id!r}: metadata[{key!r}]", value)
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in self.metadata.items())
+        if size > MAX_METADATA_BYTES:
+            raise InvalidArgument(
+                f"group {self.group_id!r}: metadata holds {size} bytes (UTF-8, keys and "
+                f"values); the limit is {MAX_METADATA_BYTES}"
+            )
 
     def to_proto(self) -> pb.PromptGroup:
         return pb.PromptGroup(
@@ -416,9 +500,11 @@ def cancel_request(run_id: str, group_ids: Sequence[str]) -> pb.CancelRequest:
     if isinstance(group_ids, str):
         raise InvalidArgument("group_ids must be a sequence of ids, not one string")
     group_ids = list(group_ids)  # (a generator read twice sent none)
-    if any(not g for g in group_ids):
-        raise InvalidArgument("group_ids must not contain an empty id")
     _check_text("run_id", run_id)
     for i, group_id in enumerate(group_ids):
         _check_text(f"group_ids[{i}]", group_id)
+        if not 0 < len(group_id) <= MAX_GROUP_ID_LEN:
+            raise InvalidArgument(
+                f"group_ids[{i}] is {len(group_id)} characters; it must be 1 to {MAX_GROUP_ID_LEN}"
+            )
     return pb.CancelRequest(run_id=run_id, group_ids=list(group_ids))

@@ -51,7 +51,19 @@ MAX_EPOCH = 1_000_000
 # RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the refusal).
 # 1,000 characters are at most 12,000 bytes so encoded.
 MAX_STATUS_DETAILS = 1_000
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# What one group may carry, checked by the SDK and the scheduler alike: each is kept in memory
+# and in Redis until the group ends (the prompt key for good, in the length history).
+MAX_GROUP_ID_LEN = 256  # characters
+MAX_PROMPT_KEY_LEN = 1024  # characters: a dataset row's id, or a hash of a longer one
+MAX_METADATA_BYTES = 16 * 1024  # keys and values, UTF-8
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+# prompt_text is tokenized before its tokens can be counted: a text longer than this many
+# characters a token of the prompt limit is refused unread (a tokenizer's tokens are rarely
+# more than a few characters long on average, and tokenizing is the scheduler's time).
+MAX_PROMPT_CHARS_PER_TOKEN = 8
 MAX_TEMPERATURE = 2.0  # vLLM refuses a hotter request (as OpenAI's API does)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (sample i is seeded seed + i)
 MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, UpdateWeights)

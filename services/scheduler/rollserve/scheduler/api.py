@@ -10,6 +10,7 @@ import grpc
 import redis.exceptions
 from rollserve.client.address import is_host_port
 from rollserve.client.wire import (
+    MAX_GROUP_ID_LEN,
     MAX_POLICY_VERSION,
     MAX_WEIGHTS_PATH_LEN,
     quoted,
@@ -60,8 +61,21 @@ class SchedulerApi:
         _check_run_id(request.run_id)
         if not request.group_ids:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "group_ids is empty")
+        limit = self._runtime.settings.max_groups_per_submit
+        if len(request.group_ids) > limit:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"group_ids has {len(request.group_ids)} ids; the limit per call is {limit} "
+                "(max_groups_per_submit)",
+            )
         if any(not g for g in request.group_ids):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "group_ids holds an empty id")
+        longest = max(len(g) for g in request.group_ids)
+        if longest > MAX_GROUP_ID_LEN:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"group_ids holds an id of {longest} characters; the limit is {MAX_GROUP_ID_LEN}",
+            )
         try:
             cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
         except REFUSALS as exc:

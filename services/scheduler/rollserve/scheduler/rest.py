@@ -167,7 +167,12 @@ async def _parse(request: web.Request, message: type[_Request]) -> _Request:
     the scheduler's lease, does not wait for). Raises Refused (INVALID_ARGUMENT) for JSON
     the message cannot take, and the HTTP error itself for a body that is no JSON (400) or
     too large (413)."""
-    body = await request.read()  # (raises 413 past the server's client_max_size)
+    try:
+        body = await request.read()  # (raises 413 past the server's client_max_size)
+    except web.RequestPayloadError as exc:  # (a gzip body that does not inflate)
+        # (aiohttp then logs the error again, as it reads what is left of the body.)
+        why = getattr(exc.__cause__, "message", None) or str(exc)
+        raise web.HTTPBadRequest(text=status_details(f"the body cannot be read: {why}")) from exc
     return await asyncio.to_thread(_decode, body, message, request.match_info["run_id"])
 
 
@@ -183,14 +188,14 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
             f"{type(document).__name__}",
         )
     for name in ("run_id", "runId"):
-        given = document.pop(name, run_id)
-        if given != run_id:
+        given = document.pop(name, None)  # (null is the default, as protobuf reads it)
+        if given is not None and given != run_id:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{name} {given!r} in the body is not the path's ({run_id!r}); give it once",
             )
     document["run_id"] = run_id
-    _refuse_booleans(document, cast(Descriptor, message.DESCRIPTOR), message.DESCRIPTOR.name)
+    _check_fields(document, cast(Descriptor, message.DESCRIPTOR), message.DESCRIPTOR.name)
     token_ids = _plain_token_ids(document)
     parsed = message()
     try:
@@ -203,10 +208,18 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
     return parsed
 
 
-def _refuse_booleans(document: dict[str, Any], message: Descriptor, where: str) -> None:
-    """Refuses true or false where the message has a number (protobuf's JSON parser takes
-    them as 1 and 0, so that ``"temperature": true`` would sample at 1.0 unseen)."""
+def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> None:
+    """Refuses what protobuf's JSON parser would take unseen: a field given under both its
+    names (``group_id`` and ``groupId``: it keeps one, silently), and true or false where
+    the message has a number (taken as 1 and 0, so that ``"temperature": true`` would
+    sample at 1.0)."""
     for field in message.fields:
+        if field.name != field.json_name and field.name in document and field.json_name in document:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the body: {where}.{field.name} is given twice, also as {field.json_name}; "
+                "give it once",
+            )
         for name in {field.name, field.json_name}:
             value = document.get(name)
             if value is None:
@@ -219,7 +232,7 @@ def _refuse_booleans(document: dict[str, Any], message: Descriptor, where: str) 
                 for i, child in enumerate(children):
                     if isinstance(child, dict):
                         where_child = f"{path}[{i}]" if field.is_repeated else path
-                        _refuse_booleans(child, field.message_type, where_child)
+                        _check_fields(child, field.message_type, where_child)
                 continue
             if field.cpp_type == FieldDescriptor.CPPTYPE_BOOL or field.cpp_type in _TEXT:
                 continue

@@ -14,15 +14,20 @@ from dataclasses import dataclass
 from rollserve.client.wire import (
     INT64_MAX,
     MAX_EPOCH,
+    MAX_GROUP_ID_LEN,
+    MAX_METADATA_BYTES,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_PROMPT_KEY_LEN,
     MAX_RUN_ID_LEN,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     RUN_ID_ALPHABET,
+    quoted,
 )
 from rollserve.scheduler.state import GroupSpec, SamplingSpec
 from rollserve.v1 import rollserve_pb2 as pb
-
-MAX_GROUP_ID_LEN = 256
-MAX_METADATA_BYTES = 16 * 1024
 
 
 class ValidationError(ValueError):
@@ -95,7 +100,12 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
         raise ValidationError(
             f"{where}.group_id is {len(group.group_id)} characters; the limit is {MAX_GROUP_ID_LEN}"
         )
-    where = f"{where} ({group.group_id})"
+    where = f"{where} ({_shown(group.group_id)})"
+    if len(group.prompt_key) > MAX_PROMPT_KEY_LEN:
+        raise ValidationError(
+            f"{where}.prompt_key is {len(group.prompt_key)} characters; the limit is "
+            f"{MAX_PROMPT_KEY_LEN} (key a longer id by its hash)"
+        )
     prompt = _prompt_tokens(where, group, limits, context.tokenize)
     if group.n < 1:
         raise ValidationError(f"{where}.n ({group.n}) must be at least 1")
@@ -114,10 +124,11 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
             "from 0); leave it unset to let the scheduler count"
         )
     metadata = tuple(sorted(group.metadata.items()))
-    size = sum(len(k) + len(v) for k, v in metadata)
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in metadata)
     if size > MAX_METADATA_BYTES:
         raise ValidationError(
-            f"{where}.metadata holds {size} bytes; the limit is {MAX_METADATA_BYTES}"
+            f"{where}.metadata holds {size} bytes (UTF-8, keys and values); the limit is "
+            f"{MAX_METADATA_BYTES}"
         )
     return GroupSpec(
         run_id=context.run_id,
@@ -134,6 +145,12 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
     )
 
 
+def _shown(group_id: str) -> str:
+    """The id as a message shows it: as it is, or quoted when it holds characters that do
+    not print (a NUL, a newline that would split the message)."""
+    return group_id if group_id.isprintable() else quoted(group_id)
+
+
 def _prompt_tokens(
     where: str, group: pb.PromptGroup, limits: Limits, tokenize: Tokenize | None
 ) -> tuple[int, ...]:
@@ -144,6 +161,14 @@ def _prompt_tokens(
             raise ValidationError(
                 f"{where}.prompt_text needs a tokenizer: start the scheduler with "
                 "--tokenizer MODEL_DIR, or send prompt_token_ids"
+            )
+        chars = len(group.prompt_text)
+        most = limits.max_prompt_tokens * MAX_PROMPT_CHARS_PER_TOKEN
+        if chars > most:
+            raise ValidationError(
+                f"{where}.prompt_text is {chars} characters; the limit is {most} "
+                f"({MAX_PROMPT_CHARS_PER_TOKEN} a token of max_prompt_tokens, "
+                f"{limits.max_prompt_tokens}): send prompt_token_ids instead"
             )
         tokens = tuple(tokenize(group.prompt_text))
     else:
@@ -187,6 +212,11 @@ def _validate_sampling(
     top_k = sampling.top_k if sampling.HasField("top_k") else -1
     if top_k < -1:
         raise ValidationError(f"{where}.top_k ({top_k}) must be -1 or 0 (off) or >= 1")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError(
+            f"{where}.stop_token_ids has {len(sampling.stop_token_ids)} ids; the limit is "
+            f"{MAX_STOP_TOKEN_IDS}"
+        )
     if any(t < 0 for t in sampling.stop_token_ids):
         raise ValidationError(f"{where}.stop_token_ids holds a negative id")
     high = max(sampling.stop_token_ids, default=0)
@@ -194,8 +224,17 @@ def _validate_sampling(
         raise ValidationError(
             f"{where}.stop_token_ids holds id {high}; the vocabulary has {limits.vocab_size}"
         )
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise ValidationError(
+            f"{where}.stop has {len(sampling.stop)} strings; the limit is {MAX_STOP_STRINGS}"
+        )
     if any(not s for s in sampling.stop):
         raise ValidationError(f"{where}.stop holds an empty string")
+    longest = max((len(s) for s in sampling.stop), default=0)
+    if longest > MAX_STOP_LEN:
+        raise ValidationError(
+            f"{where}.stop holds a string of {longest} characters; the limit is {MAX_STOP_LEN}"
+        )
     return SamplingSpec(
         max_tokens=sampling.max_tokens,
         temperature=temperature,
