@@ -32,6 +32,7 @@ from rollserve.scheduler.runtime import (
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.state import GroupSpec
 from rollserve.scheduler.store import DuplicateGroup, Store
+from rollserve.scheduler.validation import ValidationError
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -819,6 +820,27 @@ async def test_prompt_tokens_held_past_the_limit_refuse_the_whole_batch(redis_ur
         await runtime.submit(run, [spec(f"x{i}", run_id=run) for i in range(2)])
         assert runtime.status().queue_depth == 3
         await runtime.cancel(run, ["g1", "x0", "x1"])
+    finally:
+        await runtime.stop()
+
+
+async def test_a_batch_no_queue_takes_is_refused_as_invalid_not_full(redis_url: str) -> None:
+    """More groups, or prompt tokens, than the queue holds when empty: a retry would never
+    pass, so it is no RESOURCE_EXHAUSTED (retry later) but INVALID_ARGUMENT, naming the
+    setting."""
+    runtime = await make_runtime(redis_url, [], max_queued_groups=3, max_held_prompt_tokens=9)
+    run = new_run()
+    try:
+        with pytest.raises(
+            ValidationError, match=r"groups has 4 groups; the queue holds at most 3 \(max_queued"
+        ):
+            await runtime.submit(run, specs(run, 4))
+        with pytest.raises(
+            ValidationError,
+            match=r"these 2 groups hold 10 prompt tokens; .* at most 9 \(max_held_prompt_tokens\)",
+        ):
+            await runtime.submit(run, specs(run, 2))
+        assert runtime.status().queue_depth == 0
     finally:
         await runtime.stop()
 

@@ -119,7 +119,7 @@ from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
 from rollserve.scheduler.store import FleetWeights, Store, may_pass_later
 from rollserve.scheduler.trim import TrimSchedule
-from rollserve.scheduler.validation import Limits
+from rollserve.scheduler.validation import Limits, ValidationError
 from rollserve.v1 import rollserve_pb2 as pb
 
 _FIRST_TURN = (0, 0)  # every queued group's while one run waits (core.fairshare)
@@ -602,20 +602,31 @@ class SchedulerRuntime:
         )
 
     async def submit(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
-        """Persists then queues the groups. Raises QueueFull, store.DuplicateGroup or
-        LeaseLost (this scheduler is stopping)."""
+        """Persists then queues the groups. Raises ValidationError (a batch no queue takes,
+        however empty), QueueFull, store.DuplicateGroup or LeaseLost (this scheduler is
+        stopping)."""
         self._check_lease()
+        tokens = sum(len(spec.prompt_token_ids) for spec in specs)
+        most, limit = self.settings.max_queued_groups, self.settings.max_held_prompt_tokens
+        # A batch no queue takes, however empty, is refused as such: a retry never passes.
+        if len(specs) > most:
+            raise ValidationError(
+                f"groups has {len(specs)} groups; the queue holds at most {most} "
+                "(max_queued_groups): submit fewer at a time"
+            )
+        if tokens > limit:
+            raise ValidationError(
+                f"these {len(specs)} groups hold {tokens} prompt tokens; the groups not yet "
+                f"delivered hold at most {limit} (max_held_prompt_tokens): submit fewer at a time"
+            )
         queued = len(self._queue) + self._admitting[0]
-        room = self.settings.max_queued_groups - queued
+        room = most - queued
         if len(specs) > room:
             raise QueueFull(
-                f"the queue holds {queued} groups of at most "
-                f"{self.settings.max_queued_groups}; {len(specs)} more do not fit "
-                f"(room for {max(0, room)}): retry later"
+                f"the queue holds {queued} groups of at most {most} (max_queued_groups); "
+                f"{len(specs)} more do not fit (room for {max(0, room)}): retry later"
             )
-        tokens = sum(len(spec.prompt_token_ids) for spec in specs)
         held = self._held_prompt_tokens + self._admitting[1]
-        limit = self.settings.max_held_prompt_tokens
         if held + tokens > limit:
             raise QueueFull(
                 f"the groups not yet delivered hold {held} prompt tokens of at most {limit} "
