@@ -7,14 +7,46 @@ from rollserve.client.address import is_host_port, join_host_port
 
 
 @pytest.mark.parametrize(
-    "text", ["localhost:50051", "10.0.0.7:1", "[::1]:65535", "engine-3.svc.cluster.local:8000"]
+    "text",
+    [
+        "localhost:50051",
+        "10.0.0.7:1",
+        "[::1]:65535",
+        "engine-3.svc.cluster.local:8000",
+        "engine-3.svc.cluster.local.:8000",
+        "node_7:1",
+        "[fe80::2]:50051",
+    ],
 )
 def test_host_port_is_read(text: str) -> None:
     assert is_host_port(text)
 
 
 @pytest.mark.parametrize(
-    "text", ["localhost", ":50051", "localhost:", "h:0", "h:65536", "h:5005²", "h:+1", "h: 1"]
+    "text",
+    [
+        "localhost",
+        ":50051",
+        "localhost:",
+        "h:0",
+        "h:65536",
+        "h:5005²",
+        "h:+1",
+        "h: 1",
+        # what RegisterEngine was sent and took before (a fuzzing run): none is a host
+        "a\0b:1",
+        "a b:1",
+        "http://h:1",
+        "unix:/tmp/x:1",
+        "dns:///x.invalid:1",
+        "ipv4:127.0.0.1:1,127.0.0.2:1",
+        "::1:1",  # (gRPC dialled [::0.1.0.1]:443)
+        "[not-v6]:1",
+        "-h:1",
+        "h..i:1",
+        "é:1",
+        "x" * 254 + ":1",
+    ],
 )
 def test_what_is_not_host_port_is_refused(text: str) -> None:
     assert not is_host_port(text)

@@ -430,3 +430,25 @@ async def test_calls_answer_503_once_the_scheduler_stops() -> None:
             assert (await reply.json())["error"]["status"] == "UNAVAILABLE"
         async with http.get(f"{url}/healthz") as reply:
             assert (reply.status, await reply.json()) == (503, {"status": "NOT_SERVING"})
+
+
+async def test_register_engine_refuses_what_no_engine_is_named_or_found_at(
+    other_redis_url: str,
+) -> None:
+    """(Over gRPC, the only way engines register.) Each was taken before: the engine then
+    stayed in the fleet, unreachable, and a NUL went raw into the metrics' labels."""
+    async with scheduler(other_redis_url, None) as api:
+        for engine_id, address, words in (
+            ("e\0", "127.0.0.1:7001", "printable"),
+            ("e\n1", "127.0.0.1:7001", "printable"),
+            ("e1", "::1:1", "bracketed IPv6"),
+            ("e1", "http://h:1", "is not host:port"),
+            ("e1", "a b:1", "is not host:port"),
+        ):
+            request = pb.RegisterEngineRequest(engine_id=engine_id, address=address)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await api.stub.RegisterEngine(request, timeout=TIMEOUT_S)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (refused.value.details() or ""), refused.value.details()
+        _, status = await api.call("GET", "/v1/status")
+        assert status["engines"] == []

@@ -177,6 +177,7 @@ class EngineSettings(SchedulerLink):
         "engine-0",
         min_length=1,
         max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
         description="Name of this engine, reported to the scheduler and in Stats.",
     )
     host: str = Field(

@@ -127,15 +127,18 @@ class SchedulerApi:
         )
 
     async def register_engine(self, request: pb.RegisterEngineRequest) -> pb.RegisterEngineResponse:
-        if not request.engine_id or len(request.engine_id) > MAX_ENGINE_ID_LEN:
+        engine_id = request.engine_id
+        if not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN or not engine_id.isprintable():
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"engine_id must be 1 to {MAX_ENGINE_ID_LEN} characters",
+                f"engine_id {quoted(engine_id)} must be 1 to {MAX_ENGINE_ID_LEN} printable "
+                "characters (it names the engine in logs and metrics)",
             )
         if not is_host_port(request.address):
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"address {quoted(request.address)} is not host:port with a port in 1..65535",
+                f"address {quoted(request.address)} is not host:port (a host name, an IPv4 "
+                "address or a bracketed IPv6 one) with a port in 1..65535",
             )
         try:
             await self._runtime.register_engine(request.engine_id, request.address)

@@ -10,10 +10,13 @@ from rollserve.scheduler.engines import EngineTls
 from rollserve.scheduler.roles import ROLES
 
 
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # (no control character: ids go into logs and metrics)
+
+
 class EngineEndpoint(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    engine_id: str = Field(min_length=1, max_length=128)
+    engine_id: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
     address: str = Field(min_length=3, description="host:port the scheduler dials")
 
     @classmethod
