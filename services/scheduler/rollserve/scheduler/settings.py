@@ -9,7 +9,6 @@ from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import EngineTls
 from rollserve.scheduler.roles import ROLES
 
-
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # (no control character: ids go into logs and metrics)
 
 
