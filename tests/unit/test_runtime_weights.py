@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from rollserve.client.types import PublishResult, SchedulerStatus
 from rollserve.scheduler.runtime import SchedulerRuntime, VersionBehind, WeightsNotLoaded
+from rollserve.scheduler.validation import ValidationError
 
 from tests.unit.builders import spec
 from tests.unit.fakes import FakeEngine
@@ -44,6 +45,30 @@ async def test_every_engine_loads_the_weights_before_the_version_is_published(
         assert [(u.weights_path, u.version) for u in e.weight_updates] == [("/ckpt/step-3", 3)]
     for sample in (s for r in results for s in r.samples):
         assert [(v.version, v.length) for v in sample.versions] == [(3, 6)]
+
+
+async def test_one_version_is_one_checkpoint(other_redis_url: str) -> None:
+    """The version already published with other weights: refused, nothing loaded (tokens of
+    one version would come from two checkpoints)."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.publish_version(run, 6, "/ckpt/step-6")
+        with pytest.raises(
+            ValidationError,
+            match=r"version 6 of run .* is the weights at '/ckpt/step-6'; weights_path "
+            r"'/ckpt/other' needs a version of its own \(publish 7\)",
+        ):
+            await runtime.publish_version(run, 6, "/ckpt/other")
+        await runtime.publish_version(run, 7, "/ckpt/other")
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert [(u.weights_path, u.version) for u in engine.weight_updates] == [
+        ("/ckpt/step-6", 6),
+        ("/ckpt/other", 7),
+    ]
 
 
 async def test_an_engine_that_cannot_load_the_weights_gets_no_work(

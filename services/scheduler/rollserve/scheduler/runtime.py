@@ -89,6 +89,7 @@ from rollserve.client.wire import (
     GroupStatus,
     SampleResult,
     first_non_finite,
+    quoted,
 )
 from rollserve.scheduler.core.fairshare import EngineTags, FairShare, Waiting
 from rollserve.scheduler.core.policy import Policy
@@ -808,6 +809,15 @@ class SchedulerRuntime:
         its version again (a v5 loaded after a v6 made the fleet serve v5)."""
         async with self._weights_lock:
             self._check_behind(run_id, version)
+            fleet = self._weights  # (the same path again is a retry: it is loaded again)
+            same_version = fleet is not None and (fleet.run_id, fleet.version) == (run_id, version)
+            if same_version and fleet is not None and fleet.path != path:
+                raise ValidationError(
+                    f"version {version} of run {run_id!r} is the weights at "
+                    f"{quoted(fleet.path)}; weights_path {quoted(path)} needs a version of "
+                    f"its own (publish {version + 1}): tokens of one version come from one "
+                    "checkpoint"
+                )
             # The labels of the tokens made before these weights are settled first.
             while asking := self._asking.get(run_id):
                 await asyncio.wait({asking[-1]})
