@@ -8,7 +8,9 @@ tokens, or ``tokens_per_sample``, capped at max_tokens). It generates the sample
 the request names in ``sample_indices`` (all n when empty), half of each sample's
 tokens in a first chunk and the rest in a second. A ``Behaviour`` makes it fail in
 the ways a real engine fails: die mid-stream, die after finishing one sample,
-reject the request, report a non-retryable error, or hang.
+reject the request, report a non-retryable error, or hang. It can also break the Engine
+API's contract: ``first_token`` past its vocabulary (1,000), ``ignores_max_tokens``,
+``logprobs_short_by``, ``says_prompt_tokens``.
 
 Samples whose index is in ``holds`` stop after their first chunk and wait for an Abort
 that names them (or all of the call); then, as ``on_abort`` says, the sample ends with
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +77,10 @@ class FakeEngine:
     step_s: float = 0.0  # pause between chunks, to keep groups running for a while
     second_half_gate: asyncio.Event | None = None  # second halves wait for it to be set
     stays_down: bool = False  # after dying, health says NOT_SERVING (else it stays SERVING)
-    first_token: int = 100  # token t of a sample is first_token + t
+    first_token: int = 100  # token t of a sample is first_token + t (Stats: 1,000 ids)
+    ignores_max_tokens: bool = False  # sends its samples' lengths past max_tokens
+    logprobs_short_by: int = 0  # sends that many logprobs fewer than tokens in a delta
+    says_prompt_tokens: int | None = None  # what a Complete says of the prompt (None: its length)
     logprob: float = -0.5  # of every token
     # draft tokens proposed and accepted, and passes that carried drafts, per sample's end
     spec: tuple[int, int, int] = (0, 0, 0)
@@ -163,7 +169,8 @@ class _Servicer(pb_grpc.EngineServicer):
         if e.behaviour is Behaviour.REJECT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
         indices = list(request.sample_indices) or list(range(request.n))
-        total = {i: min(e.length(i), request.sampling.max_tokens) for i in indices}
+        cap = math.inf if e.ignores_max_tokens else request.sampling.max_tokens
+        total = {i: int(min(e.length(i), cap)) for i in indices}
         held = _Held(
             {i for i in indices if i in e.holds},
             sent={i: total[i] // 2 for i in indices},
@@ -227,7 +234,7 @@ class _Servicer(pb_grpc.EngineServicer):
                 pb.TokenDelta(
                     index=i,
                     token_ids=[self._e.first_token + t for t in range(start, stop)],
-                    logprobs=[self._e.logprob] * (stop - start),
+                    logprobs=[self._e.logprob] * max(0, stop - start - self._e.logprobs_short_by),
                     weights_version=self._e.weights[0],
                 )
             )
@@ -243,7 +250,9 @@ class _Servicer(pb_grpc.EngineServicer):
                 finish_reason=pb.FINISH_REASON_LENGTH
                 if total[index] == request.sampling.max_tokens
                 else pb.FINISH_REASON_STOP,
-                num_prompt_tokens=len(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids)
+                if self._e.says_prompt_tokens is None
+                else self._e.says_prompt_tokens,
                 num_cached_tokens=0,
                 spec_draft_tokens=self._e.spec[0],
                 spec_accepted_tokens=self._e.spec[1],

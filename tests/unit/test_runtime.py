@@ -352,6 +352,40 @@ async def test_an_engine_whose_stats_make_no_sense_stays_out_and_limits_nothing(
         await odd.stop()
 
 
+@pytest.mark.parametrize(
+    ("defect", "words"),
+    [
+        ({"first_token": 995}, "token id 1000 for sample"),
+        ({"ignores_max_tokens": True, "tokens_per_sample": 12}, "past its max_tokens (8)"),
+        ({"logprobs_short_by": 1}, "tokens with 2 logprobs for sample"),
+        ({"says_prompt_tokens": -5}, "says its prompt had -5 tokens, 0 of them cached"),
+    ],
+)
+async def test_an_engine_that_breaks_the_contract_goes_out_and_its_groups_run_elsewhere(
+    redis_url: str, engine: FakeEngine, defect: dict[str, Any], words: str
+) -> None:
+    """Output the Engine API does not allow (ids past the engine's vocabulary, tokens past
+    max_tokens, logprobs that do not match the tokens) never reaches the stream: the engine
+    goes out of service, naming what it sent, and its groups are delivered by the other."""
+    bad = await FakeEngine("bad", **defect).start()
+    runtime = await make_runtime(redis_url, [bad, engine], health_failures=100)
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 6, n=2, max_tokens=8))
+        results = await read_stream(redis_url, run, 6)
+        (bad_view,) = (e for e in runtime.status().engines if e.engine_id == "bad")
+    finally:
+        await runtime.stop()
+        await bad.stop()
+    assert bad.requests, "the bad engine was given no work"
+    assert not bad_view.healthy and words in bad_view.last_error, bad_view.last_error
+    for result in results:
+        assert result.status == GroupStatus.DELIVERED, result.error
+        for sample in result.samples:
+            assert sample.token_ids == [100 + t for t in range(6)]
+            assert len(sample.logprobs) == 6
+
+
 async def test_group_fails_with_reason_after_max_attempts(redis_url: str) -> None:
     dying = await FakeEngine("dying", behaviour=Behaviour.DIE_MID_STREAM).start()
     runtime = await make_runtime(redis_url, [dying], max_attempts=2, health_failures=100)

@@ -1763,16 +1763,15 @@ class SchedulerRuntime:
             kind = message.WhichOneof("kind")
             if kind == "chunk":
                 for delta in message.chunk.deltas:
-                    self._check_running(call, delta.index)
-                    self._check_logprobs(call, delta.index, delta.logprobs)
+                    self._check_tokens(call, delta.index, delta.token_ids, delta.logprobs)
                     version = self._token_version(run_id, delta.weights_version)
                     record.add_tokens(
                         delta.index, list(delta.token_ids), list(delta.logprobs), version
                     )
             elif kind == "complete":
                 done = message.complete
-                self._check_running(call, done.index)
-                self._check_logprobs(call, done.index, done.logprobs)
+                self._check_tokens(call, done.index, done.token_ids, done.logprobs)
+                self._check_prompt_counts(call, done)
                 version = self._token_version(run_id, done.weights_version)
                 record.add_tokens(done.index, list(done.token_ids), list(done.logprobs), version)
                 record.add_spec(
@@ -1931,6 +1930,48 @@ class SchedulerRuntime:
             raise _BadOutput(
                 f"a logprob of {logprobs[offset]} for token {first + offset} of sample "
                 f"{index}; logprobs must be finite numbers"
+            )
+
+    def _check_tokens(
+        self, call: _Call, index: int, token_ids: Sequence[int], logprobs: Sequence[float]
+    ) -> None:
+        """What an engine sent of a sample keeps the Engine API's contract, or the call ends
+        as the engine's fault (the engine goes out of service; the group runs elsewhere):
+        a running sample of the call, one logprob a token, ids in the engine's vocabulary,
+        no more tokens than the group's max_tokens. A logprob that is no finite number
+        fails the group (``_check_logprobs``)."""
+        self._check_running(call, index)
+        sample = call.record.samples[index]
+        if len(logprobs) != len(token_ids):
+            raise _EngineFault(
+                f"{len(token_ids)} tokens with {len(logprobs)} logprobs for sample {index} of "
+                f"call {call.request_id}; the Engine API sends one logprob a token"
+            )
+        most = call.record.spec.sampling.max_tokens
+        if len(sample.token_ids) + len(token_ids) > most:
+            raise _EngineFault(
+                f"{len(sample.token_ids) + len(token_ids)} tokens for sample {index} of call "
+                f"{call.request_id}, past its max_tokens ({most})"
+            )
+        info = call.engine.info
+        vocab = info.vocab_size if info is not None else 0
+        if token_ids and (min(token_ids) < 0 or (vocab > 0 and max(token_ids) >= vocab)):
+            wrong = next(t for t in token_ids if t < 0 or 0 < vocab <= t)
+            raise _EngineFault(
+                f"token id {wrong} for sample {index} of call {call.request_id}, outside the "
+                f"engine's vocabulary ({vocab or 'of unknown size'})"
+            )
+        self._check_logprobs(call, index, logprobs)
+
+    @staticmethod
+    def _check_prompt_counts(call: _Call, done: pb.Complete) -> None:
+        prompt, cached = done.num_prompt_tokens, done.num_cached_tokens
+        longest = len(call.record.spec.prompt_token_ids) + call.record.spec.sampling.max_tokens
+        if not (0 <= cached <= prompt <= longest):
+            raise _EngineFault(
+                f"sample {done.index} of call {call.request_id} says its prompt had {prompt} "
+                f"tokens, {cached} of them cached: the prompt (a resumed sample's with its "
+                f"tokens) is at most {longest}, and no more are cached than it has"
             )
 
     @staticmethod
