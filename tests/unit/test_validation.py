@@ -33,6 +33,16 @@ def test_valid_group_becomes_a_spec_with_defaults() -> None:
             proto_group("a", max_tokens=60),
             r"max_tokens \(60\) exceeds the model's context \(64\) minus the prompt \(5\)",
         ),
+        (
+            pb.PromptGroup(
+                group_id="a",
+                prompt_token_ids=[1] * 64,
+                n=1,
+                sampling=pb.SamplingParams(max_tokens=1),
+            ),
+            r"groups\[0\] \(a\): the prompt has 64 tokens; the model's context is 64, which "
+            "leaves none to generate",
+        ),
         (proto_group("a", temperature=-0.5), r"temperature \(-0.5\) must be in \[0, 2\]"),
         (proto_group("a", temperature=2.5), r"temperature \(2.5\) must be in \[0, 2\]"),
         (proto_group("a", top_p=0.0), r"top_p \(0.0\) must be in \(0, 1\]"),
@@ -253,3 +263,43 @@ def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
 def test_an_id_that_does_not_print_is_quoted_in_messages() -> None:
     with pytest.raises(ValidationError, match=r"groups\[0\] \('a\\nb'\)\.n \(0\)"):
         validate_submit(submit(proto_group("a\nb", n=0)), LIMITS, None)
+
+
+def test_a_calls_prompt_tokens_are_bounded_before_any_is_read() -> None:
+    """A call's prompts are checked, kept and written at once: past the limit it is refused
+    before a prompt is read (texts counted at their least, 8 characters a token) and, for
+    texts, again once they are tokenized."""
+    limits = Limits(
+        max_n=8,
+        max_groups_per_submit=100,
+        max_prompt_tokens=100,
+        max_model_len=None,
+        max_submit_prompt_tokens=10,
+    )
+    sampling = pb.SamplingParams(max_tokens=4)
+    ids = [
+        pb.PromptGroup(group_id=f"g{i}", prompt_token_ids=[1] * 4, n=1, sampling=sampling)
+        for i in range(3)
+    ]
+    with pytest.raises(ValidationError, match=r"groups hold 12 prompt tokens; the limit per "):
+        validate_submit(submit(*ids), limits, None)
+    tokenized: list[str] = []
+
+    def tokenize(text: str) -> list[int]:
+        tokenized.append(text)
+        return [1] * len(text)
+
+    long_text = pb.PromptGroup(group_id="t", prompt_text="x" * 88, n=1, sampling=sampling)
+    with pytest.raises(
+        ValidationError,
+        match=r"groups hold at least 11 prompt tokens; the limit per call is 10 "
+        r"\(max_submit_prompt_tokens\): submit fewer at a time",
+    ):
+        validate_submit(submit(long_text), limits, tokenize)
+    assert tokenized == []
+    # Short enough unread, too long once tokenized (a character a token here).
+    text = pb.PromptGroup(group_id="t", prompt_text="x" * 11, n=1, sampling=sampling)
+    with pytest.raises(ValidationError, match=r"groups hold 11 prompt tokens"):
+        validate_submit(submit(text), limits, tokenize)
+    [spec] = validate_submit(submit(ids[0]), limits, None)
+    assert len(spec.prompt_token_ids) == 4

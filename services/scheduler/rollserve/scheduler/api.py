@@ -6,6 +6,8 @@ was done. The edges only translate: gRPC aborts with the code, HTTP answers the 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import redis.exceptions
 from rollserve.client.address import is_host_port
@@ -27,10 +29,18 @@ from rollserve.scheduler.runtime import (
     WeightsNotLoaded,
 )
 from rollserve.scheduler.store import DuplicateGroup
-from rollserve.scheduler.validation import ValidationError, validate_run_id, validate_submit
+from rollserve.scheduler.validation import (
+    ValidationError,
+    submit_size,
+    validate_run_id,
+    validate_submit,
+)
 from rollserve.v1 import rollserve_pb2 as pb
 
 MAX_ENGINE_ID_LEN = 128
+# A Submit whose prompts pass this many characters (``submit_size``: a token id counts as
+# several) is checked on a worker thread: about 10 ms of work and more.
+_CHECKED_ON_THE_LOOP = 2**20
 
 
 class Refused(Exception):
@@ -51,7 +61,13 @@ class SchedulerApi:
 
     async def submit(self, request: pb.SubmitRequest) -> pb.SubmitResponse:
         try:
-            specs = validate_submit(request, self._runtime.limits(), self._runtime.tokenize)
+            limits, tokenize = self._runtime.limits(), self._runtime.tokenize
+            if submit_size(request) > _CHECKED_ON_THE_LOOP:
+                # Seconds of work for millions of tokens, which the event loop (renewing the
+                # scheduler's lease, answering other calls) does not wait for.
+                specs = await asyncio.to_thread(validate_submit, request, limits, tokenize)
+            else:
+                specs = validate_submit(request, limits, tokenize)
             await self._runtime.submit(request.run_id, specs)
         except REFUSALS as exc:
             raise refused(exc) from exc

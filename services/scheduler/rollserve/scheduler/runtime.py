@@ -597,6 +597,7 @@ class SchedulerRuntime:
         return Limits(
             max_n=self.settings.max_n,
             max_groups_per_submit=self.settings.max_groups_per_submit,
+            max_submit_prompt_tokens=self.settings.max_submit_prompt_tokens,
             max_prompt_tokens=self.settings.max_prompt_tokens,
             max_model_len=self.settings.max_model_len or (min(contexts) if contexts else None),
             vocab_size=min(vocabs) if vocabs else None,

@@ -304,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="model dir used to tokenize prompt_text")
     p.add_argument("--max-queued-groups", type=int, default=100_000)
     p.add_argument("--max-held-prompt-tokens", type=int, default=64 * 2**20)
+    p.add_argument(
+        "--max-submit-prompt-tokens",
+        type=int,
+        default=8 * 2**20,
+        help="prompt tokens in one Submit call (the scheduler checks and writes them at once)",
+    )
     p.add_argument("--max-n", type=int, default=64)
     p.add_argument("--max-engines", type=int, default=4096)
     p.add_argument(
@@ -514,6 +520,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         tokenizer=args.tokenizer,
         max_queued_groups=args.max_queued_groups,
         max_held_prompt_tokens=args.max_held_prompt_tokens,
+        max_submit_prompt_tokens=args.max_submit_prompt_tokens,
         max_n=args.max_n,
         max_engines=args.max_engines,
         forget_engine_after_s=args.forget_engine_after_s,

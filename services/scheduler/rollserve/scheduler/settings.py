@@ -113,6 +113,12 @@ class SchedulerSettings(BaseModel):
         "Submit is refused: the scheduler keeps them in memory (about 40 bytes a token)",
     )
     max_groups_per_submit: int = Field(10_000, ge=1, description="groups in one Submit call")
+    max_submit_prompt_tokens: int = Field(
+        8 * 2**20,
+        ge=1,
+        description="prompt tokens in one Submit call: the scheduler checks, keeps and writes a "
+        "call's prompts at once (about 0.3 s a million tokens), and its lease waits meanwhile",
+    )
     max_n: int = Field(64, ge=1, le=4096, description="samples per group")
     max_prompt_tokens: int = Field(131_072, ge=1, description="prompt length in tokens")
     max_model_len: int | None = Field(

@@ -41,6 +41,7 @@ class Limits:
     max_prompt_tokens: int
     max_model_len: int | None  # None until an engine has told us its context
     vocab_size: int | None = None
+    max_submit_prompt_tokens: int = 8 * 2**20
 
 
 Tokenize = Callable[[str], list[int]]
@@ -70,6 +71,11 @@ def validate_submit(
             f"groups has {len(request.groups)} entries; the limit per call is "
             f"{limits.max_groups_per_submit}"
         )
+    # Counted before any prompt is read (a text as its least number of tokens) and again
+    # once they are: a call's prompts are checked, kept and written at once.
+    texts = any(g.prompt_text for g in request.groups)
+    least = submit_size(request) // MAX_PROMPT_CHARS_PER_TOKEN
+    _check_call_tokens(least, limits, "at least " if texts else "")
     context = _Context(request.run_id, limits, tokenize, time.time())
     seen: set[str] = set()
     specs = []
@@ -81,7 +87,26 @@ def validate_submit(
             )
         seen.add(spec.group_id)
         specs.append(spec)
+    _check_call_tokens(sum(len(spec.prompt_token_ids) for spec in specs), limits)
     return specs
+
+
+def submit_size(request: pb.SubmitRequest) -> int:
+    """How much prompt a Submit carries, reading none of it, in characters: its texts', and
+    ``MAX_PROMPT_CHARS_PER_TOKEN`` a token id (the most a token of text may take)."""
+    return sum(
+        len(g.prompt_token_ids) * MAX_PROMPT_CHARS_PER_TOKEN + len(g.prompt_text)
+        for g in request.groups
+    )
+
+
+def _check_call_tokens(tokens: int, limits: Limits, least: str = "") -> None:
+    if tokens > limits.max_submit_prompt_tokens:
+        raise ValidationError(
+            f"groups hold {least}{tokens} prompt tokens; the limit per call is "
+            f"{limits.max_submit_prompt_tokens} (max_submit_prompt_tokens): submit fewer at a "
+            "time"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +219,12 @@ def _validate_sampling(
 ) -> SamplingSpec:
     if sampling.max_tokens < 1:
         raise ValidationError(f"{where}.max_tokens ({sampling.max_tokens}) must be at least 1")
+    if limits.max_model_len is not None and prompt_len >= limits.max_model_len:
+        where_group = where.removesuffix(".sampling")
+        raise ValidationError(
+            f"{where_group}: the prompt has {prompt_len} tokens; the model's context is "
+            f"{limits.max_model_len}, which leaves none to generate"
+        )
     if limits.max_model_len is not None and prompt_len + sampling.max_tokens > limits.max_model_len:
         raise ValidationError(
             f"{where}.max_tokens ({sampling.max_tokens}) exceeds the model's context "
