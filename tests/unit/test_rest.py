@@ -209,6 +209,7 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
         ("/v1/runs/r/groups", [group("a")], 422, "must be a JSON object"),
         ("/v1/runs/r/groups", b"{not json", 400, "not JSON"),
         ("/v1/runs/r/groups", b"\xff\xfe", 400, "not JSON"),
+        ("/v1/runs/r/groups", b"[" * 100_000 + b"]" * 100_000, 400, "nests deeper than any"),
         ("/v1/runs/" + "x" * 300 + "/groups", {"groups": [group("a")]}, 422, "run_id"),
         ("/v1/runs/r/cancel", {"group_ids": []}, 422, "group_ids is empty"),
         (

@@ -179,8 +179,10 @@ async def _parse(request: web.Request, message: type[_Request]) -> _Request:
 def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
     try:
         document = json.loads(body) if body.strip() else {}
-    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+    except ValueError as exc:  # (UnicodeDecodeError is a ValueError)
         raise web.HTTPBadRequest(text=status_details(f"the body is not JSON: {exc}")) from exc
+    except RecursionError as exc:  # (no message of the API nests that deep)
+        raise web.HTTPBadRequest(text="the body's JSON nests deeper than any call's") from exc
     if not isinstance(document, dict):
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
