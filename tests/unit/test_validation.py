@@ -241,13 +241,19 @@ def test_what_a_group_carries_is_bounded() -> None:
     assert len(spec.sampling.stop) == 64
 
 
-def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
-    tokenized: list[str] = []
+class Tokenizer:
+    """A token a character; keeps the texts it was given."""
 
-    def tokenize(text: str) -> list[int]:
-        tokenized.append(text)
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def __call__(self, text: str) -> list[int]:
+        self.texts.append(text)
         return [1] * len(text)
 
+
+def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
+    tokenize = Tokenizer()
     group = pb.PromptGroup(
         group_id="t", prompt_text="x" * 801, n=1, sampling=pb.SamplingParams(max_tokens=4)
     )
@@ -257,7 +263,7 @@ def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
         r"max_prompt_tokens, 100\): send prompt_token_ids instead",
     ):
         validate_submit(submit(group), LIMITS, tokenize)
-    assert tokenized == []
+    assert tokenize.texts == []
 
 
 def test_an_id_that_does_not_print_is_quoted_in_messages() -> None:
@@ -283,12 +289,7 @@ def test_a_calls_prompt_tokens_are_bounded_before_any_is_read() -> None:
     ]
     with pytest.raises(ValidationError, match=r"groups hold 12 prompt tokens; the limit per "):
         validate_submit(submit(*ids), limits, None)
-    tokenized: list[str] = []
-
-    def tokenize(text: str) -> list[int]:
-        tokenized.append(text)
-        return [1] * len(text)
-
+    tokenize = Tokenizer()
     long_text = pb.PromptGroup(group_id="t", prompt_text="x" * 88, n=1, sampling=sampling)
     with pytest.raises(
         ValidationError,
@@ -296,7 +297,7 @@ def test_a_calls_prompt_tokens_are_bounded_before_any_is_read() -> None:
         r"\(max_submit_prompt_tokens\): submit fewer at a time",
     ):
         validate_submit(submit(long_text), limits, tokenize)
-    assert tokenized == []
+    assert tokenize.texts == []
     # Short enough unread, too long once tokenized (a character a token here).
     text = pb.PromptGroup(group_id="t", prompt_text="x" * 11, n=1, sampling=sampling)
     with pytest.raises(ValidationError, match=r"groups hold 11 prompt tokens"):
