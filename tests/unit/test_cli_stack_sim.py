@@ -5,8 +5,11 @@ Redis (the embedded one) and the processes real."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from rollserve.assets import reasoner_dir
 from rollserve.cli.stack import DevStack, StackConfig, StackError
@@ -66,3 +69,50 @@ def test_a_profile_that_is_not_there_stops_the_stack_naming_it(tmp_path: Path) -
 def test_vllm_flags_are_refused_for_simulated_engines(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="simulated engines take no vLLM flags"):
         StackConfig(model=tmp_path, sim_profile="cpu-tiny", engine_args=("--seed=1",))
+
+
+def test_up_stops_the_stack_when_one_of_its_processes_exits(tmp_path: Path) -> None:
+    """`rollserve up` does not serve on without its scheduler (one that lost its lease
+    exits): it names the process, shows its log's tail, stops the rest and exits 1."""
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from rollserve.cli.main import main; sys.exit(main())",
+            "up",
+            "--sim",
+            "--engines",
+            "1",
+            "--sim-time-scale",
+            "0.01",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        else:
+            pytest.fail(f"`up` did not get ready: {''.join(lines)}")
+        (scheduler,) = (
+            p for p in psutil.Process(up.pid).children() if "rollserve.scheduler" in p.cmdline()
+        )
+        others = [p for p in psutil.Process(up.pid).children() if p.pid != scheduler.pid]
+        scheduler.kill()
+        rest, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:  # (the test failed: leave nothing of the stack running)
+            for child in psutil.Process(up.pid).children(recursive=True):
+                child.kill()
+            up.kill()
+    assert up.returncode == 1, rest
+    assert "scheduler exited with code -9; stopping everything" in rest, rest
+    _, alive = psutil.wait_procs(others, timeout=30)
+    assert not alive, alive

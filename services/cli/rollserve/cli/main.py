@@ -65,9 +65,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 highlight=False,
             )
         console.print("ready; Ctrl-C stops everything")
-        stop.wait()
+        while not stop.wait(_WATCH_INTERVAL_S):
+            gone = stack.exited()
+            if gone is not None:  # the stack is not whole: say so and stop it, not serve on
+                console.print(
+                    f"{gone.name} exited with code {gone.popen.returncode}; stopping everything "
+                    f"(its log: {gone.log_path}):\n{gone.log_tail()}",
+                    markup=False,
+                    highlight=False,
+                )
+                return 1
         console.print("stopping …")
     return 0
+
+
+_WATCH_INTERVAL_S = 1.0  # how often `up` looks whether its processes still run
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -421,11 +421,18 @@ class DevStack:
             raise RuntimeError("the scheduler is not running")
         return self.scheduler.popen.pid
 
+    def _processes(self) -> list[ManagedProcess]:
+        return [*self.engines, *(p for p in (self.scheduler, self.sim_fleet) if p is not None)]
+
     def pids(self) -> list[int]:
         """Process ids of the stack's processes (the engines' cores are their children)."""
-        procs = [*self.engines, *(p for p in (self.scheduler, self.sim_fleet) if p is not None)]
         redis = [self.redis.pid] if self.redis is not None and self.redis.pid else []
-        return [p.popen.pid for p in procs] + redis
+        return [p.popen.pid for p in self._processes()] + redis
+
+    def exited(self) -> ManagedProcess | None:
+        """The first of the stack's processes that has exited (a scheduler that lost its
+        lease, an engine that crashed), or None while all run."""
+        return next((p for p in self._processes() if p.popen.poll() is not None), None)
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [("redis", self.redis_url)]
