@@ -7,10 +7,10 @@ since the stream write is idempotent, but the work is done twice and a Submit to
 never seen by the other until it restarts). The lease makes that impossible:
 
 - **take**: at start, ``SET rollserve:scheduler:lease <holder> NX PX ttl``. If another
-  scheduler holds it, try again every ``ttl / 3`` for up to ``wait_s`` (a holder that crashed
+  scheduler holds it, try again every ``ttl / 10`` for up to ``wait_s`` (a holder that crashed
   stops renewing, so its lease ends within ``ttl``), then fail with an error that names the
   holder.
-- **keep**: renew every ``ttl / 3`` (``PEXPIRE``, only while the value is still this
+- **keep**: renew every ``ttl / 10`` (``PEXPIRE``, only while the value is still this
   holder's, in one script). A renewal that finds another holder or no lease means the lease
   is lost. So does no successful renewal for ``2 ttl / 3`` (Redis unreachable, or a renewal
   that hangs: each is cut off at that deadline): the holder gives up a third of the ttl
@@ -103,14 +103,17 @@ class SchedulerLease:
 
     @property
     def interval_s(self) -> float:
-        """Time between renewals."""
-        return self.ttl_s / 3
+        """Time between renewals: a tenth of the ttl (as Kubernetes' leader election retries
+        every 2 s of a 15 s lease), so that a renewal held up by a busy event loop or a busy
+        Redis has more tries before the holder gives up."""
+        return self.ttl_s / 10
 
     @property
     def valid_s(self) -> float:
         """How long after its last successful renewal the holder still counts on the lease:
-        one interval less than the ttl, so it gives up before the lease can end in Redis."""
-        return self.ttl_s - self.interval_s
+        two thirds of the ttl, so it gives up a third of the ttl before the lease can end in
+        Redis."""
+        return self.ttl_s * 2 / 3
 
     async def take(self) -> None:
         """Takes the lease, waiting up to ``wait_s`` for a holder's to end; LeaseHeld if not."""

@@ -272,7 +272,7 @@ class SchedulerSettings(BaseModel):
         10.0,
         ge=0.5,
         le=600,
-        description="life of the scheduler's lease on its Redis database, renewed every third",
+        description="life of the scheduler's lease on its Redis database, renewed every tenth",
     )
     lease_wait_s: float = Field(
         15.0,
