@@ -478,10 +478,8 @@ def publish_version_request(
         raise InvalidArgument(f"version must be an int, got {type(version).__name__}")
     if not 0 <= version <= MAX_POLICY_VERSION:
         raise InvalidArgument(f"version ({version}) must be in 0..{MAX_POLICY_VERSION}")
-    if not isinstance(weights_path, str):
-        raise InvalidArgument(f"weights_path must be a str, got {type(weights_path).__name__}")
-    _check_text("run_id", run_id)
     _check_text("weights_path", weights_path)
+    _check_text("run_id", run_id)
     return pb.PublishVersionRequest(run_id=run_id, version=version, weights_path=weights_path)
 
 
