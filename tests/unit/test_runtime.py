@@ -896,6 +896,37 @@ async def test_many_small_groups_through_a_narrow_engine_all_arrive(redis_url: s
     assert status.queue_depth == 0 and status.inflight_groups == 0
 
 
+async def test_a_plan_that_starts_many_calls_gives_the_loop_turns_between(
+    redis_url: str,
+) -> None:
+    """A plan starts its calls a slice a turn of the event loop (each builds and sends its
+    request in the turn after it was started): a task that runs every turn sees the count of
+    started calls grow in steps, not jump from 0 to all of them (as it did: thousands at once
+    held the loop for seconds, the lease's renewal waiting)."""
+    wide = await FakeEngine("wide", max_num_seqs=512, step_s=0.05).start()
+    runtime = await make_runtime(redis_url, [wide], capacity_factor=1.0)
+    run = new_run()
+    seen: list[int] = []
+    watching = True
+
+    async def watch() -> None:
+        while watching:
+            seen.append(runtime._calls_started)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await runtime.submit(run, specs(run, 200, n=1, max_tokens=4))
+        results = await read_stream(redis_url, run, 200)
+    finally:
+        watching = False
+        await watcher
+        await runtime.stop()
+        await wide.stop()
+    assert len({r.group_id for r in results}) == 200
+    assert any(0 < count < 200 for count in seen), sorted(set(seen))
+
+
 class Recording:
     """A real policy that also keeps every snapshot it was shown; with ``uses_predictions``,
     shown predictions even when the inner policy would not read them."""

@@ -172,6 +172,9 @@ class QueueFull(Exception):
     pass
 
 
+_STARTS_PER_TURN = 64  # calls a plan starts in one turn of the event loop (about 0.1 s)
+
+
 def plan_pace(spent_s: float, settings: SchedulerSettings) -> float:
     """How long the dispatch loop waits after a plan that took ``spent_s``.
 
@@ -1409,20 +1412,33 @@ class SchedulerRuntime:
             plan = self._policy.plan(self.snapshot())
             if plan.assignments:
                 self._look_at_tags()
-            for assign in plan.assignments:
-                self._carry_out(assign)
+            spent = 0.0
+            for first in range(0, len(plan.assignments), _STARTS_PER_TURN):
+                if first:
+                    # The calls started so far build and send their requests in the loop's
+                    # next turn, and a plan can start thousands (a fleet's slots at a step's
+                    # start): at once they held the loop for seconds, while the lease's
+                    # renewal and the API's answers waited. So a turn at a time; what changed
+                    # meanwhile (a group cancelled, an engine down) is not started.
+                    spent += time.perf_counter() - began
+                    await asyncio.sleep(0)
+                    began = time.perf_counter()
+                for assign in plan.assignments[first : first + _STARTS_PER_TURN]:
+                    self._carry_out(assign, planned_now=not first)
             if plan.preempts:
                 room = self._room()
                 for preempt in plan.preempts:
                     self._preempt(preempt, room)
-            spent = time.perf_counter() - began
+            spent += time.perf_counter() - began
             self.plan_seconds.observe(spent)
             pace = plan_pace(spent, self.settings)
             if pace:
                 await asyncio.sleep(pace)
 
-    def _carry_out(self, assign: Assign) -> None:
-        """Starts the call ``assign`` asks for, or logs why it cannot be."""
+    def _carry_out(self, assign: Assign, planned_now: bool = True) -> None:
+        """Starts the call ``assign`` asks for, or logs why it cannot be: an error when it
+        was planned in this turn of the loop, a note when turns have passed since (its
+        group may have ended, its engine gone out of service)."""
         record = self._groups.get(assign.group_key)
         engine = self._engines.get(assign.engine_id)
         pending = record.pending if record is not None else ()
@@ -1435,7 +1451,8 @@ class SchedulerRuntime:
             or len(set(indices)) != len(indices)
             or not set(indices) <= set(pending)
         ):
-            log.error(
+            log.log(
+                logging.ERROR if planned_now else logging.DEBUG,
                 "policy %s planned an impossible %s (queued samples: %s)",
                 self._policy.name,
                 assign,
