@@ -70,6 +70,8 @@ MAX_WEIGHTS_PATH_LEN = 4096  # characters of a checkpoint path (PublishVersion, 
 MAX_EARLIER_OUTPUTS = 256  # earlier outputs a Generate call carries (the drafter keeps 64)
 MAX_EARLIER_OUTPUT_TOKENS = 1 << 22  # their tokens a call (16 MiB as 4-byte ids)
 RUN_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+# An engine id: no control character (ids go into logs and metrics' labels).
+ENGINE_ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 
 
 def stream_key(run_id: str) -> str:

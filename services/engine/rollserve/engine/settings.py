@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollserve.client.address import join_host_port
 from rollserve.client.credentials import SchedulerCredentials
+from rollserve.client.wire import ENGINE_ID_PATTERN
 from rollserve.common.access import ServerTls, TokenFile
 from rollserve.engine.cpu_features import emulates_bf16
 from rollserve.engine.host_memory import host_memory_bytes
@@ -177,7 +178,7 @@ class EngineSettings(SchedulerLink):
         "engine-0",
         min_length=1,
         max_length=128,
-        pattern=r"^[^\x00-\x1f\x7f]+$",
+        pattern=ENGINE_ID_PATTERN,
         description="Name of this engine, reported to the scheduler and in Stats.",
     )
     host: str = Field(

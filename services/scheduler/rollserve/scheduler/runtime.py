@@ -813,9 +813,12 @@ class SchedulerRuntime:
         its version again (a v5 loaded after a v6 made the fleet serve v5)."""
         async with self._weights_lock:
             self._check_behind(run_id, version)
-            fleet = self._weights  # (the same path again is a retry: it is loaded again)
-            same_version = fleet is not None and (fleet.run_id, fleet.version) == (run_id, version)
-            if same_version and fleet is not None and fleet.path != path:
+            fleet = self._weights
+            if (
+                fleet is not None
+                and (fleet.run_id, fleet.version) == (run_id, version)
+                and fleet.path != path  # (the same path again is a retry: it is loaded again)
+            ):
                 raise ValidationError(
                     f"version {version} of run {run_id!r} is the weights at "
                     f"{quoted(fleet.path)}; weights_path {quoted(path)} needs a version of "

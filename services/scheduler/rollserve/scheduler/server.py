@@ -38,6 +38,7 @@ from rollserve.scheduler.rest import (
 from rollserve.scheduler.runtime import SchedulerRuntime
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.scheduler.store import Store
+from rollserve.scheduler.validation import MAX_SUBMIT_PROMPT_TOKENS
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-submit-prompt-tokens",
         type=int,
-        default=8 * 2**20,
+        default=MAX_SUBMIT_PROMPT_TOKENS,
         help="prompt tokens in one Submit call (the scheduler checks and writes them at once)",
     )
     p.add_argument("--max-n", type=int, default=64)

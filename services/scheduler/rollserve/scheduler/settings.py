@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rollserve.client.wire import ENGINE_ID_PATTERN
 from rollserve.common.access import BearerFile, ClientTls, ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
 from rollserve.scheduler.engines import EngineTls
 from rollserve.scheduler.roles import ROLES
-
-PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # (no control character: ids go into logs and metrics)
+from rollserve.scheduler.validation import MAX_SUBMIT_PROMPT_TOKENS
 
 
 class EngineEndpoint(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    engine_id: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
+    engine_id: str = Field(min_length=1, max_length=128, pattern=ENGINE_ID_PATTERN)
     address: str = Field(min_length=3, description="host:port the scheduler dials")
 
     @classmethod
@@ -114,7 +114,7 @@ class SchedulerSettings(BaseModel):
     )
     max_groups_per_submit: int = Field(10_000, ge=1, description="groups in one Submit call")
     max_submit_prompt_tokens: int = Field(
-        8 * 2**20,
+        MAX_SUBMIT_PROMPT_TOKENS,
         ge=1,
         description="prompt tokens in one Submit call: the scheduler checks, keeps and writes a "
         "call's prompts at once (about 0.3 s a million tokens), and its lease waits meanwhile",

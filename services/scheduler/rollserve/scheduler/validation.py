@@ -29,6 +29,8 @@ from rollserve.client.wire import (
 from rollserve.scheduler.state import GroupSpec, SamplingSpec
 from rollserve.v1 import rollserve_pb2 as pb
 
+MAX_SUBMIT_PROMPT_TOKENS = 8 * 2**20  # the default of the setting of that name
+
 
 class ValidationError(ValueError):
     """Input that breaks a limit; the message names the field and the limit."""
@@ -41,7 +43,7 @@ class Limits:
     max_prompt_tokens: int
     max_model_len: int | None  # None until an engine has told us its context
     vocab_size: int | None = None
-    max_submit_prompt_tokens: int = 8 * 2**20
+    max_submit_prompt_tokens: int = MAX_SUBMIT_PROMPT_TOKENS
 
 
 Tokenize = Callable[[str], list[int]]
