@@ -43,7 +43,7 @@ from rollserve.scheduler.store import Store
 
 from tests.served import served_scheduler
 from tests.unit.builders import spec
-from tests.unit.fakes import AbortOutcome, FakeEngine
+from tests.unit.fakes import AbortOutcome, Behaviour, FakeEngine
 from tests.unit.test_runtime import (
     WAIT_S,
     eventually,
@@ -257,6 +257,81 @@ async def test_a_delivery_retried_across_the_delete_never_lands_in_the_run_used_
         await runtime.stop()
         await engine.stop()
     assert delivered.metadata == {"round": "2"}
+
+
+async def test_a_delete_waits_for_the_endings_an_engine_failure_left_to_write(
+    redis_url: str,
+) -> None:
+    # An engine fails under two runs' groups, each on its last attempt: both fail, and their
+    # entries are written one after the other; run a's is slow (a Redis that refuses for a
+    # while). A DeleteRun of run b waits for b's entry: written after it, and after a new
+    # Submit of the same group id, it would end the new group with the old one's failure.
+    engine = await FakeEngine("e0", behaviour=Behaviour.HANG).start()
+    runtime = await make_runtime(redis_url, [engine], max_attempts=1)
+    run_a, run_b = new_run(), new_run()
+    gate = asyncio.Event()
+    real_deliver = runtime._store.deliver
+
+    async def deliver(result: GroupResult) -> str | None:
+        if result.run_id == run_a:
+            await gate.wait()
+        return await real_deliver(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+
+    async def hanging(count: int) -> bool:
+        return engine.hanging >= count
+
+    try:
+        await runtime.submit(run_a, [spec("g0", run_id=run_a)])
+        await eventually(lambda: hanging(1), "run a's group running")  # (its ending goes first)
+        await runtime.submit(run_b, [spec("g0", run_id=run_b)])
+        await eventually(lambda: hanging(2), "run b's group running")
+        await runtime._engine_down(runtime._engines["e0"], "lost")
+        delete = asyncio.create_task(runtime.delete_run(run_b))
+        await asyncio.sleep(0.2)
+        assert not delete.done()  # b's entry waits behind a's, and the delete waits for it
+        gate.set()
+        assert await delete == (0, True)
+        await runtime.submit(run_b, [spec("g0", run_id=run_b)])  # the run used again
+        [failed] = await read_stream(redis_url, run_a, 1)
+        await asyncio.sleep(0.2)
+        assert await run_keys(redis_url, run_b) == [pending_key(run_b), RUNS_KEY]  # no entry
+        assert f"{run_b}/g0" in runtime._groups
+        await runtime.delete_run(run_b)  # (nothing left pending for the next test)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    assert failed.status is GroupStatus.FAILED and "1 attempts failed" in failed.error
+
+
+async def test_a_publish_whose_caller_went_still_holds_off_a_delete_of_its_run(
+    other_redis_url: str,
+) -> None:
+    # The publish of weights goes on after its caller's deadline (carried through); the
+    # delete waits for it, or the publish wrote the deleted run's version back to Redis.
+    # (A database of its own: the fleet's weights stay in it.)
+    gate = asyncio.Event()
+    engine = await FakeEngine("e0", load_gate=gate).start()
+    runtime = await make_runtime(other_redis_url, [engine])
+    run = new_run()
+    try:
+        caller = asyncio.create_task(runtime.publish_version(run, 2, "/weights/v2"))
+        await eventually(asked_to_load(engine), "the engine asked to load")
+        caller.cancel()  # the trainer's deadline
+        await asyncio.gather(caller, return_exceptions=True)
+        delete = asyncio.create_task(runtime.delete_run(run))
+        await asyncio.sleep(0.1)
+        assert not delete.done()  # it waits for the publish
+        gate.set()
+        assert await delete == (0, True)
+        assert await run_keys(other_redis_url, run) == []  # no version came back
+        weights = await runtime._store.load_weights()
+        assert weights is not None and (weights.path, weights.run_id) == ("/weights/v2", "")
+        assert runtime.policy_version(run) == 0
+    finally:
+        await runtime.stop()
+        await engine.stop()
 
 
 async def test_a_delete_redis_refuses_leaves_the_run_running(redis_url: str) -> None:

@@ -506,6 +506,69 @@ async def test_restart_recovers_pending_groups_and_never_duplicates(
     assert sorted(r.group_id for r in results) == ["g0", "g1", "g2"]
 
 
+async def test_a_submit_whose_answer_was_lost_is_queued_when_it_is_retried(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """Redis took the Submit's groups and the answer was lost (a connection reset): the
+    caller saw UNAVAILABLE, and its retry is refused as a duplicate. The groups are queued
+    then, as Redis holds them: they waited for a restart of the scheduler before."""
+    runtime = await make_runtime(redis_url, [engine])
+    real = runtime._store.add_pending
+    answers = [redis.exceptions.ConnectionError("Connection reset by peer")]
+
+    async def add_pending(run_id: str, groups: Sequence[GroupSpec]) -> None:
+        await real(run_id, groups)
+        if answers:
+            raise answers.pop()
+
+    runtime._store.add_pending = add_pending  # type: ignore[assignment]
+    run = new_run()
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await runtime.submit(run, specs(run, 2))
+        assert runtime.status().queue_depth == 0
+        with pytest.raises(DuplicateGroup):
+            await runtime.submit(run, specs(run, 2))  # the retry: both were taken
+        results = await read_stream(redis_url, run, 2)
+        with pytest.raises(DuplicateGroup):  # once delivered, nothing more runs
+            await runtime.submit(run, specs(run, 2))
+        await asyncio.sleep(0.2)
+        assert runtime.status().inflight_groups == 0
+    finally:
+        await runtime.stop()
+    assert sorted(r.group_id for r in results) == ["g0", "g1"]
+    assert all(r.status is GroupStatus.DELIVERED for r in results)
+
+
+async def test_a_duplicate_of_a_group_being_delivered_does_not_run_it_again(
+    redis_url: str, engine: FakeEngine
+) -> None:
+    """A group out of memory whose entry is being written is still pending in Redis: a
+    duplicate Submit then is not taken for one whose answer was lost."""
+    runtime = await make_runtime(redis_url, [engine])
+    writing, gate = asyncio.Event(), asyncio.Event()
+    real = runtime._store.deliver
+
+    async def deliver(result: GroupResult) -> str | None:
+        writing.set()
+        await gate.wait()
+        return await real(result)
+
+    runtime._store.deliver = deliver  # type: ignore[method-assign]
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 1))
+        await asyncio.wait_for(writing.wait(), WAIT_S)
+        with pytest.raises(DuplicateGroup):
+            await runtime.submit(run, specs(run, 1))
+        assert runtime.status().queue_depth == 0 and not runtime._groups
+        gate.set()
+        [result] = await read_stream(redis_url, run, 1)
+    finally:
+        await runtime.stop()
+    assert result.status is GroupStatus.DELIVERED
+
+
 async def test_store_delivery_is_idempotent(redis_url: str) -> None:
     store = Store.from_url(redis_url)
     run = new_run()

@@ -26,6 +26,24 @@ from rollserve.scheduler.validation import ValidationError
             grpc.StatusCode.UNAVAILABLE,
             "Redis is unreachable: refused",
         ),
+        # Refusals of the moment: retried (the SDK's SchedulerUnavailable), not UNKNOWN.
+        (redis.exceptions.TimeoutError("Timeout reading"), grpc.StatusCode.UNAVAILABLE, "now"),
+        (
+            redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
+            grpc.StatusCode.UNAVAILABLE,
+            "Redis cannot take it now: command not allowed",
+        ),
+        (
+            redis.exceptions.ResponseError("Error running script: -READONLY You can't write"),
+            grpc.StatusCode.UNAVAILABLE,
+            "READONLY",
+        ),
+        # One no retry passes
+        (
+            redis.exceptions.ResponseError("WRONGTYPE Operation against a key"),
+            grpc.StatusCode.INTERNAL,
+            "Redis refused it: WRONGTYPE",
+        ),
     ],
 )
 def test_each_refusal_gets_its_status_and_keeps_its_message(

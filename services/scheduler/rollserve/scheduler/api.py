@@ -28,7 +28,7 @@ from rollserve.scheduler.runtime import (
     VersionBehind,
     WeightsNotLoaded,
 )
-from rollserve.scheduler.store import DuplicateGroup
+from rollserve.scheduler.store import DuplicateGroup, may_pass_later
 from rollserve.scheduler.validation import (
     ValidationError,
     submit_size,
@@ -190,20 +190,34 @@ REFUSALS = (
     QueueFull,
     WeightsNotLoaded,
     LeaseLost,
-    redis.exceptions.ConnectionError,
+    redis.exceptions.RedisError,
+)
+
+
+# The status of each kind of refusal but Redis's (``_redis_refused``); any other is
+# INVALID_ARGUMENT.
+_CODES: tuple[tuple[tuple[type[Exception], ...], grpc.StatusCode], ...] = (
+    ((QueueFull, FleetFull), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((WeightsNotLoaded,), grpc.StatusCode.FAILED_PRECONDITION),
+    ((LeaseLost,), grpc.StatusCode.UNAVAILABLE),
+    # (a retry of a Submit whose answer was lost, often)
+    ((DuplicateGroup,), grpc.StatusCode.ALREADY_EXISTS),
 )
 
 
 def refused(exc: Exception) -> Refused:
     """The `Refused` of one of ``REFUSALS``, its message kept."""
-    if isinstance(exc, (QueueFull, FleetFull)):
-        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, WeightsNotLoaded):
-        return Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-    if isinstance(exc, LeaseLost):
-        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, redis.exceptions.RedisError):
+        return _redis_refused(exc)
+    code = next((c for kinds, c in _CODES if isinstance(exc, kinds)), None)
+    return Refused(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _redis_refused(exc: redis.exceptions.RedisError) -> Refused:
+    """UNAVAILABLE (retry) for an outage or a refusal of the moment (a timeout, out of
+    memory, a replica a failover made read-only); INTERNAL for one no retry passes."""
     if isinstance(exc, redis.exceptions.ConnectionError):
         return Refused(grpc.StatusCode.UNAVAILABLE, f"Redis is unreachable: {exc}")
-    if isinstance(exc, DuplicateGroup):  # (a retry of a Submit whose answer was lost, often)
-        return Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-    return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if may_pass_later(exc):
+        return Refused(grpc.StatusCode.UNAVAILABLE, f"Redis cannot take it now: {exc}")
+    return Refused(grpc.StatusCode.INTERNAL, f"Redis refused it: {exc}")

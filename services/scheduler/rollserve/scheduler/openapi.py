@@ -97,8 +97,10 @@ _REFUSALS = {
     "413": "the body is larger than the scheduler's --max-http-body-bytes",
     "422": "a field out of its bounds, unknown, or of another type (INVALID_ARGUMENT)",
     "429": "the scheduler's queue is full (RESOURCE_EXHAUSTED): retry later",
-    "503": "Redis is unreachable, the scheduler lost its lease, or it is stopping",
-    "500": "a bug: the handler raised (its traceback is in the scheduler's log)",
+    "503": "Redis is unreachable or cannot take writes for now, the scheduler lost its lease, "
+    "or it is stopping",
+    "500": "a bug: the handler raised (its traceback is in the scheduler's log), or Redis "
+    "refused a write no retry passes",
 }
 
 _UNAUTHENTICATED = (

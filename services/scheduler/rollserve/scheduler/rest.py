@@ -26,11 +26,11 @@ over gRPC only (they speak it anyway).
 
 Every refusal answers ``{"error": {"code": HTTP status, "status": name, "message": why}}``.
 A call the API refuses gets the HTTP status of its gRPC code (``HTTP_STATUS``: 422 for an
-invalid argument, 429 for a full queue, 409 for a group already submitted, 503 while Redis or
-the lease is lost) and the gRPC message, which names the field and the limit. A body that is
-not JSON answers 400, one over the settings' ``max_http_body_bytes`` 413, one whose JSON the
-message cannot take (an unknown field, a string for a number) 422, naming the field. Nothing
-of a refused call was done.
+invalid argument, 429 for a full queue, 409 for a group already submitted, 503 while Redis
+or the lease is lost, or Redis takes no writes for now) and the gRPC message, which names the
+field and the limit. A body that is not JSON answers 400, one over the settings'
+``max_http_body_bytes`` 413, one whose JSON the message cannot take (an unknown field, a
+string for a number) 422, naming the field. Nothing of a refused call was done.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ from rollserve.scheduler.lease import LeaseLost, SchedulerLease
 from rollserve.scheduler.outputs import EarlierOutputs
 from rollserve.scheduler.settings import SchedulerSettings
 from rollserve.scheduler.state import GroupRecord, GroupSpec, MadeBefore, SampleState, group_key
-from rollserve.scheduler.store import FleetWeights, Store, may_pass_later
+from rollserve.scheduler.store import DuplicateGroup, FleetWeights, Store, may_pass_later
 from rollserve.scheduler.trim import TrimSchedule
 from rollserve.scheduler.validation import Limits, ValidationError
 from rollserve.v1 import rollserve_pb2 as pb
@@ -330,6 +330,8 @@ class SchedulerRuntime:
         # (DeleteRun waits for them).
         self._writing: dict[str, _Work] = {}
         self._publishing: dict[str, _Work] = {}
+        # Keys of the groups retired and not yet written (still pending in Redis)
+        self._ending: set[str] = set()
         self._failed = asyncio.Event()
         self._lease: SchedulerLease | None = None  # held from start until stop
         self._lost: LeaseLost | None = None  # why the lease was lost; nothing acts after
@@ -654,12 +656,39 @@ class SchedulerRuntime:
             # A DeleteRun between the write and the queue would leave the groups running
             # to a delivery refused.
             async with self._run_lock(run_id):
-                await self._store.add_pending(run_id, specs)
+                try:
+                    await self._store.add_pending(run_id, specs)
+                except DuplicateGroup:
+                    await self._adopt(run_id, specs)
+                    raise
                 for spec in specs:
                     self._enqueue(spec)
             self._wake.set()
         finally:
             self._admitting = (self._admitting[0] - len(specs), self._admitting[1] - tokens)
+
+    async def _adopt(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
+        """A Submit refused as a duplicate may be the retry of one whose write landed while
+        its caller saw a Redis error (the answer lost): its groups are pending in Redis and
+        were never queued here (nothing else leaves a group so but a restart, which
+        recovers them). Those are queued now, as Redis holds them; the retry is still told
+        they exist (ALREADY_EXISTS: the SDK counts them as submitted). The caller holds the
+        run's lock."""
+        pending = await self._store.pending_groups(run_id, [spec.group_id for spec in specs])
+        # (A group retired since is still pending in Redis until its ending is written.)
+        adopted = [s for s in pending if s.key not in self._groups and s.key not in self._ending]
+        if not adopted:
+            return
+        log.warning(
+            "%d groups of run %s were pending in Redis and not queued (a Submit whose answer "
+            "was lost, retried): queued now",
+            len(adopted),
+            run_id,
+        )
+        for spec in adopted:
+            self._enqueue(spec)
+        await self._restore_streamed([spec for spec in adopted if spec.stream_samples])
+        self._wake.set()
 
     @contextlib.asynccontextmanager
     async def _run_lock(self, run_id: str) -> AsyncIterator[None]:
@@ -765,9 +794,13 @@ class SchedulerRuntime:
         with contextlib.ExitStack() as publishing:
             async with self._run_lock(run_id):  # (not while the run is being deleted)
                 publishing.enter_context(self._work(self._publishing, run_id))
-            return await self._publish_version(run_id, version, weights_path)
+            return await self._publish_version(run_id, version, weights_path, publishing)
 
-    async def _publish_version(self, run_id: str, version: int, weights_path: str) -> PublishResult:
+    async def _publish_version(
+        self, run_id: str, version: int, weights_path: str, publishing: contextlib.ExitStack
+    ) -> PublishResult:
+        """``publishing`` holds the publish as one in progress of the run (DeleteRun waits
+        for it); a part carried through takes it over, to hold until that part ends."""
         if run_id not in self._versions:
             await self._load_version(run_id)
         self._check_behind(run_id, version)
@@ -776,14 +809,18 @@ class SchedulerRuntime:
             # loaded serving weights the fleet's do not name, and the run's tokens labelled
             # by weights that were never made the fleet's.
             return await self._carried_through(
-                self._publish_weights(run_id, version, weights_path), f"publish {run_id}"
+                self._publish_weights(run_id, version, weights_path),
+                f"publish {run_id}",
+                publishing.pop_all(),
             )
         if version > self._versions[run_id]:
             # Engines that answer slower than the trainer publishes hold it back here.
             while len(asking := self._asking.get(run_id, [])) >= _MAX_COUNTS_AWAITED:
                 await asyncio.wait({asking[0]})
         # Cut off once stored, the tokens made before would count as the new version.
-        return await self._carried_through(self._publish(run_id, version), f"publish {run_id}")
+        return await self._carried_through(
+            self._publish(run_id, version), f"publish {run_id}", publishing.pop_all()
+        )
 
     async def _publish(self, run_id: str, version: int) -> PublishResult:
         # The version it replaced is Redis's word: two publishes at once both read the one
@@ -832,13 +869,21 @@ class SchedulerRuntime:
             current, _ = await self._store_version(run_id, version)
             return PublishResult(current, updated, failed)
 
-    async def _carried_through(self, work: Coroutine[None, None, _T], name: str) -> _T:
+    async def _carried_through(
+        self,
+        work: Coroutine[None, None, _T],
+        name: str,
+        holding: contextlib.ExitStack | None = None,
+    ) -> _T:
         """Runs ``work`` in a task of the runtime's: the caller's going (its deadline, a
         cancel) does not cut it off, stop() and a lost lease do (the caller then gets
-        LeaseLost if the lease was lost). What it raises after the caller went is logged."""
+        LeaseLost if the lease was lost). What it raises after the caller went is logged.
+        ``holding`` (what counts the work as in progress) is closed when the task ends."""
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if holding is not None:
+            task.add_done_callback(lambda _: holding.close())
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -2032,10 +2077,22 @@ class SchedulerRuntime:
     async def _end(self, record: GroupRecord, error: str = "") -> None:
         """Ends the group unless another task did: delivers it, or its failure."""
         if self._retire(record):
-            await self._write_ending(_Ending(record, error))
+            with self._holding_writes(record.spec):
+                await self._write_ending(_Ending(record, error))
+
+    def _holding_writes(self, spec: GroupSpec) -> contextlib.ExitStack:
+        """Counts a retired group's ending as a write of its run in progress, from its
+        retirement (no await between) to its write: a DeleteRun waits for it, where it would
+        have landed after a new Submit of the same group id and ended the new group."""
+        holding = contextlib.ExitStack()
+        holding.enter_context(self._work(self._writing, spec.run_id))
+        self._ending.add(spec.key)
+        holding.callback(self._ending.discard, spec.key)
+        return holding
 
     async def _write_ending(self, ending: _Ending) -> None:
-        """Writes a retired group's entry to its run's stream, exactly once."""
+        """Writes a retired group's entry to its run's stream, exactly once; the caller holds
+        it as a write in progress (``_holding_writes``)."""
         record, error = ending.record, ending.error
         spec = record.spec
         if error:
@@ -2056,8 +2113,7 @@ class SchedulerRuntime:
         writes = self._sample_writes.pop(spec.key, None)
         if writes:  # its samples' entries first (a write that failed has said why)
             await asyncio.gather(*writes, return_exceptions=True)
-        with self._work(self._writing, spec.run_id):
-            entry = await self._retrying(f"group {spec.key}", lambda: self._store.deliver(result))
+        entry = await self._retrying(f"group {spec.key}", lambda: self._store.deliver(result))
         if entry is None:
             log.info(
                 "group %s was no longer pending in Redis (cancelled, its run deleted, or "
@@ -2303,20 +2359,29 @@ class SchedulerRuntime:
                 endings.append(ending)
         self._wake.set()
         if endings:
+            holds = [self._holding_writes(ending.record.spec) for ending in endings]
             # In a task of its own: cut off with its caller (a registration's deadline), the
             # retired groups stayed pending in Redis; awaited, a Redis that refuses for a
             # while held up the caller (a publish, under the weights lock).
             task = asyncio.create_task(
-                self._write_endings(endings), name=f"endings on {engine.engine_id}"
+                self._write_endings(endings, holds), name=f"endings on {engine.engine_id}"
             )
             self._tasks.add(task)
             task.add_done_callback(self._call_ended)
 
-    async def _write_endings(self, endings: Sequence[_Ending]) -> None:
-        for ending in endings:
+            def release(_: asyncio.Task[None]) -> None:  # (also if cancelled before it began)
+                for hold in holds:
+                    hold.close()
+
+            task.add_done_callback(release)
+
+    async def _write_endings(
+        self, endings: Sequence[_Ending], holds: Sequence[contextlib.ExitStack]
+    ) -> None:
+        for ending, hold in zip(endings, holds, strict=True):
             # One Redis refuses for good (logged by _write) stays pending for a restart; the
             # rest, of other runs maybe, are still written.
-            with contextlib.suppress(redis.exceptions.RedisError):
+            with hold, contextlib.suppress(redis.exceptions.RedisError):
                 await self._write_ending(ending)
 
     def _requeue(self, call: _Call, reason: str) -> _Ending | None:

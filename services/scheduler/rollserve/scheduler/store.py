@@ -558,6 +558,15 @@ class Store:
         specs.sort(key=lambda s: s.submitted_at)
         return specs
 
+    async def pending_groups(self, run_id: str, group_ids: Sequence[str]) -> list[GroupSpec]:
+        """Those of the run's ``group_ids`` that are pending, oldest first."""
+        if not group_ids:
+            return []
+        bodies = await self._redis.hmget(pending_key(run_id), list(group_ids))
+        specs = [_spec_decoder.decode(_raw(body)) for body in bodies if body is not None]
+        specs.sort(key=lambda s: s.submitted_at)
+        return specs
+
     async def publish_version(self, run_id: str, version: int) -> tuple[bool, int, int]:
         """Sets the run's policy version unless it is higher already; returns whether it is
         now ``version``, the run's version, and the one it had before."""
