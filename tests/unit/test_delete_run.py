@@ -38,7 +38,7 @@ from rollserve.client.wire import (
     version_key,
 )
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
-from rollserve.scheduler.state import GroupSpec
+from rollserve.scheduler.state import GroupSpec, SampleState
 from rollserve.scheduler.store import Store
 
 from tests.served import served_scheduler
@@ -357,6 +357,44 @@ async def test_a_delete_redis_refuses_leaves_the_run_running(redis_url: str) -> 
     finally:
         await runtime.stop()
         await engine.stop()
+
+
+async def test_a_delete_whose_answer_was_lost_leaves_no_group_running_under_the_id_used_again(
+    redis_url: str,
+) -> None:
+    # Redis deleted the run and the answer was lost: its group runs on here. A Submit of the
+    # same id then (Redis takes it as new) ends the old one: two groups of one id ran, and
+    # the old one's prompt stayed counted against the queue's limit.
+    engine = await FakeEngine("e0", behaviour=Behaviour.HANG).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    real_delete = runtime._store.delete_run
+
+    async def delete_run(run_id: str) -> bool:
+        await real_delete(run_id)
+        raise redis.exceptions.ConnectionError("Connection reset by peer")
+
+    try:
+        await runtime.submit(run, specs(run, 1, n=1))
+        await eventually(running(runtime, 1), "the group running")
+        runtime._store.delete_run = delete_run  # type: ignore[method-assign]
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await runtime.delete_run(run)
+        [old] = runtime._groups.values()
+        await runtime.submit(run, specs(run, 1, n=1))
+        [new] = runtime._groups.values()
+        assert new is not old and old.samples[0].state is SampleState.CANCELLED
+        assert runtime._held_prompt_tokens == len(new.spec.prompt_token_ids)
+        await eventually(lambda: _cancelled(engine), "the old group's call cancelled")
+        runtime._store.delete_run = real_delete  # type: ignore[method-assign]
+        await runtime.delete_run(run)  # (nothing left pending for the next test)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+
+
+async def _cancelled(engine: FakeEngine) -> bool:
+    return engine.cancelled >= 1
 
 
 async def test_a_publish_in_progress_ends_before_the_delete_and_the_weights_name_no_run(

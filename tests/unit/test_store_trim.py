@@ -155,6 +155,7 @@ async def test_a_scheduler_told_to_keep_acknowledged_entries_keeps_them(
         await asyncio.sleep(0.5)  # ten trim periods, had it trimmed
         assert len(await left(redis_client, run)) == 2
         assert runtime.status().stream_entries_trimmed == 0
+        assert not runtime._delivered_to  # (runs for the trim to look at: none kept)
     finally:
         await runtime.stop()
         await engine.stop()

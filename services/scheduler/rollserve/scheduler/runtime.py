@@ -662,6 +662,11 @@ class SchedulerRuntime:
                     await self._adopt(run_id, specs)
                     raise
                 for spec in specs:
+                    # Redis took it as new: a group of the id still here is one of a
+                    # DeleteRun whose answer was lost (done in Redis, not here).
+                    stale = self._groups.get(spec.key)
+                    if stale is not None and self._retire(stale):
+                        stale.cancel()
                     self._enqueue(spec)
             self._wake.set()
         finally:
@@ -2121,7 +2126,7 @@ class SchedulerRuntime:
                 spec.key,
             )
             return
-        self._delivered_to.add(spec.run_id)
+        self._delivered(spec.run_id)
         if error:
             self.counters.groups_failed += 1
             log.warning("group %s failed: %s", spec.key, error)
@@ -2197,7 +2202,12 @@ class SchedulerRuntime:
             entry = await self._retrying(what, lambda: self._store.deliver_sample(result))
         if entry is not None:
             self.counters.samples_streamed += 1
-            self._delivered_to.add(result.run_id)  # (its samples stream is trimmed too)
+            self._delivered(result.run_id)  # (its samples stream is trimmed too)
+
+    def _delivered(self, run_id: str) -> None:
+        """The run's stream got an entry: the trim looks at it (nothing is kept without)."""
+        if self.settings.trim_acked:
+            self._delivered_to.add(run_id)
 
     async def _restore_streamed(self, specs: Sequence[GroupSpec]) -> None:
         """Recovered ``stream_samples`` groups keep the samples an earlier process wrote to
