@@ -15,6 +15,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A number greater than 0."""
     value = float(text)

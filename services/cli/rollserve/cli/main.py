@@ -7,10 +7,20 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rollserve.cli.argtypes import host_port, port_number, positive_float, positive_int
+from rollserve.cli.argtypes import (
+    host_port,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from rollserve.cli.paths import output_dir, output_file
+
+if TYPE_CHECKING:
+    from rollserve.cli.stack import DevStack
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -65,21 +75,55 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 highlight=False,
             )
         console.print("ready; Ctrl-C stops everything")
-        while not stop.wait(_WATCH_INTERVAL_S):
-            gone = stack.exited()
-            if gone is not None:  # the stack is not whole: say so and stop it, not serve on
-                console.print(
-                    f"{gone.name} exited with code {gone.popen.returncode}; stopping everything "
-                    f"(its log: {gone.log_path}):\n{gone.log_tail()}",
-                    markup=False,
-                    highlight=False,
-                )
-                return 1
+        if not _watch(stack, stop, args.max_restarts, console):
+            return 1
         console.print("stopping …")
     return 0
 
 
 _WATCH_INTERVAL_S = 1.0  # how often `up` looks whether its processes still run
+_BACKOFF_MAX_S = 30.0
+
+
+def _watch(stack: DevStack, stop: threading.Event, max_restarts: int, console: Console) -> bool:
+    """Until ``stop``, starts again each process of the stack that exits (a crash, a
+    scheduler that lost its lease), after 1, 2, 4 … seconds (at most 30), as a container
+    runtime's restart policy does. False, once a process has exited more than
+    ``max_restarts`` times in a row (each within ``STABLE_RUN_S`` of its start) or cannot
+    be started: the stack is not whole, and is not left to serve on so."""
+    from rollserve.cli.stack import StackError
+
+    while not stop.wait(_WATCH_INTERVAL_S):
+        gone = stack.exited()
+        if gone is None:
+            continue
+        restart = gone.next_restart()
+        said = f"{gone.name} exited with code {gone.popen.returncode}"
+        if restart > max_restarts:
+            again = f" after {restart - 1} restarts in a row" if restart > 1 else ""
+            console.print(
+                f"{said}{again}; stopping everything (--max-restarts {max_restarts}; its log: "
+                f"{gone.log_path}):\n{gone.log_tail()}",
+                markup=False,
+                highlight=False,
+            )
+            return False
+        delay = min(2.0 ** (restart - 1), _BACKOFF_MAX_S)
+        console.print(
+            f"{said}; starting it again in {delay:g} s (restart {restart} of "
+            f"{max_restarts} in a row; its log: {gone.log_path}):\n{gone.log_tail(1000)}",
+            markup=False,
+            highlight=False,
+        )
+        if stop.wait(delay):
+            return True
+        try:
+            stack.restart(gone)
+        except StackError as exc:
+            console.print(f"{gone.name} could not be started again: {exc}", markup=False)
+            return False
+        console.print(f"{gone.name} started again", markup=False, highlight=False)
+    return True
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -323,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sim: real seconds per simulated second (0.1 runs 10x faster)",
     )
     up.add_argument("--run-dir", type=output_dir, help="where the logs go (default: a temp dir)")
+    up.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=5,
+        help="a process of the stack that exits is started again (after 1, 2, 4 … s), up to "
+        "this many times in a row, then everything stops; 0: everything stops at once",
+    )
     up.add_argument(
         "--engine-arg",
         action="append",

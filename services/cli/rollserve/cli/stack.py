@@ -32,6 +32,9 @@ _ENGINE_START_TIMEOUT_S = 300.0
 _SCHEDULER_START_TIMEOUT_S = 60.0
 _SIM_START_TIMEOUT_S = 120.0
 _LOG_TAIL_BYTES = 4000
+# A process of the stack that ran this long before it exited is restarted as if for the
+# first time (its backoff and count begin again), as Kubernetes resets a crash loop's.
+STABLE_RUN_S = 300.0
 
 
 class StackError(RuntimeError):
@@ -105,13 +108,28 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes]
     log_path: Path
     address: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # quick exits in a row that were restarted (``next_restart``)
 
     @classmethod
     def start(
-        cls, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+        cls,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        restart: int = 0,
     ) -> ManagedProcess:
+        """Starts ``argv``, its output to ``<log_dir>/<name>.log`` (appended to, and the
+        restart noted there, when ``restart`` counts one)."""
         log_path = log_dir / f"{name}.log"
-        with log_path.open("wb") as log:
+        with log_path.open("ab" if restart else "wb") as log:
+            if restart:
+                log.write(f"\n--- rollserve up: {name} restarted ({restart}) ---\n".encode())
+                log.flush()
             popen = subprocess.Popen(
                 argv,
                 stdout=log,
@@ -120,7 +138,22 @@ class ManagedProcess:
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
-        return cls(name, popen, log_path)
+        return cls(name, popen, log_path, argv=list(argv), env=env, restarts=restart)
+
+    def next_restart(self) -> int:
+        """Which restart in a row starting it again would be: one that ran
+        ``STABLE_RUN_S`` or more before it exited begins the count again."""
+        if time.monotonic() - self.started_at >= STABLE_RUN_S:
+            return 1
+        return self.restarts + 1
+
+    def restarted(self) -> ManagedProcess:
+        """The same command started again, at the same address (its log goes on)."""
+        proc = ManagedProcess.start(
+            self.name, self.argv, self.log_path.parent, self.env, restart=self.next_restart()
+        )
+        proc.address = self.address
+        return proc
 
     def log_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
         try:
@@ -272,6 +305,7 @@ class DevStack:
     redis: EmbeddedRedis | None = None
     log_dir: Path = field(default_factory=Path)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _scheduler_port: int = 0
 
     def __enter__(self) -> DevStack:
         try:
@@ -324,11 +358,13 @@ class DevStack:
             wait_serving(proc.address, _ENGINE_START_TIMEOUT_S, proc)
         self.start_scheduler()
 
-    def start_sim_fleet(self, profile: str) -> None:
+    def start_sim_fleet(self, profile: str, restart: int = 0) -> None:
         """The stack's engines, simulated in one process; their addresses once all serve."""
         from rollserve.sim.server import ENGINE_LINE_PREFIX, READY_PREFIX
 
         cfg = self.config
+        log_file = self.log_dir / "sim-fleet.log"
+        start = log_file.stat().st_size if restart and log_file.exists() else 0  # (this start's)
         self.sim_fleet = ManagedProcess.start(
             "sim-fleet",
             [
@@ -344,9 +380,10 @@ class DevStack:
                 str(cfg.sim_time_scale),
             ],
             self.log_dir,
+            restart=restart,
         )
         deadline = time.monotonic() + _SIM_START_TIMEOUT_S
-        while READY_PREFIX not in (log := self.sim_fleet.log_tail(1 << 22)):
+        while READY_PREFIX not in (log := self._log_since(self.sim_fleet, start)):
             if self.sim_fleet.popen.poll() is not None or time.monotonic() > deadline:
                 raise StackError(
                     f"the simulated engines did not start; log {self.sim_fleet.log_path}:\n"
@@ -361,9 +398,19 @@ class DevStack:
                 f"{cfg.engines}; log {self.sim_fleet.log_path}:\n{self.sim_fleet.log_tail()}"
             )
 
-    def start_scheduler(self) -> None:
+    @staticmethod
+    def _log_since(proc: ManagedProcess, offset: int) -> str:
+        """What ``proc`` wrote to its log from byte ``offset`` on (this start's, after a
+        restart)."""
+        with contextlib.suppress(OSError), proc.log_path.open("rb") as log:
+            log.seek(offset)
+            return log.read(1 << 22).decode(errors="replace")
+        return ""
+
+    def start_scheduler(self, restart: int = 0) -> None:
         cfg = self.config
-        port = cfg.scheduler_port or free_port()
+        # (the port it took first, when restarted: its clients know that one)
+        port = self._scheduler_port = self._scheduler_port or cfg.scheduler_port or free_port()
         endpoints = [f"--engine={p.name}={p.address}" for p in self.engines]
         endpoints += [f"--engine={e}={address}" for e, address in self.sim_engines.items()]
         self.scheduler = ManagedProcess.start(
@@ -387,6 +434,7 @@ class DevStack:
                 *cfg.scheduler_args,
             ],
             self.log_dir,
+            restart=restart,
         )
         self.scheduler.address = f"127.0.0.1:{port}"
         self.scheduler_address = self.scheduler.address
@@ -428,6 +476,29 @@ class DevStack:
         """Process ids of the stack's processes (the engines' cores are their children)."""
         redis = [self.redis.pid] if self.redis is not None and self.redis.pid else []
         return [p.popen.pid for p in self._processes()] + redis
+
+    def restart(self, proc: ManagedProcess) -> None:
+        """Starts ``proc`` (one of the stack's, exited) again as it was started. An engine
+        and the scheduler keep their addresses: the scheduler's next probe finds the engine
+        serving again, and a scheduler started again takes over the runs in Redis (once the
+        lease of the one that died has ended: ``--lease-ttl-s``). The simulated engines come
+        back at other ports, so the scheduler is started again with them (it does not wait
+        for the lease: stopped, the old one gives it up). StackError if it cannot be
+        started."""
+        restart = proc.next_restart()
+        if proc is self.sim_fleet:
+            assert self.config.sim_profile is not None
+            self.start_sim_fleet(self.config.sim_profile, restart)
+            if self.scheduler is not None:  # (it did not exit: its count stays)
+                self.scheduler.stop()
+                self.start_scheduler(max(1, self.scheduler.restarts))
+        elif proc is self.scheduler:
+            self.scheduler = proc.restarted()
+        else:
+            index = next((i for i, p in enumerate(self.engines) if p is proc), None)
+            if index is None:
+                raise ValueError(f"{proc.name} is not a process of this stack")
+            self.engines[index] = proc.restarted()
 
     def exited(self) -> ManagedProcess | None:
         """The first of the stack's processes that has exited (a scheduler that lost its
