@@ -1256,6 +1256,27 @@ async def test_an_engine_gets_pushed_outputs_at_most_once_an_interval(
     assert status.earlier_outputs_pushed == len(prompts)  # one output of b's a group
 
 
+async def test_an_engine_removed_takes_its_pusher_with_it(redis_url: str) -> None:
+    """A pusher waiting out its interval for an engine that leaves (it registered again at
+    another address) ends with it: left, it took the pushes due to the new engine of the id
+    and dropped them as not its own. Faked: the engine."""
+    a = await FakeEngine("a", takes_earlier_outputs=True).start()
+    runtime = await make_runtime(redis_url, [a], earlier_outputs_push_interval_s=3600)
+    try:
+        handle = runtime._engines["a"]
+        runtime._pushed_at["a"] = time.monotonic()
+        runtime._push_due["a"] = {"run/g0"}
+        pusher = asyncio.create_task(runtime._pusher(handle))
+        runtime._pushers["a"] = pusher
+        await asyncio.sleep(0.05)  # (waiting out its interval)
+        await runtime._remove_engine(handle, "registered at another address")
+        await asyncio.wait({pusher}, timeout=WAIT_S)
+        assert pusher.cancelled() and "a" not in runtime._pushers
+    finally:
+        await runtime.stop()
+        await a.stop()
+
+
 async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(
     redis_url: str,
 ) -> None:

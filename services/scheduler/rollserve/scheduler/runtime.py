@@ -2340,6 +2340,11 @@ class SchedulerRuntime:
                 self._outputs.forget_engine(engine.engine_id)
             self._push_due.pop(engine.engine_id, None)
             self._pushed_at.pop(engine.engine_id, None)
+            # (its pusher would take the pushes due to an engine of the id that registers
+            # again at another address, and drop them as not its own)
+            pusher = self._pushers.pop(engine.engine_id, None)
+            if pusher is not None:
+                pusher.cancel()
             if engine.registered:
                 self._registered -= 1
             watch = self._watches.pop(engine.engine_id, None)

@@ -156,7 +156,7 @@ class SchedulerSettings(BaseModel):
         ge=1,
         le=100,
         description="dispatches of a group before it is reported failed (resuming a "
-        "preempted sample is not one)",
+        "preempted sample is not one; counted in memory: a restarted scheduler counts anew)",
     )
     health_interval_s: float = Field(1.0, gt=0, le=60, description="engine probe period")
     health_timeout_s: float = Field(2.0, gt=0, le=60, description="engine probe deadline")
