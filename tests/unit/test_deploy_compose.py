@@ -58,6 +58,15 @@ def test_every_command_names_a_service_rollserve_runs() -> None:
             assert service["build"]["args"]["TARGET"] in ("cpu", "gpu"), name
 
 
+def test_every_service_of_the_stack_is_started_again_when_it_exits() -> None:
+    """An engine exits on a fault it cannot serve past and a scheduler that lost its lease
+    exits, each for a supervisor to start it again: without a restart policy, compose left
+    them down."""
+    for name, service in services().items():
+        if "profiles" not in service:  # (Prometheus, on demand, is not the stack's)
+            assert service.get("restart") == "unless-stopped", name
+
+
 def test_the_scheduler_dials_every_engine_at_the_address_it_advertises(
     engines: dict[str, EngineSettings],
 ) -> None:
