@@ -60,6 +60,9 @@ MAX_METADATA_BYTES = 16 * 1024  # keys and values, UTF-8
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
+# Samples of a group: n of a Generate call (an engine takes a vLLM request and a task per
+# sample of a call), so the scheduler's --max-n too
+MAX_SAMPLES_PER_CALL = 1024
 # prompt_text is tokenized before its tokens can be counted: a text longer than this many
 # characters a token of the prompt limit is refused unread (a tokenizer's tokens are rarely
 # more than a few characters long on average, and tokenizing is the scheduler's time).

@@ -38,6 +38,7 @@ from rollserve.client.wire import (
     INT64_MAX,
     MAX_EARLIER_OUTPUT_TOKENS,
     MAX_EARLIER_OUTPUTS,
+    MAX_SAMPLES_PER_CALL,
     MAX_TEMPERATURE,
     MAX_WEIGHTS_PATH_LEN,
     status_details,
@@ -70,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 VllmFinishReason = Literal["stop", "length", "abort"]
 
-MAX_SAMPLES_PER_REQUEST = 1024
+MAX_SAMPLES_PER_REQUEST = MAX_SAMPLES_PER_CALL
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
 
 SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024), *PENDING_CALLS_OPTIONS)

@@ -343,8 +343,10 @@ class EngineHandle:
             stop_token_ids=s.stop_token_ids,
         )
         if s.seed is not None:
-            # Wrapped into int64, the field's range (a seed near its top would overflow).
-            sampling.seed = (s.seed + spec.n * resumption + _INT64) % (2 * _INT64) - _INT64
+            # Wrapped to stay in int64, the field's range, with its samples' seeds (seed + i
+            # up to seed + n - 1): a seed near the top would overflow when resumed.
+            span = 2 * _INT64 - (spec.n - 1)
+            sampling.seed = (s.seed + spec.n * resumption + _INT64) % span - _INT64
         request = pb.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=[*spec.prompt_token_ids, *resumed],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from rollserve.client.wire import ENGINE_ID_PATTERN
+from rollserve.client.wire import ENGINE_ID_PATTERN, MAX_SAMPLES_PER_CALL
 from rollserve.common.access import BearerFile, ClientTls, ServerTls, TokenFile
 from rollserve.scheduler.core.policy import DEFAULT_POLICY, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
@@ -119,7 +119,12 @@ class SchedulerSettings(BaseModel):
         description="prompt tokens in one Submit call: the scheduler checks, keeps and writes a "
         "call's prompts at once (about 0.3 s a million tokens), and its lease waits meanwhile",
     )
-    max_n: int = Field(64, ge=1, le=4096, description="samples per group")
+    max_n: int = Field(
+        64,
+        ge=1,
+        le=MAX_SAMPLES_PER_CALL,  # (an engine takes a group's n in one call)
+        description="samples per group",
+    )
     max_prompt_tokens: int = Field(131_072, ge=1, description="prompt length in tokens")
     max_model_len: int | None = Field(
         None, ge=2, description="context length; None learns it from the engines (their minimum)"
