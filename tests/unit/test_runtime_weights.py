@@ -215,6 +215,53 @@ async def test_tokens_count_as_the_weights_that_made_them_while_the_fleet_loads(
     assert versions == {"fast": [(1, 3), (2, 3)], "slow": [(1, 6)]}
 
 
+async def test_tokens_made_with_another_run_s_weights_are_not_labelled_with_its_versions(
+    other_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Run w had the fleet load its version 4. Run m's sample is half made with those weights
+    # when m publishes its version 1's: "fast" loads them before its second half, "slow"
+    # after. The tokens made with w's weights are m's version 0, not w's 4 (a version m
+    # never had, and the labels then went down from 4 to 1 within a sample).
+    second_halves = asyncio.Event()
+    slow_loads = asyncio.Event()
+    fast = await FakeEngine("fast", second_half_gate=second_halves).start()
+    slow = await FakeEngine("slow", second_half_gate=second_halves, load_gate=slow_loads).start()
+    runtime = await make_runtime(other_redis_url, [fast, slow], policy="round_robin")
+    w, m = new_run(), new_run()
+    publishing: asyncio.Task[PublishResult] | None = None
+    try:
+        slow_loads.set()
+        await runtime.publish_version(w, 4, "/ckpt/w-4")
+        slow_loads.clear()
+
+        async def first_halves() -> bool:
+            record = next(iter(runtime._groups.values()), None)
+            return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
+
+        async def fast_loaded() -> bool:
+            return fast.weights == (1, "/ckpt/m-1")
+
+        await runtime.submit(m, specs(m, 1, n=2))
+        await eventually(first_halves, "each engine's first half of a sample")
+        publishing = asyncio.create_task(runtime.publish_version(m, 1, "/ckpt/m-1"))
+        await eventually(fast_loaded, "fast to load m's weights")
+        second_halves.set()
+        results = await read_stream(other_redis_url, m, 1)
+        slow_loads.set()
+        await asyncio.wait_for(publishing, WAIT_S)
+    finally:
+        if publishing is not None:
+            publishing.cancel()
+            await asyncio.wait({publishing})
+        await runtime.stop()
+        await fast.stop()
+        await slow.stop()
+    samples = results[0].samples
+    versions = {s.engine_id: [(v.version, v.length) for v in s.versions] for s in samples}
+    assert versions == {"fast": [(0, 3), (1, 3)], "slow": [(0, 6)]}
+    assert f"in place of run {w}'s (/ckpt/w-4, version 4)" in caplog.text
+
+
 async def test_tokens_keep_the_weights_version_when_the_run_moves_on_without_weights(
     other_redis_url: str,
 ) -> None:

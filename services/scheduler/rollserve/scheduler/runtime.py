@@ -415,9 +415,11 @@ class SchedulerRuntime:
         # The fleet's weights from the last PublishVersion with a path: an engine serves
         # only with them loaded. None: engines keep the weights they have.
         self._weights: FleetWeights | None = None
-        # (run id, since): engines label tokens with their weights' version, and for this
-        # run those of versions >= since are its own (set as soon as a load starts).
-        self._stamping: tuple[str, int] | None = None
+        # (run id, since, upto): engines label tokens with their weights' version, and for
+        # this run those of versions since to upto are its own (set as soon as a load
+        # starts, upto the version it loads): weights of a version past it are another
+        # run's, which the engines served before this run's first load ended.
+        self._stamping: tuple[str, int, int] | None = None
         self._weights_lock = asyncio.Lock()  # one fleet update at a time
 
     # ------------------------------------------------------------ lifecycle
@@ -443,7 +445,7 @@ class SchedulerRuntime:
                 weights.version,
                 weights.run_id,
             )
-            self._stamping = (weights.run_id, weights.since)
+            self._stamping = (weights.run_id, weights.since, weights.version)
         self._weights = weights
 
     async def start(self) -> None:
@@ -752,7 +754,7 @@ class SchedulerRuntime:
             self._versions.pop(run_id, None)
             self._tags.forget(run_id)
             if self._stamping is not None and self._stamping[0] == run_id:
-                self._stamping = ("", 0)  # (the fleet's weights, in Redis too, name no run)
+                self._stamping = ("", 0, 0)  # (the fleet's weights, in Redis too, name no run)
             self.counters.groups_cancelled += cancelled
             if cancelled:
                 self._wake.set()
@@ -867,6 +869,17 @@ class SchedulerRuntime:
                     f"its own (publish {version + 1}): tokens of one version come from one "
                     "checkpoint"
                 )
+            if fleet is not None and fleet.run_id not in ("", run_id):
+                log.warning(
+                    "run %s publishes weights (%s, version %d) in place of run %s's (%s, "
+                    "version %d): every engine serves them, for every run",
+                    run_id,
+                    path,
+                    version,
+                    fleet.run_id,
+                    fleet.path,
+                    fleet.version,
+                )
             # The labels of the tokens made before these weights are settled first.
             while asking := self._asking.get(run_id):
                 await asyncio.wait({asking[-1]})
@@ -908,7 +921,7 @@ class SchedulerRuntime:
         since = before[1] if before is not None and before[0] == run_id else version
         # An engine that has loaded them makes tokens of this version while the others
         # still load: they count as it from now on.
-        self._stamping = (run_id, since)
+        self._stamping = (run_id, since, version)
         # An engine a probe has load the fleet's weights (it joined or restarted) is left
         # to that probe, which loads these too once they are the fleet's.
         healthy = [e for e in self._engines.values() if e.healthy]
@@ -1820,11 +1833,14 @@ class SchedulerRuntime:
         """The policy version of tokens an engine made with weights of ``weights_version``:
         that version where the run publishes the fleet's weights and the engine serves some
         it published, else the run's version when the tokens arrive (the trainer updates the
-        engines itself, or they serve weights from before the run published any), which the
-        sample's ``made_before`` may lower when it is delivered."""
+        engines itself, or they serve weights from before the run published any: its own, or
+        another run's, of any version), which the sample's ``made_before`` may lower when it
+        is delivered."""
         stamping = self._stamping
-        if stamping is not None and stamping[0] == run_id and weights_version >= stamping[1]:
-            return weights_version
+        if stamping is not None and stamping[0] == run_id:
+            _, since, upto = stamping
+            if since <= weights_version <= upto:
+                return weights_version
         return self._versions.get(run_id, 0)
 
     async def _consume(self, call: _Call, stream: AsyncIterable[pb.GenerateResponse]) -> None:
