@@ -5,8 +5,10 @@ load weights, to be shown out of service with the reason)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
+from typing import Any
 
 import pytest
 from rollserve.cli.main import build_parser, main
@@ -104,3 +106,42 @@ def test_status_refuses_an_address_that_is_not_host_port(
         main(["status", "--scheduler", address])
     assert exit_info.value.code == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("width", [50, 80, 200])
+def test_no_number_or_address_is_broken_across_lines_at_any_width(width: int) -> None:
+    """A narrow terminal used to fold each cell of the engines' table, ``365/1,270`` into
+    ``365/1,27`` and ``0``: the engines are then a line each, broken between words."""
+    from rich.console import Console
+    from rollserve.cli.status import render
+    from rollserve.client.types import EngineStatus, RunStatus, SchedulerStatus
+
+    engines = tuple(
+        EngineStatus(
+            engine_id=f"sim-{i}",
+            address=f"127.0.0.1:4183{i}",
+            healthy=True,
+            inflight_groups=365,
+            inflight_samples=1270,
+            outstanding_tokens=1_234_567,
+            capacity_samples=1280,
+            last_error="",
+            weights_path="/ckpt/step-3",
+            weights_version=5,
+            predicted_outstanding_tokens=987_654.0,
+            dtype="bfloat16",
+        )
+        for i in range(2)
+    )
+    runs = (RunStatus("grpo-7", 1500, 6000, 365, 1270),)
+    counts: dict[str, Any] = {
+        f.name: 0
+        for f in dataclasses.fields(SchedulerStatus)
+        if f.name not in ("engines", "runs") and f.default is dataclasses.MISSING
+    }
+    status = SchedulerStatus(**counts, engines=engines, runs=runs)
+    console = Console(width=width, record=True, force_terminal=False)
+    render(status, console)
+    words = console.export_text().split()
+    for whole in ("365/1,270", "1,280", "987,654/1,234,567", "127.0.0.1:41831", "bfloat16"):
+        assert whole in words, (whole, console.export_text())

@@ -155,3 +155,11 @@ def test_status_details_are_cut_to_what_grpc_trailers_carry() -> None:
 def test_quoted_text_is_cut_and_says_how_long_it_was() -> None:
     assert quoted("e0") == "'e0'"
     assert quoted("x" * 101) == f"{'x' * 100!r}... (101 characters)"
+
+
+def test_a_version_segment_unpacks_as_the_stream_s_pair() -> None:
+    """stream-format.md gives ``versions`` as ``[version, length]`` pairs: the SDK's segments
+    unpack so too (``for version, length in sample.versions``)."""
+    result = decode_entry(as_read(encode_entry(make_result(n=1))))
+    pairs = [(version, length) for s in result.samples for version, length in s.versions]
+    assert pairs == [(3, 1), (4, 1)]

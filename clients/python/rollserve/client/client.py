@@ -264,12 +264,17 @@ class RolloutClient:
             the version of the weights that made it. Empty: the engines already run the new
             weights (the trainer updated them its own way), and the tokens the engines make
             from then on are labelled ``version`` (those made before keep the version before,
-            whenever they reach the scheduler).
+            whenever they reach the scheduler). Once the run has published weights, its
+            tokens keep the version of the weights the engines serve: publish weights to
+            move them on.
         timeout_s: deadline of the call (default: the client's, or ``WEIGHTS_TIMEOUT_S`` at
             least with ``weights_path``).
 
         Versions only go up (a lower one raises InvalidArgument); publishing the current one
-        again is a no-op. When no engine could load the weights, nothing changes and the
+        again is a no-op, or with the same ``weights_path`` a retry (engines that have those
+        weights load nothing); a version published without weights may be published again
+        with them (the engines then load them), a version published with weights not with
+        other ones. When no engine could load the weights, nothing changes and the
         error's ``code`` is FAILED_PRECONDITION."""
         request = publish_version_request(self.run_id, version, weights_path)
         timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -128,6 +128,11 @@ class VersionSegment(msgspec.Struct, array_like=True, frozen=True):
 
     version: int
     length: int
+
+    def __iter__(self) -> Iterator[int]:
+        """``version, length``, as the stream's ``[version, length]`` pairs unpack."""
+        yield self.version
+        yield self.length
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):

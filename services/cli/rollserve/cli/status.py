@@ -10,6 +10,7 @@ import json
 import grpc
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
@@ -70,8 +71,10 @@ def render(status: SchedulerStatus, console: Console) -> None:
     if status.runs:
         runs = Table(title="runs", box=box.SIMPLE_HEAD, padding=(0, 1))
         for column in ("run", "queued", "running"):
-            runs.add_column(column, justify="left" if column == "run" else "right")
-        runs.columns[0].overflow = "fold"
+            runs.add_column(
+                column, justify="left" if column == "run" else "right", no_wrap=column != "run"
+            )
+        runs.columns[0].overflow = "fold"  # (a run id folds; numbers stay whole)
         for run in status.runs:
             runs.add_row(
                 Text(run.run_id),
@@ -83,24 +86,26 @@ def render(status: SchedulerStatus, console: Console) -> None:
     if not status.engines:
         console.print("no engines: list them with --engine, or start engines that register")
         return
-    # Nothing cut short: a narrow terminal folds a cell onto more lines.
+    # Nothing cut short or folded (a number folded onto two lines reads as two): the table
+    # where it fits the terminal, else a few lines an engine.
     engines = Table(title="engines", caption=_CAPTION, box=box.SIMPLE_HEAD, padding=(0, 1))
     for column in _COLUMNS:
-        engines.add_column(column, justify="right" if column in _NUMERIC else "left")
-        engines.columns[-1].overflow = "fold"
-    for engine in status.engines:
-        # Text: what engines and the scheduler wrote is shown as written, never as markup.
-        engines.add_row(
-            Text(engine.engine_id),
-            Text(engine.address),
-            Text(_state(engine)),
-            f"{engine.inflight_groups:,}/{engine.inflight_samples:,}",
-            f"{engine.capacity_samples:,}",
-            Text(engine.dtype),
-            f"{engine.predicted_outstanding_tokens:,.0f}/{engine.outstanding_tokens:,}",
-            Text(_weights(engine.weights_path, engine.weights_version, "launch")),
-        )
-    console.print(engines)
+        engines.add_column(column, justify="right" if column in _NUMERIC else "left", no_wrap=True)
+    rows = [_engine_row(engine) for engine in status.engines]
+    for row in rows:
+        engines.add_row(*row)
+    unbounded = console.options.update_width(1 << 16)
+    if Measurement.get(console, unbounded, engines).maximum <= console.width:
+        console.print(engines)
+    else:
+        console.print(Text("engines", style="italic"), justify="center")
+        for engine_id, *cells in rows:  # a line each, broken between words
+            line = engine_id.copy()
+            line.stylize("bold")
+            for name, cell in zip(_COLUMNS[1:], cells, strict=True):
+                line.append(f"  {name} ").append(cell)
+            console.print(line)
+        console.print(_CAPTION, markup=False, highlight=False)
     # Why each engine is out, a line each (a table cell would break it up).
     for engine in status.engines:
         if not engine.healthy:
@@ -164,6 +169,20 @@ def _summary(status: SchedulerStatus) -> list[tuple[str, str]]:
             "streams",
             f"{status.stream_entries_trimmed:,} entries every reader acknowledged, removed",
         ),
+    ]
+
+
+def _engine_row(engine: EngineStatus) -> list[Text]:
+    """The engine's cells, in ``_COLUMNS`` order (as written, never as markup)."""
+    return [
+        Text(engine.engine_id),
+        Text(engine.address),
+        Text(_state(engine)),
+        Text(f"{engine.inflight_groups:,}/{engine.inflight_samples:,}"),
+        Text(f"{engine.capacity_samples:,}"),
+        Text(engine.dtype),
+        Text(f"{engine.predicted_outstanding_tokens:,.0f}/{engine.outstanding_tokens:,}"),
+        Text(_weights(engine.weights_path, engine.weights_version, "launch")),
     ]
 
 
