@@ -387,7 +387,7 @@ def _rpc_error(call: object) -> grpc.RpcError:
             pb.PromptGroup(
                 group_id="a", prompt_token_ids=PROMPT, n=0, sampling=pb.SamplingParams(max_tokens=4)
             ),
-            "n (0)",
+            "n (0, or not given) must be at least 1",
         ),
         (
             pb.PromptGroup(
@@ -402,7 +402,7 @@ def _rpc_error(call: object) -> grpc.RpcError:
             pb.PromptGroup(
                 group_id="a", prompt_token_ids=PROMPT, n=1, sampling=pb.SamplingParams(max_tokens=0)
             ),
-            "max_tokens (0)",
+            "max_tokens (0, or not given) must be at least 1",
         ),
         (
             pb.PromptGroup(

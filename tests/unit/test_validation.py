@@ -26,9 +26,9 @@ def test_valid_group_becomes_a_spec_with_defaults() -> None:
             pb.PromptGroup(group_id="a", n=1, sampling=pb.SamplingParams(max_tokens=4)),
             "prompt is empty",
         ),
-        (proto_group("a", n=0), r"n \(0\) must be at least 1"),
+        (proto_group("a", n=0), r"n \(0, or not given\) must be at least 1"),
         (proto_group("a", n=9), r"n \(9\) is above the limit \(8\)"),
-        (proto_group("a", max_tokens=0), r"max_tokens \(0\) must be at least 1"),
+        (proto_group("a", max_tokens=0), r"max_tokens \(0, or not given\) must be at least 1"),
         (
             proto_group("a", max_tokens=60),
             r"max_tokens \(60\) exceeds the model's context \(64\) minus the prompt \(5\)",
@@ -267,7 +267,7 @@ def test_a_prompt_text_too_long_for_any_tokenizer_is_refused_unread() -> None:
 
 
 def test_an_id_that_does_not_print_is_quoted_in_messages() -> None:
-    with pytest.raises(ValidationError, match=r"groups\[0\] \('a\\nb'\)\.n \(0\)"):
+    with pytest.raises(ValidationError, match=r"groups\[0\] \('a\\nb'\)\.n \(0,"):
         validate_submit(submit(proto_group("a\nb", n=0)), LIMITS, None)
 
 

@@ -565,7 +565,8 @@ class ConsumerState:
     def group_lost(self) -> None:
         """The stream or the group was deleted (NOGROUP): create it again, start over."""
         log.warning(
-            "stream %s: consumer group %r is gone; creating it again",
+            "stream %s: consumer group %r is gone: made again, unless the run was deleted "
+            "(then RunDeleted is raised)",
             self.config.stream,
             self.config.consumer_group,
         )

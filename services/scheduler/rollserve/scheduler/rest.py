@@ -215,6 +215,14 @@ def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> 
     names (``group_id`` and ``groupId``: it keeps one, silently), and true or false where
     the message has a number (taken as 1 and 0, so that ``"temperature": true`` would
     sample at 1.0)."""
+    names = {name for field in message.fields for name in (field.name, field.json_name)}
+    unknown = sorted(key for key in document if key not in names)
+    if unknown:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body: {where} has no field {unknown[0]!r}; its fields are "
+            f"{', '.join(field.name for field in message.fields)} (or in camelCase)",
+        )
     for field in message.fields:
         if field.name != field.json_name and field.name in document and field.json_name in document:
             raise Refused(
@@ -228,8 +236,9 @@ def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> 
                 continue
             path = f"{where}.{name}"
             if field.message_type is not None:
-                if field.message_type.GetOptions().map_entry:
-                    continue  # (string keys and values, here)
+                if field.message_type.GetOptions().map_entry:  # (string keys and values)
+                    _check_strings(value, path)
+                    continue
                 children = value if field.is_repeated and isinstance(value, list) else [value]
                 for i, child in enumerate(children):
                     if isinstance(child, dict):
@@ -247,6 +256,20 @@ def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> 
 
 
 _TEXT = (FieldDescriptor.CPPTYPE_STRING,)
+
+
+def _check_strings(value: object, path: str) -> None:
+    """A map of strings (``metadata``): each value that is not a string refused by its key
+    (protobuf's parser says only that one failed to parse)."""
+    if not isinstance(value, dict):
+        return  # (the parser refuses it, naming the field)
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the body: {path}[{json.dumps(key)[:80]}] is {json.dumps(item)[:80]}, not a "
+                "string (its values are strings)",
+            )
 
 
 def _plain_token_ids(document: dict[str, Any]) -> dict[int, list[int]]:

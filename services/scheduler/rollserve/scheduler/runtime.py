@@ -207,7 +207,8 @@ class VersionBehind(ValueError):
 
     def __init__(self, run_id: str, version: int, current: int) -> None:
         super().__init__(
-            f"version ({version}) is below run {run_id!r}'s policy version ({current}): "
+            f"version ({version}{', or not given' if version == 0 else ''}) is below the "
+            f"policy version of run {run_id!r} ({current}): "
             "versions only go up"
         )
         self.current = current

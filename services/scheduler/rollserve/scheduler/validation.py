@@ -135,7 +135,7 @@ def _validate_group(where: str, group: pb.PromptGroup, context: _Context) -> Gro
         )
     prompt = _prompt_tokens(where, group, limits, context.tokenize)
     if group.n < 1:
-        raise ValidationError(f"{where}.n ({group.n}) must be at least 1")
+        raise ValidationError(f"{where}.n ({_unset(group.n)}) must be at least 1")
     if group.n > limits.max_n:
         raise ValidationError(f"{where}.n ({group.n}) is above the limit ({limits.max_n})")
     sampling = _validate_sampling(f"{where}.sampling", group.sampling, len(prompt), limits)
@@ -216,11 +216,18 @@ def _prompt_tokens(
     return tokens
 
 
+def _unset(value: int) -> str:
+    """A number as a message shows it: 0 is also what a field left out reads as."""
+    return "0, or not given" if value == 0 else str(value)
+
+
 def _validate_sampling(
     where: str, sampling: pb.SamplingParams, prompt_len: int, limits: Limits
 ) -> SamplingSpec:
     if sampling.max_tokens < 1:
-        raise ValidationError(f"{where}.max_tokens ({sampling.max_tokens}) must be at least 1")
+        raise ValidationError(
+            f"{where}.max_tokens ({_unset(sampling.max_tokens)}) must be at least 1"
+        )
     if limits.max_model_len is not None and prompt_len >= limits.max_model_len:
         where_group = where.removesuffix(".sampling")
         raise ValidationError(
