@@ -127,6 +127,8 @@ def test_the_openapi_document_is_valid_openapi_and_closes_requests() -> None:
     fits("SubmitRequest", {"groups": [group("a")]})
     # what proto3's JSON parser takes besides: lowerCamelCase names, numbers as text, null
     fits("SubmitRequest", {"runId": "r", "groups": [group("a", n="2", promptKey=None)]})
+    fits("SubmitRequest", {"groups": [group("a", n="+2")]})  # (the parser takes both)
+    fits("SubmitRequest", {"groups": [group("a", sampling={"max_tokens": 8, "top_p": "1."})]})
     with pytest.raises(jsonschema.ValidationError, match="nn"):  # as the server refuses it
         fits("SubmitRequest", {"groups": [group("a", nn=2)]})
     with pytest.raises(jsonschema.ValidationError):

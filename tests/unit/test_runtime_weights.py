@@ -374,7 +374,7 @@ async def test_a_publish_that_waited_for_a_newer_one_loads_nothing(other_redis_u
         await asyncio.sleep(0)  # it waits for the newer one now
         gate.set()
         published = await asyncio.wait_for(newer, WAIT_S)
-        with pytest.raises(VersionBehind, match=r"policy version \(6\)"):
+        with pytest.raises(VersionBehind, match=r"below the policy version of run .* \(6\)"):
             await asyncio.wait_for(older, WAIT_S)
         status = runtime.status()
     finally:

@@ -140,8 +140,12 @@ _OTHERS: dict[int, dict[str, Any]] = {
     FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},
 }
 # What proto3's JSON parser takes as a number in a string ("1e3" is an integer to it)
-_INTEGER_TEXT = "^-?[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?$"
-_FLOAT_TEXT = "^(NaN|-?Infinity|[-+]?[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?)$"
+# Numbers as text, as protobuf's JSON parser reads them (Python's int() and float(): a sign,
+# a dot with digits on either side, an exponent); an integer's text must have an integer's
+# value ("2.0", "1e2"), which no pattern says.
+_NUMBER_TEXT = "[-+]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?"
+_INTEGER_TEXT = f"^{_NUMBER_TEXT}$"
+_FLOAT_TEXT = f"^(NaN|-?Infinity|{_NUMBER_TEXT})$"
 
 
 def openapi_document(version: str) -> dict[str, Any]:
