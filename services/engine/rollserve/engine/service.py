@@ -908,7 +908,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext[pb.UpdateWeightsRequest, pb.UpdateWeightsResponse],
     ) -> pb.UpdateWeightsResponse:
         backend = await self._require_backend(context)
-        problem = weights_problem(request, backend.info.shape)
+        # (off the event loop: on a slow shared file system its reads held every stream)
+        problem = await asyncio.to_thread(weights_problem, request, backend.info.shape)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(problem))
         # A load runs to its end even when the caller goes (its deadline, a cancel): cut short,
