@@ -209,6 +209,24 @@ def test_oversampled_batches_carry_the_tail_over() -> None:
     assert [run.priority_of(f"g{i}") for i in range(10)] == [0] * 6 + [1] * 4
 
 
+def test_a_batcher_restarted_at_a_step_counts_from_it() -> None:
+    """A trainer restarted from the checkpoint made after step 56 starts at step 57: its
+    steps, launch steps and priorities go on from there (counted from 0, they fell behind
+    the policy versions it publishes by step); the tail is carried as from step 0."""
+    run = FakeRun({"g1": 10.0, "g4": 2.5})
+    batcher = StepBatcher(
+        run, prompt_groups(), batch_size=4, oversample=0.5, max_staleness=1, start_step=57
+    )
+    first = next(batcher)
+    batcher.ack(first)
+    second = next(batcher)
+    assert (first.step, second.step) == (57, 58)
+    assert ids(first) == ["g0", "g2", "g3", "g5"] and ids(second)[:2] == ["g4", "g1"]
+    assert {g.group_id: (g.launch_step, g.staleness) for g in second.groups}["g1"] == (57, 1)
+    assert [run.priority_of(f"g{i}") for i in range(10)] == [57] * 6 + [58] * 4
+    assert batcher.state.counts_now().step == 59  # (the step being assembled)
+
+
 def test_a_due_group_is_waited_for_even_when_others_finished() -> None:
     # g0 takes 5 s; B=2, 3 in flight. At step 1 three newer groups finish first, but g0 is due.
     run = FakeRun({"g0": 5.0, "g1": 0.1, "g2": 0.2, "g3": 0.1, "g4": 0.1})
@@ -340,6 +358,9 @@ def test_priority_is_the_launch_step_and_group_ids_must_be_unique() -> None:
         ({"batch_size": 4, "oversample": float("nan")}, "oversample"),
         ({"batch_size": 4, "oversample": 0.5, "max_staleness": 0}, "max_staleness >= 1"),
         ({"batch_size": 4, "max_staleness": -1}, "max_staleness"),
+        ({"batch_size": 4, "start_step": -1}, "start_step"),
+        ({"batch_size": 4, "start_step": 1.5}, "start_step"),
+        ({"batch_size": 4, "start_step": True}, "start_step"),
     ],
 )
 def test_settings_are_checked(kwargs: dict[str, float], message: str) -> None:

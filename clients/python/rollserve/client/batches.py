@@ -201,7 +201,11 @@ class _Finished(Generic[R]):
 class BatcherState(Generic[R]):
     """The step batcher's bookkeeping, without I/O (see the module's docstring)."""
 
-    def __init__(self, batch_size: int, oversample: float, max_staleness: int) -> None:
+    def __init__(
+        self, batch_size: int, oversample: float, max_staleness: int, start_step: int = 0
+    ) -> None:
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise InvalidArgument(f"start_step ({start_step!r}) must be an integer >= 0")
         if batch_size < 1:
             raise InvalidArgument(f"batch_size ({batch_size}) must be >= 1")
         if not (math.isfinite(oversample) and 0 <= oversample <= 1):
@@ -220,7 +224,8 @@ class BatcherState(Generic[R]):
                 f"oversample ({oversample}) needs max_staleness >= 1: with 0 every group is "
                 "due in the step it was launched in, so none can be carried over"
             )
-        self.step = 0  # batches handed out so far; the step being assembled
+        # The step being assembled: start_step plus the batches handed out so far
+        self.step = start_step
         self.source_done = False  # the trainer's iterator is exhausted
         self.launched_now = 0  # groups launched at the current step
         self.filtered_now = 0  # groups filtered out at the current step
@@ -551,6 +556,9 @@ class StepBatcher(Generic[R]):
         ``StepBatch.filtered`` counts the groups it turned away during the step; those
         turned away after the last batch, when iteration ends, are in
         ``state.counts_now()``.
+    start_step: the step its first batch is (a trainer restarted from the checkpoint made
+        after step ``k`` passes ``k + 1``): steps, launch steps and priorities count from it,
+        as the policy versions a trainer publishes by step do.
     """
 
     def __init__(
@@ -564,9 +572,12 @@ class StepBatcher(Generic[R]):
         batch_timeout_s: float | None = None,
         unknown_groups: UnknownGroups = "release",
         keep: Keep | None = None,
+        start_step: int = 0,
     ) -> None:
         self._client = client
-        self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
+        self.state: BatcherState[R] = BatcherState(
+            batch_size, oversample, max_staleness, start_step
+        )
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
         self._unknown = _check_unknown_groups(unknown_groups)
@@ -697,9 +708,12 @@ class AsyncStepBatcher(Generic[R]):
         batch_timeout_s: float | None = None,
         unknown_groups: UnknownGroups = "release",
         keep: Keep | None = None,
+        start_step: int = 0,
     ) -> None:
         self._client = client
-        self.state: BatcherState[R] = BatcherState(batch_size, oversample, max_staleness)
+        self.state: BatcherState[R] = BatcherState(
+            batch_size, oversample, max_staleness, start_step
+        )
         self._launcher = _Launcher(self.state, groups)
         self._timeout_s = batch_timeout_s
         self._unknown = _check_unknown_groups(unknown_groups)
