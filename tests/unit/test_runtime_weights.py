@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from rollserve.client.types import PublishResult, SchedulerStatus
+from rollserve.client.wire import GroupResult
 from rollserve.scheduler.runtime import SchedulerRuntime, VersionBehind, WeightsNotLoaded
 from rollserve.scheduler.validation import ValidationError
 
@@ -168,35 +169,63 @@ async def test_an_engine_that_joins_or_restarts_loads_the_fleet_s_weights_first(
     assert first.weights == (5, "/ckpt/step-5")
 
 
+async def publish_between_halves(
+    runtime: SchedulerRuntime,
+    run: str,
+    version: int,
+    path: str,
+    *,
+    fast: FakeEngine,
+    second_halves: asyncio.Event,
+) -> tuple[list[GroupResult], asyncio.Task[PublishResult]]:
+    """Submits a group of two samples, one on each engine (each sends half its tokens, and
+    the rest once ``second_halves`` is set); once the first halves are in, publishes
+    ``version`` with the weights at ``path``, and once ``fast`` has loaded them lets the
+    second halves be made. The group's entry, and the publish (which may still wait for
+    the other engine's load)."""
+
+    async def first_halves() -> bool:
+        record = next(iter(runtime._groups.values()), None)
+        return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
+
+    async def fast_loaded() -> bool:
+        return fast.weights == (version, path)
+
+    await runtime.submit(run, specs(run, 1, n=2))
+    await eventually(first_halves, "each engine's first half of a sample")
+    publishing = asyncio.create_task(runtime.publish_version(run, version, path))
+    await eventually(fast_loaded, "fast to load the new weights")
+    second_halves.set()
+    return await read_stream(runtime.settings.redis_url, run, 1), publishing
+
+
+@pytest.mark.parametrize("before", ["launch", "another run's"])
 async def test_tokens_count_as_the_weights_that_made_them_while_the_fleet_loads(
-    other_redis_url: str,
+    other_redis_url: str, caplog: pytest.LogCaptureFixture, before: str
 ) -> None:
     # Each engine sends half of a sample's tokens, and the rest once the test lets it; a
     # publish comes between. "fast" has loaded the new weights by its second half, "slow"
     # loads them only after its second half is in: the run's version changes once both have.
+    # The engines serve their launch weights before, or another run's version 4.
     second_halves = asyncio.Event()
     slow_loads = asyncio.Event()
     fast = await FakeEngine("fast", second_half_gate=second_halves).start()
     slow = await FakeEngine("slow", second_half_gate=second_halves, load_gate=slow_loads).start()
     runtime = await make_runtime(other_redis_url, [fast, slow], policy="round_robin")
-    run = new_run()
+    run, other = new_run(), new_run()
     publishing: asyncio.Task[PublishResult] | None = None
     try:
-        await runtime.publish_version(run, 1)  # no weights: the engines serve their own
-
-        async def first_halves() -> bool:
-            record = next(iter(runtime._groups.values()), None)
-            return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
-
-        async def fast_loaded() -> bool:
-            return fast.weights == (2, "/ckpt/step-2")
-
-        await runtime.submit(run, specs(run, 1, n=2))
-        await eventually(first_halves, "each engine's first half of a sample")
-        publishing = asyncio.create_task(runtime.publish_version(run, 2, "/ckpt/step-2"))
-        await eventually(fast_loaded, "fast to load the new weights")
-        second_halves.set()
-        results = await read_stream(other_redis_url, run, 1)  # both second halves are in
+        if before == "launch":
+            await runtime.publish_version(run, 1)  # no weights: the engines serve their own
+            version, path = 2, "/ckpt/step-2"
+        else:
+            slow_loads.set()
+            await runtime.publish_version(other, 4, "/ckpt/w-4")
+            slow_loads.clear()
+            version, path = 1, "/ckpt/m-1"
+        results, publishing = await publish_between_halves(
+            runtime, run, version, path, fast=fast, second_halves=second_halves
+        )
         assert not publishing.done()  # slow is still loading
         slow_loads.set()
         published = await asyncio.wait_for(publishing, WAIT_S)
@@ -210,56 +239,15 @@ async def test_tokens_count_as_the_weights_that_made_them_while_the_fleet_loads(
     assert published.engines_updated == 2
     samples = results[0].samples
     versions = {s.engine_id: [(v.version, v.length) for v in s.versions] for s in samples}
-    # The first halves were made with the engines' launch weights, before the run published
-    # any: they count as the run's version then.
-    assert versions == {"fast": [(1, 3), (2, 3)], "slow": [(1, 6)]}
-
-
-async def test_tokens_made_with_another_run_s_weights_are_not_labelled_with_its_versions(
-    other_redis_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Run w had the fleet load its version 4. Run m's sample is half made with those weights
-    # when m publishes its version 1's: "fast" loads them before its second half, "slow"
-    # after. The tokens made with w's weights are m's version 0, not w's 4 (a version m
-    # never had, and the labels then went down from 4 to 1 within a sample).
-    second_halves = asyncio.Event()
-    slow_loads = asyncio.Event()
-    fast = await FakeEngine("fast", second_half_gate=second_halves).start()
-    slow = await FakeEngine("slow", second_half_gate=second_halves, load_gate=slow_loads).start()
-    runtime = await make_runtime(other_redis_url, [fast, slow], policy="round_robin")
-    w, m = new_run(), new_run()
-    publishing: asyncio.Task[PublishResult] | None = None
-    try:
-        slow_loads.set()
-        await runtime.publish_version(w, 4, "/ckpt/w-4")
-        slow_loads.clear()
-
-        async def first_halves() -> bool:
-            record = next(iter(runtime._groups.values()), None)
-            return record is not None and [len(s.token_ids) for s in record.samples] == [3, 3]
-
-        async def fast_loaded() -> bool:
-            return fast.weights == (1, "/ckpt/m-1")
-
-        await runtime.submit(m, specs(m, 1, n=2))
-        await eventually(first_halves, "each engine's first half of a sample")
-        publishing = asyncio.create_task(runtime.publish_version(m, 1, "/ckpt/m-1"))
-        await eventually(fast_loaded, "fast to load m's weights")
-        second_halves.set()
-        results = await read_stream(other_redis_url, m, 1)
-        slow_loads.set()
-        await asyncio.wait_for(publishing, WAIT_S)
-    finally:
-        if publishing is not None:
-            publishing.cancel()
-            await asyncio.wait({publishing})
-        await runtime.stop()
-        await fast.stop()
-        await slow.stop()
-    samples = results[0].samples
-    versions = {s.engine_id: [(v.version, v.length) for v in s.versions] for s in samples}
-    assert versions == {"fast": [(0, 3), (1, 3)], "slow": [(0, 6)]}
-    assert f"in place of run {w}'s (/ckpt/w-4, version 4)" in caplog.text
+    if before == "launch":
+        # The first halves were made with the engines' launch weights, before the run
+        # published any: they count as the run's version then.
+        assert versions == {"fast": [(1, 3), (2, 3)], "slow": [(1, 6)]}
+    else:
+        # Made with the other run's weights, they count as the run's version 0, not as the
+        # other's 4 (a version the run never had: the labels went down from 4 to 1).
+        assert versions == {"fast": [(0, 3), (1, 3)], "slow": [(0, 6)]}
+        assert f"in place of run {other}'s (/ckpt/w-4, version 4)" in caplog.text
 
 
 async def test_tokens_keep_the_weights_version_when_the_run_moves_on_without_weights(
