@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import time
@@ -148,6 +149,8 @@ _REJECTIONS = frozenset(
 # did not reach the engine's drafter.
 _UNDELIVERED = _REJECTIONS | {grpc.StatusCode.UNAVAILABLE}
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
+# How long a Submit that met a Redis error looks for the groups its write may have left
+_ADOPT_WITHIN_S = 60.0
 # Publishes without weights of one run whose counts may be awaited at once; the next waits.
 _MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
@@ -664,6 +667,15 @@ class SchedulerRuntime:
                 except DuplicateGroup:
                     await self._adopt(run_id, specs)
                     raise
+                except redis.exceptions.RedisError:
+                    # The write may have landed with its answer lost: the groups Redis
+                    # holds are queued once it answers, retried by the caller or not.
+                    task = asyncio.create_task(
+                        self._adopt_later(run_id, specs), name=f"adopt {run_id}"
+                    )
+                    self._tasks.add(task)
+                    task.add_done_callback(self._call_ended)
+                    raise
                 for spec in specs:
                     # Redis took it as new: a group of the id still here is one of a
                     # DeleteRun whose answer was lost (done in Redis, not here).
@@ -676,12 +688,12 @@ class SchedulerRuntime:
             self._admitting = (self._admitting[0] - len(specs), self._admitting[1] - tokens)
 
     async def _adopt(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
-        """A Submit refused as a duplicate may be the retry of one whose write landed while
-        its caller saw a Redis error (the answer lost): its groups are pending in Redis and
-        were never queued here (nothing else leaves a group so but a restart, which
-        recovers them). Those are queued now, as Redis holds them; the retry is still told
-        they exist (ALREADY_EXISTS: the SDK counts them as submitted). The caller holds the
-        run's lock."""
+        """A Submit that met a Redis error may have written its groups (the answer lost):
+        they are pending in Redis and were never queued here (nothing else leaves a group
+        so but a restart, which recovers them). Those are queued now, as Redis holds them:
+        looked for once Redis answers again (``_adopt_later``), and by a retry, which is
+        refused as a duplicate (ALREADY_EXISTS: the SDK counts them as submitted). The
+        caller holds the run's lock."""
         pending = await self._store.pending_groups(run_id, [spec.group_id for spec in specs])
         # (A group retired since is still pending in Redis until its ending is written.)
         adopted = [s for s in pending if s.key not in self._groups and s.key not in self._ending]
@@ -689,7 +701,7 @@ class SchedulerRuntime:
             return
         log.warning(
             "%d groups of run %s were pending in Redis and not queued (a Submit whose answer "
-            "was lost, retried): queued now",
+            "was lost): queued now",
             len(adopted),
             run_id,
         )
@@ -697,6 +709,28 @@ class SchedulerRuntime:
             self._enqueue(spec)
         await self._restore_streamed([spec for spec in adopted if spec.stream_samples])
         self._wake.set()
+
+    async def _adopt_later(self, run_id: str, specs: Sequence[GroupSpec]) -> None:
+        """``_adopt`` once Redis answers, for up to ``_ADOPT_WITHIN_S`` (a retry of the
+        Submit or a restart of the scheduler queues them after that)."""
+        deadline = time.monotonic() + _ADOPT_WITHIN_S
+        for attempt in itertools.count():
+            try:
+                async with self._run_lock(run_id):
+                    await self._adopt(run_id, specs)
+                return
+            except redis.exceptions.RedisError as exc:
+                delay = _REDIS_RETRY_S[min(attempt, len(_REDIS_RETRY_S) - 1)]
+                if time.monotonic() + delay > deadline:
+                    log.warning(
+                        "whether Redis took %d groups of run %s is not known (%s): a retry "
+                        "of the Submit, or a restart, queues them",
+                        len(specs),
+                        run_id,
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(delay)
 
     @contextlib.asynccontextmanager
     async def _run_lock(self, run_id: str) -> AsyncIterator[None]:
