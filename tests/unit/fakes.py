@@ -85,6 +85,9 @@ class FakeEngine:
     # draft tokens proposed and accepted, and passes that carried drafts, per sample's end
     spec: tuple[int, int, int] = (0, 0, 0)
     holds: tuple[int, ...] = ()  # sample indices held after their first chunk until aborted
+    # The first this many calls send their first half, then a retryable Error (one request
+    # vLLM failed, the engine serving on)
+    failing_calls: int = 0
     on_abort: AbortOutcome = AbortOutcome.ENDS
     abort_gate: asyncio.Event | None = None  # Abort acts (and answers) once it is set
     made_ahead: int | None = None  # tokens a held sample made beyond its first chunk
@@ -166,6 +169,7 @@ class _Servicer(pb_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         e = self._e
         e.requests.append(request)
+        call_number = len(e.requests)
         if e.behaviour is Behaviour.REJECT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake engine rejects it")
         indices = list(request.sample_indices) or list(range(request.n))
@@ -187,6 +191,10 @@ class _Servicer(pb_grpc.EngineServicer):
                     await asyncio.Event().wait()
                 if not first and e.behaviour is Behaviour.FATAL_ERROR:
                     error = pb.Error(message="fake engine cannot do it", retryable=False)
+                    yield pb.GenerateResponse(error=error)
+                    return
+                if not first and call_number <= e.failing_calls:
+                    error = pb.Error(message="fake engine failed this call", retryable=True)
                     yield pb.GenerateResponse(error=error)
                     return
                 half = [i for i in indices if first or i not in held.indices]

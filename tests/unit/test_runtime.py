@@ -419,6 +419,36 @@ async def test_a_non_retryable_engine_failure_fails_the_group_without_retry(
     assert len(engine.requests) == 1 and runtime.counters.engine_failures == 0
 
 
+async def test_a_call_the_engine_fails_alone_is_retried_and_the_engine_serves_on(
+    redis_url: str,
+) -> None:
+    """One call failed with a retryable error (one request vLLM could not finish): its
+    group runs again, and the engine's other call goes on (taken out of service, the
+    engine lost every running sample's tokens with it)."""
+    engine = await FakeEngine("e", failing_calls=1, step_s=0.2).start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    try:
+        await runtime.submit(run, specs(run, 2))
+        results = await read_stream(redis_url, run, 2)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+    attempts = sorted(r.attempts for r in results)
+    assert all(r.status is GroupStatus.DELIVERED for r in results) and attempts == [1, 2]
+    assert len(engine.requests) == 3 and runtime.counters.engine_failures == 0
+
+
+async def test_an_engine_whose_calls_keep_failing_is_taken_out_of_service(
+    redis_url: str,
+) -> None:
+    engine = FakeEngine("e", failing_calls=3)
+    result, runtime = await one_group(redis_url, engine)
+    assert result.status is GroupStatus.FAILED and "3 attempts failed" in result.error
+    assert "3 calls failed so within 60 s" in result.error
+    assert runtime.counters.engine_failures == 1  # (at the third)
+
+
 async def one_group(redis_url: str, engine: FakeEngine) -> tuple[GroupResult, SchedulerRuntime]:
     """One group of one run through a runtime on ``engine`` alone: what reached the stream,
     and the runtime (stopped) for its counters."""

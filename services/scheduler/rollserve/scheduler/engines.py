@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -154,6 +155,8 @@ class EngineHandle:
         self.reached_by = 0
         self.last_error = ""
         self.last_heartbeat = 0.0
+        # When its latest calls failed with an error it said another engine may not meet
+        self._call_errors: deque[float] = deque()
         self.registered = False  # came through RegisterEngine rather than settings
         # A health watch is open: a change of its status arrives without a probe.
         self.watching = False
@@ -378,6 +381,15 @@ class EngineHandle:
                 metadata=self._metadata(),
             )
         return reply.found
+
+    def call_failed(self, now: float, window_s: float) -> int:
+        """Notes a call of it that failed with an error another engine may not meet; how
+        many did within the last ``window_s`` seconds, this one included."""
+        errors = self._call_errors
+        errors.append(now)
+        while errors[0] <= now - window_s:
+            errors.popleft()
+        return len(errors)
 
     def mark(self, healthy: bool, error: str = "") -> bool:
         """Sets health; returns True when it changed."""

@@ -151,6 +151,11 @@ _UNDELIVERED = _REJECTIONS | {grpc.StatusCode.UNAVAILABLE}
 _REDIS_RETRY_S = (0.05, 0.2, 1.0, 2.0)
 # How long a Submit that met a Redis error looks for the groups its write may have left
 _ADOPT_WITHIN_S = 60.0
+# Calls of an engine failed with a retryable error (``_CallFailed``) that take it out of
+# service, within this many seconds: one alone requeues its own samples only (it took
+# every running sample of the engine with it, all their tokens made again).
+_CALL_FAILURES = 3
+_CALL_FAILURES_WINDOW_S = 60.0
 # Publishes without weights of one run whose counts may be awaited at once; the next waits.
 _MAX_COUNTS_AWAITED = 4
 # The latest delivered samples the predictor's accuracy is reported over (Status).
@@ -219,6 +224,13 @@ class VersionBehind(ValueError):
 
 class _EngineFault(Exception):
     """The engine could not finish the call; another engine may."""
+
+
+class _CallFailed(Exception):
+    """The engine failed the call with an error another engine may not meet: the call's
+    samples go back to the queue (an attempt each); the engine is taken out of service
+    once ``_CALL_FAILURES`` of its calls did so within ``_CALL_FAILURES_WINDOW_S`` (one
+    whose core died also says so through its health, at once)."""
 
 
 class _Rejected(Exception):
@@ -1749,11 +1761,29 @@ class SchedulerRuntime:
             return
         except _EngineFault as exc:
             await self._engine_down(engine, str(exc))
+        except _CallFailed as exc:
+            failed = engine.call_failed(time.monotonic(), _CALL_FAILURES_WINDOW_S)
+            if failed < _CALL_FAILURES:
+                await self._requeue_call(call, f"engine {engine.engine_id}: {exc}")
+                return
+            await self._engine_down(
+                engine, f"{exc} ({failed} calls failed so within {_CALL_FAILURES_WINDOW_S:g} s)"
+            )
         finally:
             if not stream.done():
                 stream.cancel()
         if record.all_finished:  # this call finished the group's last sample
             await self._end(record)
+
+    async def _requeue_call(self, call: _Call, reason: str) -> None:
+        """The call's unfinished samples go back to the queue, its engine left in service;
+        the group ends if one of them ran out of attempts."""
+        self._forget(call)
+        ending = self._requeue(call, reason)
+        self._wake.set()
+        if ending is not None and self._retire(ending.record):
+            with self._holding_writes(ending.record.spec):
+                await self._write_ending(ending)
 
     def _earlier_outputs(self, call: _Call) -> list[array[int]]:
         """The outputs of the call's prompt its engine lacks, where it drafts from them (a
@@ -1920,7 +1950,7 @@ class SchedulerRuntime:
                     self._stream_sample(record, done.index)
             elif kind == "error":
                 if message.error.retryable:
-                    raise _EngineFault(f"engine error: {message.error.message}")
+                    raise _CallFailed(f"engine error: {message.error.message}")
                 raise _Rejected(message.error.message)
         if call.running():
             raise _EngineFault("the stream ended before every sample finished")
