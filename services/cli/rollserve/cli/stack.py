@@ -485,10 +485,9 @@ class DevStack:
         back at other ports, so the scheduler is started again with them (it does not wait
         for the lease: stopped, the old one gives it up). StackError if it cannot be
         started."""
-        restart = proc.next_restart()
         if proc is self.sim_fleet:
             assert self.config.sim_profile is not None
-            self.start_sim_fleet(self.config.sim_profile, restart)
+            self.start_sim_fleet(self.config.sim_profile, proc.next_restart())
             if self.scheduler is not None:  # (it did not exit: its count stays)
                 self.scheduler.stop()
                 self.start_scheduler(max(1, self.scheduler.restarts))

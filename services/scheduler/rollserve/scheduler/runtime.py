@@ -1781,9 +1781,8 @@ class SchedulerRuntime:
         self._forget(call)
         ending = self._requeue(call, reason)
         self._wake.set()
-        if ending is not None and self._retire(ending.record):
-            with self._holding_writes(ending.record.spec):
-                await self._write_ending(ending)
+        if ending is not None:
+            await self._end(ending.record, ending.error)
 
     def _earlier_outputs(self, call: _Call) -> list[array[int]]:
         """The outputs of the call's prompt its engine lacks, where it drafts from them (a
