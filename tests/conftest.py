@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from rollserve.cli.redis_server import EmbeddedRedis
+from rollserve.client.wire import WEIGHTS_KEY
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,23 @@ def redis_url() -> Iterator[str]:
         return
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture(autouse=True)
+def _no_fleet_weights_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test on ``redis_url``'s database leaves no fleet weights in it: every later
+    scheduler there would start by asking its engines to load them (a test that publishes
+    weights takes ``other_redis_url``)."""
+    yield
+    if "redis_url" not in request.fixturenames:
+        return
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    try:
+        left = client.hgetall(WEIGHTS_KEY)
+        client.delete(WEIGHTS_KEY)  # (the tests after it run as they would alone)
+    finally:
+        client.close()
+    assert not left, f"the test left the fleet's weights in the shared database: {left}"
 
 
 @pytest.fixture

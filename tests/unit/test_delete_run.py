@@ -398,11 +398,12 @@ async def _cancelled(engine: FakeEngine) -> bool:
 
 
 async def test_a_publish_in_progress_ends_before_the_delete_and_the_weights_name_no_run(
-    redis_url: str,
+    other_redis_url: str,
 ) -> None:
+    # (A database of its own: the fleet's weights stay in it.)
     gate = asyncio.Event()
     engine = await FakeEngine("e0", load_gate=gate).start()
-    runtime = await make_runtime(redis_url, [engine])
+    runtime = await make_runtime(other_redis_url, [engine])
     run = new_run()
     try:
         publish = asyncio.create_task(runtime.publish_version(run, 5, "/weights/v5"))
@@ -419,11 +420,11 @@ async def test_a_publish_in_progress_ends_before_the_delete_and_the_weights_name
         assert weights is not None and (weights.path, weights.run_id) == ("/weights/v5", "")
         assert runtime.policy_version(run) == 0 and not runtime._stamps(run)
         await runtime.submit(run, specs(run, 1, n=1))
-        [result] = await read_stream(redis_url, run, 1)
+        [result] = await read_stream(other_redis_url, run, 1)
     finally:
         await runtime.stop()
         await engine.stop()
-    assert await run_keys(redis_url, run) != []  # (the run used again has its state)
+    assert await run_keys(other_redis_url, run) != []  # (the run used again has its state)
     assert {seg.version for s in result.samples for seg in s.versions} == {0}
 
 

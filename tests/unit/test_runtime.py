@@ -1346,10 +1346,11 @@ async def test_an_engine_that_restarted_gets_every_output_of_its_prompt_again(
 
 @pytest.mark.parametrize("anew", [True, False], ids=["restarted", "same-process"])
 async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
-    redis_url: str, anew: bool
+    other_redis_url: str, anew: bool
 ) -> None:
     """``a`` goes and comes back at its address at once, long before enough probes fail to
-    mark it down (50). A new process (another boot id in its Stats) is counted a restart,
+    mark it down (50), on a database of its own (the fleet's weights it publishes stay
+    there). A new process (another boot id in its Stats) is counted a restart,
     loads the fleet's weights and gets every output of its prompt again; the same process
     behind a broken connection (same boot id) keeps what it was handed."""
     # Edges faked: both engines (FakeEngine over real gRPC, with the standard health
@@ -1357,7 +1358,7 @@ async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
     a = await FakeEngine("a", tokens_per_sample=4, takes_earlier_outputs=True).start()
     b = await FakeEngine("b", tokens_per_sample=4, first_token=500).start()
     runtime = await make_runtime(
-        redis_url,
+        other_redis_url,
         [a, b],
         policy="round_robin",
         health_failures=50,
@@ -1375,7 +1376,7 @@ async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
     try:
         await runtime.publish_version(run, 5, "/ckpt/step-5")
         await runtime.submit(run, [spec("g0", n=4, run_id=run)])
-        await read_stream(redis_url, run, 1)
+        await read_stream(other_redis_url, run, 1)
         on_a = sum(len(indices) for indices in a.asked())
         assert 0 < on_a < 4
         await a.stop()
@@ -1395,7 +1396,7 @@ async def test_an_engine_back_before_a_probe_failed_is_known_by_its_boot_id(
 
         await eventually(probed_back, "the scheduler to read the Stats of what is at a's address")
         await runtime.submit(run, [spec("g1", n=4, run_id=run)])
-        await read_stream(redis_url, run, 2)
+        await read_stream(other_redis_url, run, 2)
         status = runtime.status()
     finally:
         await runtime.stop()
