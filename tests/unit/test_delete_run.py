@@ -224,6 +224,42 @@ async def test_a_run_deleted_while_a_submit_writes_its_groups_leaves_none_runnin
     assert await run_keys(redis_url, run, "g0", "g1") == []
 
 
+async def test_a_version_read_before_a_delete_is_not_kept_after_it(redis_url: str) -> None:
+    """A Submit of a run this process has not seen reads the run's version (5) while a
+    DeleteRun of it ends: the run used again starts at 0, as Redis has it, and its trainer
+    publishes 1 (the 5 read before the delete, kept, refused every version below it).
+    Faked: the engine, and the store's read of the version (held until the delete ends)."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(redis_url, [engine])
+    run = new_run()
+    store = runtime._store
+    await store.publish_version(run, 5)  # (another scheduler's, before this one started)
+    read = store.load_versions
+    reading, deleted = asyncio.Event(), asyncio.Event()
+
+    async def slow_first_read(run_ids: Sequence[str]) -> dict[str, int]:
+        loaded = await read(run_ids)
+        if not reading.is_set():
+            reading.set()
+            await deleted.wait()
+        return loaded
+
+    store.load_versions = slow_first_read  # type: ignore[method-assign]
+    try:
+        submit = asyncio.create_task(runtime.submit(run, specs(run, 1)))
+        await asyncio.wait_for(reading.wait(), WAIT_S)
+        await runtime.delete_run(run)
+        deleted.set()
+        await asyncio.wait_for(submit, WAIT_S)
+        assert runtime.policy_version(run) == 0
+        assert (await runtime.publish_version(run, 1)).version == 1
+        await read_stream(redis_url, run, 1)
+        await runtime.delete_run(run)  # (nothing left pending for the next test)
+    finally:
+        await runtime.stop()
+        await engine.stop()
+
+
 async def test_a_delivery_retried_across_the_delete_never_lands_in_the_run_used_again(
     redis_url: str,
 ) -> None:

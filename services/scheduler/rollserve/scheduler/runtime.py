@@ -428,6 +428,7 @@ class SchedulerRuntime:
         # Run id -> its policy version (PublishVersion; Redis has it), for every run with
         # groups here or that published since the start.
         self._versions: dict[str, int] = {}
+        self._runs_deleted = 0  # DeleteRuns done (a version read across one is read again)
         # The fleet's weights from the last PublishVersion with a path: an engine serves
         # only with them loaded. None: engines keep the weights they have.
         self._weights: FleetWeights | None = None
@@ -799,6 +800,7 @@ class SchedulerRuntime:
                     record.cancel()
                     cancelled += 1
             self._versions.pop(run_id, None)
+            self._runs_deleted += 1
             self._tags.forget(run_id)
             if self._stamping is not None and self._stamping[0] == run_id:
                 self._stamping = ("", 0, 0)  # (the fleet's weights, in Redis too, name no run)
@@ -1072,8 +1074,14 @@ class SchedulerRuntime:
 
     async def _load_version(self, run_id: str) -> None:
         """The run's policy version from Redis, unless a publish set a newer one while it was
-        read (a Submit and a PublishVersion of a run this process has not seen, at once)."""
-        loaded = (await self._store.load_versions([run_id]))[run_id]
+        read (a Submit and a PublishVersion of a run this process has not seen, at once).
+        Read again when a DeleteRun ended meanwhile: the version read before it went with
+        the run, and kept it would refuse the versions of the run used again below it."""
+        while True:
+            deletes = self._runs_deleted
+            loaded = (await self._store.load_versions([run_id]))[run_id]
+            if deletes == self._runs_deleted:
+                break
         self._versions[run_id] = max(loaded, self._versions.get(run_id, loaded))
 
     def policy_version(self, run_id: str) -> int:
