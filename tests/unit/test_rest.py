@@ -447,6 +447,9 @@ async def test_calls_answer_503_once_the_scheduler_stops() -> None:
         async with http.post(f"{url}/v1/runs/r/groups", json={"groups": [group("a")]}) as reply:
             assert reply.status == 503
             assert (await reply.json())["error"]["status"] == "UNAVAILABLE"
+        async with http.get(f"{url}/v1/status") as reply:  # (it answered 200 until stopped)
+            assert reply.status == 503
+            assert (await reply.json())["error"]["message"] == "the scheduler is stopping"
         async with http.get(f"{url}/healthz") as reply:
             assert (reply.status, await reply.json()) == (503, {"status": "NOT_SERVING"})
 

@@ -136,8 +136,8 @@ class SchedulerServicer:
         keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
         ids of its groups, its policy version. The run id may then be used again, from nothing.
         The length history (kept by prompt_key, across runs) stays. It waits for the run's
-        PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
-        one still reading makes the stream again (empty) for its consumer group.
+        PublishVersion in progress, and the run's calls wait for it. A reader still reading the
+        run is told it was deleted (the SDK raises RunDeleted) and makes no stream again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -66,8 +66,8 @@ class SchedulerStub:
     keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
     ids of its groups, its policy version. The run id may then be used again, from nothing.
     The length history (kept by prompt_key, across runs) stays. It waits for the run's
-    PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
-    one still reading makes the stream again (empty) for its consumer group.
+    PublishVersion in progress, and the run's calls wait for it. A reader still reading the
+    run is told it was deleted (the SDK raises RunDeleted) and makes no stream again.
     """
 
 @_typing.type_check_only
@@ -106,8 +106,8 @@ class SchedulerAsyncStub(SchedulerStub):
     keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
     ids of its groups, its policy version. The run id may then be used again, from nothing.
     The length history (kept by prompt_key, across runs) stays. It waits for the run's
-    PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
-    one still reading makes the stream again (empty) for its consumer group.
+    PublishVersion in progress, and the run's calls wait for it. A reader still reading the
+    run is told it was deleted (the SDK raises RunDeleted) and makes no stream again.
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -185,8 +185,8 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         keeps of it in Redis: its streams (with what readers have not read or acknowledged), the
         ids of its groups, its policy version. The run id may then be used again, from nothing.
         The length history (kept by prompt_key, across runs) stays. It waits for the run's
-        PublishVersion in progress, and the run's calls wait for it. Stop the run's readers first:
-        one still reading makes the stream again (empty) for its consumer group.
+        PublishVersion in progress, and the run's calls wait for it. A reader still reading the
+        run is told it was deleted (the SDK raises RunDeleted) and makes no stream again.
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -172,6 +172,11 @@ def openapi_document(version: str) -> dict[str, Any]:
             for status in route.refusals:
                 why = _REFUSALS[status]
                 operation["responses"][status] = {"description": why, "content": _content("Error")}
+        else:
+            operation["responses"]["503"] = {
+                "description": "the scheduler is stopping",
+                "content": _content("Error"),
+            }
         operation["responses"]["401"] = {
             "description": _UNAUTHENTICATED,
             "content": _content("Error"),

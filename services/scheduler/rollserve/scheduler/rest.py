@@ -93,6 +93,10 @@ class RestApi:
         if message is None:
 
             async def answer(request: web.Request) -> web.Response:
+                if not self.serving:  # (as gRPC's Status, which a stopping server refuses)
+                    return _error(
+                        HTTPStatus.SERVICE_UNAVAILABLE, "UNAVAILABLE", "the scheduler is stopping"
+                    )
                 return await _json(getattr(self._api, route.call)())
 
         else:
