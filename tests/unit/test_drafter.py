@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+from array import array
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -377,6 +378,24 @@ def test_history_keeps_the_newest_outputs_within_its_budgets() -> None:
     assert len(history) == 2
     with pytest.raises(ValueError, match="max_tokens"):
         History(max_tokens=0, max_per_prompt=1)
+
+
+def test_history_tells_prompts_apart_by_their_tokens_alone() -> None:
+    """A prompt is keyed by a digest of its tokens: the same tokens as a list, a tuple or an
+    array are one prompt; a prompt that is another's prefix, or the same tokens in another
+    order, is another."""
+    history = History(max_tokens=1 << 20, max_per_prompt=8)
+    prompt = list(range(300, 800))  # (ids past the small ints Python shares)
+    history.add(prompt, [1])
+    history.add(tuple(prompt), [2])
+    history.add(array("i", prompt), [3])
+    assert len(history) == 1 and _outputs(history, tuple(prompt)) == [(1,), (2,), (3,)]
+    assert history.tokens == len(prompt) + 3
+    history.add(prompt[:-1], [4])
+    history.add(prompt[::-1], [5])
+    assert len(history) == 3
+    assert _outputs(history, tuple(prompt[:-1])) == [(4,)]
+    assert _outputs(history, tuple(prompt[::-1])) == [(5,)]
 
 
 class _Batch:

@@ -25,6 +25,7 @@ Used by the engine's drafter (:mod:`rollserve.engine.drafter`, speculative metho
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -494,7 +495,9 @@ class History:
 
     At most ``max_per_prompt`` outputs a prompt (the newest) and ``max_tokens`` tokens in all
     (prompts and outputs): the prompt used least recently goes first. Outputs are kept as
-    4-byte integers (a tuple of Python ints takes about nine times that)."""
+    4-byte integers (a tuple of Python ints takes about nine times that), and a prompt by a
+    16-byte digest of its tokens, which counts as its tokens (its tuple, kept as the key,
+    took some 36 bytes a token uncounted)."""
 
     def __init__(self, *, max_tokens: int, max_per_prompt: int) -> None:
         if max_tokens < 1 or max_per_prompt < 1:
@@ -504,30 +507,41 @@ class History:
             )
         self.max_tokens = max_tokens
         self.max_per_prompt = max_per_prompt
-        self._by_prompt: OrderedDict[tuple[int, ...], deque[array[int]]] = OrderedDict()
+        # digest of the prompt -> (its length in tokens, its outputs)
+        self._by_prompt: OrderedDict[bytes, tuple[int, deque[array[int]]]] = OrderedDict()
         self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._by_prompt)
 
-    def add(self, prompt: tuple[int, ...], output: Sequence[int]) -> None:
-        outputs = self._by_prompt.get(prompt)
-        if outputs is None:
-            outputs = self._by_prompt[prompt] = deque()
+    def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        key = _digest(prompt)
+        entry = self._by_prompt.get(key)
+        if entry is None:
+            entry = self._by_prompt[key] = (len(prompt), deque())
             self.tokens += len(prompt)
-        self._by_prompt.move_to_end(prompt)
+        self._by_prompt.move_to_end(key)
+        outputs = entry[1]
         outputs.append(array("i", output))
         self.tokens += len(output)
         if len(outputs) > self.max_per_prompt:
             self.tokens -= len(outputs.popleft())
         while self.tokens > self.max_tokens and self._by_prompt:
-            old_prompt, old = self._by_prompt.popitem(last=False)
-            self.tokens -= len(old_prompt) + sum(len(o) for o in old)
+            _, (prompt_len, old) = self._by_prompt.popitem(last=False)
+            self.tokens -= prompt_len + sum(len(o) for o in old)
 
-    def outputs(self, prompt: tuple[int, ...]) -> Sequence[Sequence[int]]:
+    def outputs(self, prompt: Sequence[int]) -> Sequence[Sequence[int]]:
         """The outputs kept for ``prompt``, oldest first (the prompt counts as used)."""
-        outputs = self._by_prompt.get(prompt)
-        if outputs is None:
+        key = _digest(prompt)
+        entry = self._by_prompt.get(key)
+        if entry is None:
             return ()
-        self._by_prompt.move_to_end(prompt)
-        return tuple(outputs)
+        self._by_prompt.move_to_end(key)
+        return tuple(entry[1])
+
+
+def _digest(prompt: Sequence[int]) -> bytes:
+    """A prompt's key: its tokens as 4-byte integers, hashed (a collision, at 128 bits, is
+    not met in practice, and would only give a prompt another's drafts: a slower sample,
+    never a different one)."""
+    return hashlib.blake2b(array("i", prompt).tobytes(), digest_size=16).digest()
