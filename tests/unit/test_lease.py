@@ -81,6 +81,32 @@ async def test_a_crashed_holders_lease_ends_and_the_next_one_waits_for_it(
         await crashed.renew()
 
 
+async def test_a_holder_that_stalled_past_its_margin_goes_on_if_the_lease_is_still_its_own(
+    client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stall of the process (a large Submit's work on the event loop) past the two thirds
+    of the ttl the holder counts on, within the ttl: Redis still names it, so no other
+    scheduler held the lease, and it goes on (it gave up, and a scheduler under a steady
+    load of large Submits restarted again and again). Faked: the lease's clock."""
+    clock = VirtualTime()
+    lease = SchedulerLease(
+        client, ttl_s=LONG_TTL_S, wait_s=0, holder="me", clock=clock.monotonic, sleep=clock.sleep
+    )
+    await lease.take()
+    await client.pexpire(LEASE_KEY, 3_600_000)  # (only a renewal brings it back to the ttl)
+    clock.now += lease.valid_s + 1  # the stall
+    with caplog.at_level("WARNING"):
+        await lease.renew()
+    assert 0 < await client.pttl(LEASE_KEY) <= LONG_TTL_S * 1000
+    assert "this process stalled" in caplog.text
+    # Stalled again, and meanwhile the lease ended and another took it: lost.
+    clock.now += lease.valid_s + 1
+    await client.set(LEASE_KEY, "someone else")
+    with pytest.raises(LeaseLost, match="no renewal .* no longer held by me"):
+        await lease.renew()
+    assert await client.get(LEASE_KEY) == b"someone else"
+
+
 async def test_keep_renews_until_the_lease_is_taken_away(client: aioredis.Redis) -> None:
     clock = VirtualTime()
     lease = SchedulerLease(

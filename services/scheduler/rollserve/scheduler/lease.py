@@ -15,8 +15,10 @@ never seen by the other until it restarts). The lease makes that impossible:
   is lost. So does no successful renewal for ``2 ttl / 3`` (Redis unreachable, or a renewal
   that hangs: each is cut off at that deadline): the holder gives up a third of the ttl
   before the lease can end in Redis, so it has stopped before another scheduler can take
-  over (as long as its event loop is not stalled for that long). On loss the caller must
-  stop acting at once.
+  over. A renewal that comes later than that because the process stalled (its event loop
+  busy, the machine paused) is still tried: if the lease still names this holder, no other
+  scheduler held it meanwhile, and the holder goes on; if not, or if Redis does not answer,
+  the lease is lost. On loss the caller must stop acting at once.
 - **release**: at a clean stop, ``DEL`` (only while still this holder's), so the next
   scheduler starts without waiting.
 
@@ -146,11 +148,9 @@ class SchedulerLease:
         Redis error before that is logged and tolerated."""
         started = self._clock()
         left = self._renewed_at + self.valid_s - started
-        if left <= 0:  # too late to ask: the lease may have ended and been taken
-            raise LeaseLost(
-                f"no renewal of {LEASE_KEY} for {started - self._renewed_at:.1f} s (the "
-                f"holder gives up after {self.valid_s:g} s of its {self.ttl_s:g} s ttl)"
-            )
+        if left <= 0:
+            await self._renew_late(started)
+            return
         try:
             renewed = await asyncio.wait_for(
                 self._renew(keys=[LEASE_KEY], args=[self.holder, self._ttl_ms]), timeout=left
@@ -165,6 +165,36 @@ class SchedulerLease:
             return
         if not renewed:
             raise LeaseLost(f"{LEASE_KEY} is no longer held by {self.holder}")
+        self._renewed_at = started
+
+    async def _renew_late(self, started: float) -> None:
+        """A renewal past ``valid_s``: the process stalled (a Submit's work on the event
+        loop, a paused machine), or Redis did not answer in time. The lease may have ended
+        and been taken; it counts only if Redis says at once that it is still this
+        holder's, in the script that extends it (then no other scheduler held it: the key
+        names whoever took it last)."""
+        since = started - self._renewed_at
+        why = (
+            f"no renewal of {LEASE_KEY} for {since:.1f} s (the holder gives up after "
+            f"{self.valid_s:g} s of its {self.ttl_s:g} s ttl unless Redis says it is still "
+            "its own)"
+        )
+        try:
+            renewed = await asyncio.wait_for(
+                self._renew(keys=[LEASE_KEY], args=[self.holder, self._ttl_ms]),
+                timeout=self.ttl_s - self.valid_s,
+            )
+        except (redis.exceptions.RedisError, TimeoutError) as e:
+            raise LeaseLost(f"{why}, and the renewal now failed ({e!r})") from e
+        if not renewed:
+            raise LeaseLost(f"{why}, and it is no longer held by {self.holder}")
+        log.warning(
+            "renewed the scheduler lease %.1f s after the last renewal (past the %g s the "
+            "holder counts on): this process stalled, its event loop busy or the machine "
+            "paused; the lease was still its own",
+            since,
+            self.valid_s,
+        )
         self._renewed_at = started
 
     async def keep(self) -> None:
