@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
+import socket
+import struct
 import urllib.error
 import urllib.request
 import uuid
@@ -255,6 +258,33 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
             "prompt_token_ids is given twice, also as promptTokenIds",
         ),
         ("/v1/runs/r/versions", {"version": -1}, 422, "version (-1)"),
+        # (json.loads kept the last of a key given twice: n 1, silently)
+        (
+            "/v1/runs/r/groups",
+            b'{"groups": [{"group_id": "a", "prompt_token_ids": [1], "n": 100, "n": 1}]}',
+            422,
+            "the body gives the key 'n' twice in one object",
+        ),
+        (
+            "/v1/runs/r/groups",
+            b'{"groups": [], "groups": [{"group_id": "a", "prompt_token_ids": [1], "n": 1}]}',
+            422,
+            "the key 'groups' twice",
+        ),
+        ("/v1/runs/r/groups", {"groups": {"a": 1}}, 422, "SubmitRequest.groups must be a list"),
+        (
+            "/v1/runs/r/groups",
+            {"groups": [[1]]},
+            422,
+            "SubmitRequest.groups[0] must be an object (a PromptGroup), not [1]",
+        ),
+        # (Python converts at most 4,300 digits: this was a 400, "not JSON")
+        (
+            "/v1/runs/r/groups",
+            b'{"groups": [{"group_id": "a", "prompt_token_ids": [1], "n": 1' + b"0" * 5000 + b"}]}",
+            422,
+            "n field",
+        ),
     ],
 )
 async def test_each_refusal_answers_its_status_and_names_the_field(
@@ -396,6 +426,27 @@ async def test_a_half_sent_body_does_not_hold_the_scheduler_past_its_grace(
     writer.close()
 
 
+async def test_a_client_that_goes_before_its_body_is_read_is_no_bug_of_the_server(
+    other_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that promised 1,000 bytes, sent 5 and reset its connection: logged as a
+    bug (an ERROR with a traceback) before, which any client could fill the log with."""
+    async with scheduler(other_redis_url, None) as api:
+        host, port = api.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b'POST /v1/runs/r/groups HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"gro'
+            )
+            await writer.drain()
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()  # (a reset, with SO_LINGER 0)
+        assert (await api.call("GET", "/v1/status"))[0] == 200
+        await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 class FailingApi:
     """A SchedulerApi whose submit raises what no refusal is (a bug's exception)."""
 
@@ -474,3 +525,31 @@ async def test_register_engine_refuses_what_no_engine_is_named_or_found_at(
             assert words in (refused.value.details() or ""), refused.value.details()
         _, status = await api.call("GET", "/v1/status")
         assert status["engines"] == []
+
+
+async def test_a_grpc_message_over_the_limit_is_refused_unparsed(other_redis_url: str) -> None:
+    """A Submit larger than --max-grpc-message-bytes is RESOURCE_EXHAUSTED, named by its size
+    and the limit, before it is parsed (on the event loop, four messages of 250 MiB held it
+    past the scheduler's lease); one within it is taken."""
+    async with scheduler(other_redis_url, None, max_grpc_message_bytes=64 * 1024) as api:
+        large = pb.SubmitRequest(
+            run_id="big",
+            groups=[pb.PromptGroup(group_id="g", prompt_token_ids=[70_000] * 30_000, n=1)],
+        )
+        assert large.ByteSize() > 64 * 1024
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await api.stub.Submit(large, timeout=TIMEOUT_S)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(64 * 1024) in (refused.value.details() or ""), refused.value.details()
+        small = pb.SubmitRequest(
+            run_id="big",
+            groups=[
+                pb.PromptGroup(
+                    group_id="g",
+                    prompt_token_ids=[5] * 10,
+                    n=1,
+                    sampling=pb.SamplingParams(max_tokens=4),
+                )
+            ],
+        )
+        assert (await api.stub.Submit(small, timeout=TIMEOUT_S)).accepted == 1

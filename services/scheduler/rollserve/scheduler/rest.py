@@ -77,6 +77,11 @@ class RestApi:
         self._api = api
         self.serving = True
         self._openapi = openapi_document(_version())
+        # One body decoded at a time: json.loads and protobuf hold the interpreter's lock
+        # for a large body's whole decode (about a second at 32 MiB), and sixteen at once
+        # on the worker threads left the event loop none for 7 s, past the scheduler's
+        # lease; one at a time, it runs between them.
+        self._decoding = asyncio.Semaphore(1)
 
     def routes(self) -> list[web.RouteDef]:
         """The API's calls (``openapi.ROUTES``, which the document describes), health and
@@ -115,7 +120,7 @@ class RestApi:
         try:
             if not self.serving:  # (as gRPC, whose server takes no new call once stopping)
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
-            parsed = await _parse(request, message)
+            parsed = await _parse(request, message, self._decoding)
             return await _json(await call(parsed))
         except Refused as exc:
             status = HTTP_STATUS.get(exc.code, HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -165,24 +170,61 @@ def _version() -> str:
         return "0+unknown"
 
 
-async def _parse(request: web.Request, message: type[_Request]) -> _Request:
+async def _parse(
+    request: web.Request, message: type[_Request], decoding: asyncio.Semaphore
+) -> _Request:
     """The request's JSON body as ``message``, its ``run_id`` the path's, decoded on a
     worker thread (a large Submit takes a second or more, which the event loop, renewing
-    the scheduler's lease, does not wait for). Raises Refused (INVALID_ARGUMENT) for JSON
-    the message cannot take, and the HTTP error itself for a body that is no JSON (400) or
-    too large (413)."""
+    the scheduler's lease, does not wait for), one body at a time (``decoding``). Raises
+    Refused (INVALID_ARGUMENT) for JSON the message cannot take, and the HTTP error itself
+    for a body that is no JSON (400) or too large (413)."""
     try:
         body = await request.read()  # (raises 413 past the server's client_max_size)
     except web.RequestPayloadError as exc:  # (a gzip body that does not inflate)
         # (aiohttp then logs the error again, as it reads what is left of the body.)
         why = getattr(exc.__cause__, "message", None) or str(exc)
         raise web.HTTPBadRequest(text=status_details(f"the body cannot be read: {why}")) from exc
-    return await asyncio.to_thread(_decode, body, message, request.match_info["run_id"])
+    except ConnectionResetError as exc:  # (no bug of the server's: nobody hears the answer)
+        raise web.HTTPBadRequest(text="the client went away before its body was read") from exc
+    async with decoding:
+        return await asyncio.to_thread(_decode, body, message, request.match_info["run_id"])
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused if it gives a key twice (json.loads keeps the last silently:
+    ``"n": 100, "n": 1`` would sample 1)."""
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return document
+
+
+def _integer(text: str) -> int | float:
+    """A JSON integer; one of more digits than Python converts (4,300) is taken as an
+    infinity, which the field's own check then refuses, naming the field."""
+    if len(text.lstrip("-")) > 4000:
+        return float("-inf") if text.startswith("-") else float("inf")
+    return int(text)
 
 
 def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
     try:
-        document = json.loads(body) if body.strip() else {}
+        document = (
+            json.loads(body, object_pairs_hook=_object, parse_int=_integer) if body.strip() else {}
+        )
+    except _DuplicateKey as exc:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body gives the key {str(exc)[:80]!r} twice in one object; give it once",
+        ) from exc
     except ValueError as exc:  # (UnicodeDecodeError is a ValueError)
         raise web.HTTPBadRequest(text=status_details(f"the body is not JSON: {exc}")) from exc
     except RecursionError as exc:  # (no message of the API nests that deep)
@@ -243,11 +285,24 @@ def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> 
                 if field.message_type.GetOptions().map_entry:  # (string keys and values)
                     _check_strings(value, path)
                     continue
-                children = value if field.is_repeated and isinstance(value, list) else [value]
+                kind = field.message_type.name
+                if field.is_repeated and not isinstance(value, list):
+                    raise Refused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the body: {path} must be a list of {kind}, not {json.dumps(value)[:80]}",
+                    )
+                children = value if field.is_repeated else [value]
                 for i, child in enumerate(children):
+                    where_child = f"{path}[{i}]" if field.is_repeated else path
                     if isinstance(child, dict):
-                        where_child = f"{path}[{i}]" if field.is_repeated else path
                         _check_fields(child, field.message_type, where_child)
+                    elif not field.message_type.full_name.startswith("google.protobuf."):
+                        # (well-known types, which JSON writes as text or numbers, aside)
+                        raise Refused(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the body: {where_child} must be an object (a {kind}), not "
+                            f"{json.dumps(child)[:80]}",
+                        )
                 continue
             if field.cpp_type == FieldDescriptor.CPPTYPE_BOOL or field.cpp_type in _TEXT:
                 continue

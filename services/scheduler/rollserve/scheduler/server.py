@@ -139,7 +139,11 @@ async def serve(
 
     tls, tokens = settings.server_tls(), settings.token_file()
     server = grpc.aio.server(
-        options=(*CHANNEL_OPTIONS, *PENDING_CALLS_OPTIONS),
+        options=(
+            *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", settings.max_grpc_message_bytes),
+            *PENDING_CALLS_OPTIONS,
+        ),
         interceptors=() if tokens is None else (GrpcTokenCheck(tokens),),
     )
     api = SchedulerApi(runtime)
@@ -246,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="serve the HTTP API (JSON, /v1/...) and Prometheus metrics (GET /metrics) on "
         "this port of --host (0: a free one)",
+    )
+    p.add_argument(
+        "--max-grpc-message-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="largest gRPC message the server reads (larger: RESOURCE_EXHAUSTED, unparsed)",
     )
     p.add_argument(
         "--max-http-body-bytes",
@@ -501,6 +511,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         host=args.host,
         port=args.port,
         http_port=args.http_port,
+        max_grpc_message_bytes=args.max_grpc_message_bytes,
         max_http_body_bytes=args.max_http_body_bytes,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

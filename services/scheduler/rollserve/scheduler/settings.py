@@ -39,6 +39,15 @@ class SchedulerSettings(BaseModel):
         description="port on host of the HTTP API (JSON, /v1/...) and the Prometheus endpoint "
         "(GET /metrics); 0 picks a free one; None serves none",
     )
+    max_grpc_message_bytes: int = Field(
+        64 * 2**20,
+        ge=1024,
+        le=2**31 - 1,
+        description="largest gRPC message the scheduler's server reads (a larger one is "
+        "refused with RESOURCE_EXHAUSTED before it is parsed): a Submit of 8 Mi prompt tokens "
+        "(max_submit_prompt_tokens) takes about 24 MiB; parsed on the event loop, a message "
+        "of 250 MiB held it for 2 s",
+    )
     max_http_body_bytes: int = Field(
         32 * 2**20,
         ge=1024,
