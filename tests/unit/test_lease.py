@@ -102,7 +102,7 @@ async def test_a_holder_that_stalled_past_its_margin_goes_on_if_the_lease_is_sti
     # Stalled again, and meanwhile the lease ended and another took it: lost.
     clock.now += lease.valid_s + 1
     await client.set(LEASE_KEY, "someone else")
-    with pytest.raises(LeaseLost, match="no renewal .* no longer held by me"):
+    with pytest.raises(LeaseLost, match=r"no renewal .* no longer held by me"):
         await lease.renew()
     assert await client.get(LEASE_KEY) == b"someone else"
 
