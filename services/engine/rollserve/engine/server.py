@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.common.access import GrpcTokenCheck
+from rollserve.common.grpc_requests import RequestCheck
 from rollserve.common.http import HttpServer, start_http
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -97,7 +98,9 @@ async def serve(settings: EngineSettings, ready: Callable[[int], None] | None = 
     engine_servicer = EngineServicer(settings.engine_id, settings.flush_interval_ms / 1000)
     tokens = settings.api_tokens()
     server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+        options=SERVER_OPTIONS,
+        # (the request check first: the token check reads a scoped call's request)
+        interceptors=(RequestCheck(), *(() if tokens is None else (GrpcTokenCheck(tokens),))),
     )
     pb_grpc.add_EngineServicer_to_server(engine_servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

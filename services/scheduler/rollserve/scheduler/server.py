@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 from rollserve.common.access import GrpcTokenCheck, ServerTls, TokenFile, http_token_check
 from rollserve.common.grpc_options import PENDING_CALLS_OPTIONS
+from rollserve.common.grpc_requests import RequestCheck
 from rollserve.common.http import HttpServer, start_http
 from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
@@ -144,7 +145,8 @@ async def serve(
             ("grpc.max_receive_message_length", settings.max_grpc_message_bytes),
             *PENDING_CALLS_OPTIONS,
         ),
-        interceptors=() if tokens is None else (GrpcTokenCheck(tokens),),
+        # (the request check first: the token check reads a scoped call's request)
+        interceptors=(RequestCheck(), *(() if tokens is None else (GrpcTokenCheck(tokens),))),
     )
     api = SchedulerApi(runtime)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(api), server)

@@ -48,6 +48,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from rollserve.client.wire import status_details
 from rollserve.common.access import GrpcTokenCheck
+from rollserve.common.grpc_requests import RequestCheck
 from rollserve.engine.server import (
     ENGINE_SERVICE,
     AioHealthServicer,
@@ -601,7 +602,9 @@ async def _start_engine(parts: EngineParts, index: int) -> _Served:
     health_servicer = AioHealthServicer()
     tokens = settings.api_tokens()
     server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=() if tokens is None else (GrpcTokenCheck(tokens),)
+        options=SERVER_OPTIONS,
+        # (the request check first: the token check reads a scoped call's request)
+        interceptors=(RequestCheck(), *(() if tokens is None else (GrpcTokenCheck(tokens),))),
     )
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,90 @@
+"""Requests whose bytes are no message of their method: refused with INVALID_ARGUMENT.
+
+gRPC decodes a request with its method's deserializer before the servicer runs, and answers
+a deserializer that raises (protobuf's DecodeError: a string field with bad UTF-8, a
+truncated message, bytes that are no protobuf) with UNKNOWN, logging an ERROR with a
+traceback: a wrong status, and a log any client could fill. :class:`RequestCheck`, the
+first interceptor of every rollserve server, hands the servicer such a request's decode
+error instead, and the call is refused with INVALID_ARGUMENT and protobuf's message, which
+names the message type. Client-streaming methods (only reflection's) go through unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+__all__ = ["RequestCheck"]
+
+
+class _Undecodable:
+    """What the checked deserializer hands on for bytes its message cannot take."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class RequestCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuses (INVALID_ARGUMENT) a unary request that does not decode, before the servicer
+    (or an interceptor after this one) sees it."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        return _checked(handler)
+
+
+def _checked(handler: Any) -> grpc.RpcMethodHandler[Any, Any]:
+    deserialize: Callable[[bytes], Any] = handler.request_deserializer
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # (DecodeError, or whatever a deserializer raises)
+            return _Undecodable(f"the request does not decode: {exc}")
+
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def answer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            result = unary(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return handler._replace(request_deserializer=decode, unary_unary=answer)  # type: ignore[no-any-return]
+
+    stream = handler.unary_stream
+    if inspect.isasyncgenfunction(stream):
+
+        async def answers(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            async for item in stream(request, context):
+                yield item
+
+        return handler._replace(request_deserializer=decode, unary_stream=answers)  # type: ignore[no-any-return]
+
+    async def writes(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        # (a streaming servicer that writes with context.write, or a plain function)
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+        result = stream(request, context)
+        if inspect.isawaitable(result):
+            await result
+
+    return handler._replace(request_deserializer=decode, unary_stream=writes)  # type: ignore[no-any-return]
