@@ -25,7 +25,7 @@ UNDECODABLE = (b"\x0a\x03\xff\xfe\xfd", b"\x0a\x09abc", b"\x08" + b"\xff" * 11)
 
 
 async def refused_as_invalid(channel: grpc.aio.Channel, method: str, raw: bytes) -> str:
-    call = channel.unary_unary(method)  # (bytes sent as they are)
+    call = channel.unary_unary(method, None, None)  # (bytes sent as they are)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await call(raw, timeout=TIMEOUT_S)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
@@ -45,7 +45,7 @@ async def test_the_scheduler_refuses_undecodable_requests_as_invalid(
             auth = (("authorization", f"Bearer {token}"),)
             for name, message in (("Cancel", "CancelRequest"), ("Submit", "SubmitRequest")):
                 for raw in UNDECODABLE:
-                    call = channel.unary_unary(f"/rollserve.v1.Scheduler/{name}")
+                    call = channel.unary_unary(f"/rollserve.v1.Scheduler/{name}", None, None)
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
                         await call(raw, timeout=TIMEOUT_S, metadata=auth)
                     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -53,7 +53,7 @@ async def test_the_scheduler_refuses_undecodable_requests_as_invalid(
                     assert "the request does not decode" in details, details
                     assert f"rollserve.v1.{message}" in details, details
         # No token: still UNAUTHENTICATED first (the request is never read).
-        call = channel.unary_unary("/rollserve.v1.Scheduler/Cancel")
+        call = channel.unary_unary("/rollserve.v1.Scheduler/Cancel", None, None)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call(UNDECODABLE[0], timeout=TIMEOUT_S)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

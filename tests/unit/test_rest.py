@@ -258,6 +258,12 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
             "prompt_token_ids is given twice, also as promptTokenIds",
         ),
         ("/v1/runs/r/versions", {"version": -1}, 422, "version (-1)"),
+        (
+            "/v1/runs/r/versions",
+            {"version": 1, "weights_path": "/x\n2026-12-08 scheduler CRITICAL forged"},
+            422,
+            "weights_path '/x\\n2026-12-08 scheduler CRITICAL forged' holds a character that",
+        ),
         # (json.loads kept the last of a key given twice: n 1, silently)
         (
             "/v1/runs/r/groups",

@@ -38,6 +38,7 @@ from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.common.access import GrpcTokenCheck
 from rollserve.common.grpc_requests import RequestCheck
 from rollserve.common.http import HttpServer, start_http
+from rollserve.common.logs import configure_logging
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 
@@ -432,9 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             given = f" (got {error['input']!r})" if error.get("input") else ""
             print(f"  {flag}: {error['msg']}{given}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(settings))
     except Exception:

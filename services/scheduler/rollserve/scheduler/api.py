@@ -130,6 +130,13 @@ class SchedulerApi:
                 f"weights_path is {len(request.weights_path)} characters; "
                 f"the limit is {MAX_WEIGHTS_PATH_LEN}",
             )
+        if not request.weights_path.isprintable():
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"weights_path {quoted(request.weights_path)} holds a character that does not "
+                "print (a newline, a NUL, a control character): no checkpoint folder's path "
+                "has one",
+            )
         try:
             published = await self._runtime.publish_version(
                 request.run_id, request.version, request.weights_path

@@ -22,6 +22,7 @@ from rollserve.common.access import GrpcTokenCheck, ServerTls, TokenFile, http_t
 from rollserve.common.grpc_options import PENDING_CALLS_OPTIONS
 from rollserve.common.grpc_requests import RequestCheck
 from rollserve.common.http import HttpServer, start_http
+from rollserve.common.logs import configure_logging
 from rollserve.scheduler.api import Refused, SchedulerApi
 from rollserve.scheduler.core.policy import Policy, create_policy, policy_names
 from rollserve.scheduler.core.predictor import PredictorSettings
@@ -570,9 +571,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s"
-    )
+    configure_logging(args.log_level.upper(), "%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         settings = settings_from_args(args)
     except ValueError as exc:  # pydantic's ValidationError is one

@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from rollserve.client.wire import status_details
 from rollserve.common.access import GrpcTokenCheck
 from rollserve.common.grpc_requests import RequestCheck
+from rollserve.common.logs import configure_logging
 from rollserve.engine.server import (
     ENGINE_SERVICE,
     AioHealthServicer,
@@ -733,9 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         for error in exc.errors():
             print(f"  {_describe(error, fleet)}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.engines > 1:
         # One line per engine and heartbeat is noise at fleet scale; failures still show.
         logging.getLogger("rollserve.engine.server").setLevel(logging.WARNING)
