@@ -9,7 +9,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import grpc
 import pytest
@@ -295,6 +295,51 @@ async def test_bad_sampling_is_invalid_argument(
     assert backend.requests == []
 
 
+def changed(req: pb.GenerateRequest, **fields: Any) -> pb.GenerateRequest:
+    """``req`` with ``fields`` (``stop``, ``stop_token_ids`` of its sampling) set."""
+    for name, value in fields.items():
+        if name in ("stop", "stop_token_ids"):
+            getattr(req.sampling, name).extend(value)
+        elif name == "prompt_token_ids":
+            req.ClearField(name)
+            req.prompt_token_ids.extend(value)
+        else:
+            setattr(req, name, value)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("req", "problem"),
+    [
+        (changed(request(2), request_id="r" * 1025), "request_id is 1025 characters; the limit"),
+        (changed(request(2), stop=["a"] * 65), "sampling.stop has 65 strings; the limit is 64"),
+        (
+            changed(request(2), stop=["a" * 1025]),
+            "sampling.stop holds a string of 1025 characters; the limit is 1024",
+        ),
+        (
+            changed(request(2), stop_token_ids=[5] * 1025),
+            "sampling.stop_token_ids has 1025 ids; the limit is 1024",
+        ),
+        # (it blamed max_tokens: "use at most 0")
+        (
+            changed(request(2), prompt_token_ids=[5] * 256),
+            "prompt_token_ids holds 256 tokens, which leave no room for one more in the "
+            "model's context (256): at most 255",
+        ),
+    ],
+)
+async def test_what_the_scheduler_bounds_the_engine_bounds_too(
+    engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend], req: pb.GenerateRequest, problem: str
+) -> None:
+    stub, backend = engine
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await tokens_by_index(stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (info.value.details() or ""), info.value.details()
+    assert backend.requests == []
+
+
 async def test_the_last_seed_int64_holds_is_taken(
     engine: tuple[pb_grpc.EngineAsyncStub, ScriptedBackend],
 ) -> None:
@@ -429,6 +474,7 @@ async def test_add_outputs_hands_prompts_outputs_to_a_backend_that_drafts_from_t
             [([5], [[1]] * 200), ([6], [[1]] * 57)],
             "prompts[*].outputs holds 257 outputs, over the limit of 256 a call",
         ),
+        ([([5], [])] * 257, "prompts holds 257 prompts, over the limit of 256 a call"),
         (
             [([5], [[1] * (1 << 21)] * 3)],
             "prompts[*].outputs holds 6291456 tokens, over the limit of 4194304",

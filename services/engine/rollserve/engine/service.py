@@ -39,6 +39,9 @@ from rollserve.client.wire import (
     MAX_EARLIER_OUTPUT_TOKENS,
     MAX_EARLIER_OUTPUTS,
     MAX_SAMPLES_PER_CALL,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_WEIGHTS_PATH_LEN,
     status_details,
@@ -73,6 +76,10 @@ VllmFinishReason = Literal["stop", "length", "abort"]
 
 MAX_SAMPLES_PER_REQUEST = MAX_SAMPLES_PER_CALL
 """Largest n a Generate call may ask for (one vLLM request and one task per sample)."""
+
+# A Generate call's id: the scheduler's are its run id (128), the group id (256) and a few
+# dozen characters more.
+MAX_REQUEST_ID_LEN = 1024
 
 SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024), *PENDING_CALLS_OPTIONS)
 """gRPC server options of an Engine service: a Generate call with as many earlier outputs as
@@ -1185,8 +1192,18 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
     prompt_len = len(request.prompt_token_ids)
     if not request.request_id:
         yield "request_id is empty; give each Generate call an id unique on the engine"
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        yield (
+            f"request_id is {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}"
+        )
     if prompt_len == 0:
         yield "prompt_token_ids is empty; send at least one token"
+    if prompt_len >= info.max_model_len:
+        yield (
+            f"prompt_token_ids holds {prompt_len} tokens, which leave no room for one more "
+            f"in the model's context ({info.max_model_len}): at most "
+            f"{info.max_model_len - 1}"
+        )
     if request.n < 1:
         yield f"n ({request.n}) must be at least 1"
     if request.n > MAX_SAMPLES_PER_REQUEST:
@@ -1194,7 +1211,7 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
     yield from _index_problems(request.sample_indices, request.n)
     if sampling.max_tokens < 1:
         yield f"sampling.max_tokens ({sampling.max_tokens}) must be at least 1"
-    if prompt_len + sampling.max_tokens > info.max_model_len:
+    if prompt_len < info.max_model_len < prompt_len + sampling.max_tokens:
         yield (
             f"sampling.max_tokens ({sampling.max_tokens}) exceeds the model's context "
             f"({info.max_model_len}) minus the prompt ({prompt_len}); "
@@ -1216,6 +1233,16 @@ def _problems(request: pb.GenerateRequest, info: ModelInfo) -> Iterator[str]:
         yield f"sampling.top_p ({sampling.top_p}) must be in (0, 1]"
     if sampling.HasField("top_k") and sampling.top_k < -1:
         yield f"sampling.top_k ({sampling.top_k}) must be -1 or 0 (disabled) or at least 1"
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        yield f"sampling.stop has {len(sampling.stop)} strings; the limit is {MAX_STOP_STRINGS}"
+    longest = max(map(len, sampling.stop), default=0)
+    if longest > MAX_STOP_LEN:
+        yield f"sampling.stop holds a string of {longest} characters; the limit is {MAX_STOP_LEN}"
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        yield (
+            f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; the limit is "
+            f"{MAX_STOP_TOKEN_IDS}"
+        )
     empty = next((i for i, stop in enumerate(sampling.stop) if not stop), None)
     if empty is not None:
         yield f"sampling.stop[{empty}] is an empty string (vLLM refuses one)"
@@ -1262,6 +1289,12 @@ def add_outputs_problem(request: pb.AddOutputsRequest, info: ModelInfo) -> str |
     """The first problem with an AddOutputs request, worded for the caller; None if valid."""
 
     def problems() -> Iterator[str]:
+        if len(request.prompts) > MAX_EARLIER_OUTPUTS:
+            yield (
+                f"prompts holds {len(request.prompts)} prompts, over the limit of "
+                f"{MAX_EARLIER_OUTPUTS} a call (as many as the outputs a call carries)"
+            )
+            return  # (the rest would be read for nothing)
         yield from _earlier_output_problems(
             "prompts[*].outputs", [o for p in request.prompts for o in p.outputs]
         )
