@@ -301,7 +301,7 @@ def changed(req: pb.GenerateRequest, **fields: Any) -> pb.GenerateRequest:
         if name in ("stop", "stop_token_ids"):
             getattr(req.sampling, name).extend(value)
         elif name == "prompt_token_ids":
-            req.ClearField(name)
+            req.ClearField("prompt_token_ids")
             req.prompt_token_ids.extend(value)
         else:
             setattr(req, name, value)
