@@ -176,7 +176,10 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
     async with scheduler(other_redis_url, None) as api:
         groups = {"groups": [group("a"), group("b")]}
         assert (await api.call("POST", "/v1/runs/r/groups", groups))[0] == 200
-        status, answer = await api.call("POST", "/v1/runs/r/cancel", {"group_ids": ["a", "zz"]})
+        status, answer = await api.call(
+            "POST", "/v1/runs/r/cancel", {"group_ids": ["a", "zz", "a", "zz"]}
+        )
+        # (an id given twice is answered once: "a" was listed twice as cancelled)
         assert (status, answer) == (200, {"cancelled": ["a"], "unknown": ["zz"]})
         fits("CancelResponse", answer)
         # lowerCamelCase names are taken too (proto3's JSON mapping), and run_id in the body

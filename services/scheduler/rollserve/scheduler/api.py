@@ -93,7 +93,9 @@ class SchedulerApi:
                 f"group_ids holds an id of {longest} characters; the limit is {MAX_GROUP_ID_LEN}",
             )
         try:
-            cancelled, unknown = await self._runtime.cancel(request.run_id, list(request.group_ids))
+            # (an id given twice is one group, answered once)
+            ids = list(dict.fromkeys(request.group_ids))
+            cancelled, unknown = await self._runtime.cancel(request.run_id, ids)
         except REFUSALS as exc:
             raise refused(exc) from exc
         return pb.CancelResponse(cancelled=cancelled, unknown=unknown)
