@@ -292,7 +292,7 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
             "/v1/runs/r/groups",
             b'{"groups": [{"group_id": "a", "prompt_token_ids": [1], "n": 1' + b"0" * 5000 + b"}]}",
             422,
-            "n field",
+            "the body holds an integer of more than 4,300 digits",
         ),
     ],
 )

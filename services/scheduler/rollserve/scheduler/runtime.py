@@ -1233,7 +1233,7 @@ class SchedulerRuntime:
             record = self._groups[key]
             run = of(record.spec.run_id)
             run.queued_groups += 1
-            run.queued_samples += len(record.pending)
+            run.queued_samples += record.pending_count
         for calls in self._calls.values():
             samples = sum(len(call.running()) for call in calls.values())
             if samples:
@@ -1445,7 +1445,7 @@ class SchedulerRuntime:
             known = kept.get(key)
             if known is None or known[0] is not record or known[1] != record.revision:
                 spec = record.spec
-                pending = spec.n if record.untouched else len(record.pending)
+                pending = record.pending_count
                 entry = Waiting(key, spec.run_id, spec.priority, record.seq, pending)
                 known = kept[key] = (record, record.revision, entry)
             waiting.append(known[2])

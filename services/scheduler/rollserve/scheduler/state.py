@@ -242,6 +242,8 @@ class GroupRecord:
 
     @property
     def state(self) -> SampleState:
+        if self.untouched:
+            return SampleState.QUEUED
         return min(s.state for s in self.samples)
 
     @property
@@ -253,7 +255,15 @@ class GroupRecord:
     @property
     def pending(self) -> tuple[int, ...]:
         """Indices of the samples waiting for an engine."""
+        if self.untouched:
+            return tuple(range(self.spec.n))
         return tuple(s.index for s in self.samples if s.state == SampleState.QUEUED)
+
+    @property
+    def pending_count(self) -> int:
+        """How many samples wait for an engine (of an untouched group, without making its
+        samples: Status counts every queued group's)."""
+        return self.spec.n if self.untouched else len(self.pending)
 
     @property
     def attempts(self) -> int:
