@@ -361,11 +361,22 @@ def test_priority_is_the_launch_step_and_group_ids_must_be_unique() -> None:
         ({"batch_size": 4, "start_step": -1}, "start_step"),
         ({"batch_size": 4, "start_step": 1.5}, "start_step"),
         ({"batch_size": 4, "start_step": True}, "start_step"),
+        # (4.0 and True were taken, and the first batch with groups in hand raised TypeError.)
+        ({"batch_size": 4.0}, "batch_size .* must be an int"),
+        ({"batch_size": True}, "batch_size .* must be an int"),
+        ({"batch_size": 4, "max_staleness": 1.5}, "max_staleness .* must be an int"),
+        ({"batch_size": 4, "oversample": "0.5"}, "oversample .* must be a number"),
     ],
 )
 def test_settings_are_checked(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         StepBatcher(FakeRun(), [], **kwargs)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_pass_as_settings() -> None:
+    np = pytest.importorskip("numpy")
+    batcher = StepBatcher(FakeRun(), [], batch_size=np.int64(4), max_staleness=np.int32(2))
+    assert type(batcher.state.batch_size) is int and batcher.state.max_staleness == 2
 
 
 def test_in_flight_is_rounded_as_written() -> None:
@@ -661,24 +672,186 @@ async def test_the_async_batcher_keeps_the_same_groups() -> None:
     assert sum(b.filtered for b in sync) > 0
 
 
-def test_a_group_turned_away_whose_ack_failed_is_acked_when_read_again() -> None:
-    class AckFailsOnce(FakeRun):
-        failed = False
+class AckFailsOnce(FakeRun):
+    """Its first XACK that names ``fails_for`` fails (Redis went away for a moment)."""
 
-        def ack(self, *received: ReceivedBase) -> int:
-            if not self.failed and [r.group_id for r in received] == ["g1"]:
-                self.failed = True
-                raise StreamUnavailable("XACK: Redis went away")
-            return super().ack(*received)
+    def __init__(self, durations: dict[str, float | None], fails_for: str) -> None:
+        super().__init__(durations)
+        self.fails_for = fails_for
+        self.failed = False
 
-    run = AckFailsOnce({f"g{i}": float(i + 1) for i in range(10)})
+    def ack(self, *received: ReceivedBase) -> int:
+        if not self.failed and self.fails_for in [r.group_id for r in received]:
+            self.failed = True
+            raise StreamUnavailable("XACK: Redis went away")
+        return super().ack(*received)
+
+
+def test_a_group_turned_away_whose_ack_failed_is_acked_by_the_next_call() -> None:
+    """The client hands an entry out once, so the batcher tries the ack again itself (it
+    waited for the entry to be read again, which never happened: pending for good)."""
+    run = AckFailsOnce({f"g{i}": float(i + 1) for i in range(10)}, fails_for="g1")
     batcher = StepBatcher(run, prompt_groups(), batch_size=2, keep=even)
     with pytest.raises(StreamUnavailable):
         next(batcher)
-    run.inject("g1", at=run.now)  # still pending: the next read has it again
     batch = next(batcher)
     assert ids(batch) == ["g0", "g2"]
     assert run.acked.count("g1") == 1 and batcher.state.filtered == 1
+
+
+@pytest.mark.parametrize("entry", ["g0", "before-restart"])
+def test_a_duplicate_or_unknown_entry_whose_ack_failed_is_acked_by_the_next_call(
+    entry: str,
+) -> None:
+    run = AckFailsOnce({"g0": 0.5, "g1": 2.0}, fails_for=entry)
+    run.inject(entry, at=1.0)  # g0's second entry, or a group launched before a restart
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, unknown_groups="discard")
+    with pytest.raises(StreamUnavailable):
+        next(batcher)
+    assert ids(next(batcher)) == ["g0", "g1"]
+    assert run.acked == [entry]
+
+
+def test_the_tail_whose_ack_failed_is_acked_by_the_next_cancel() -> None:
+    run = AckFailsOnce({"g1": 10.0}, fails_for="g3")
+    batcher = StepBatcher(run, prompt_groups(), batch_size=2, oversample=1.0, max_staleness=1)
+    take(batcher, 1)
+    with pytest.raises(StreamUnavailable):
+        batcher.cancel_outstanding()
+    batcher.cancel_outstanding()
+    assert run.acked == ["g0", "g2", "g3"]
+
+
+def test_a_group_whose_keep_raised_is_judged_again_and_handed_out() -> None:
+    """keep raises (a reward model timed out) on a group the client has handed out, which
+    it does once: the next call asks keep again (the group was lost, and the batcher waited
+    for it forever)."""
+    asked: list[str] = []
+
+    def flaky_keep(result: GroupResult) -> bool:
+        asked.append(result.group_id)
+        if asked == ["g0", "g1"]:
+            raise TimeoutError("the reward model timed out")
+        return True
+
+    run = FakeRun()
+    batcher = StepBatcher(run, prompt_groups(8), batch_size=4, keep=flaky_keep, batch_timeout_s=9)
+    with pytest.raises(TimeoutError):
+        next(batcher)
+    assert sorted(ids(next(batcher))) == ["g0", "g1", "g2", "g3"]
+    assert asked.count("g1") == 2
+
+
+async def test_the_async_batcher_judges_again_and_its_tail_takes_the_unjudged() -> None:
+    def raising_keep(result: GroupResult) -> bool:
+        if result.group_id == "g1":
+            raise TimeoutError("the reward model timed out")
+        return True
+
+    run = FakeRun()
+    batcher = AsyncStepBatcher(AsyncFakeRun(run), prompt_groups(8), batch_size=4, keep=raising_keep)
+    for _ in range(2):  # asked again each call, raising again
+        with pytest.raises(TimeoutError):
+            await anext(batcher)
+    dropped = await batcher.cancel_outstanding()
+    assert sorted(dropped.discarded) == ["g0", "g1", "g2", "g3"]
+    assert sorted(run.acked) == ["g0", "g1", "g2", "g3"] and batcher.state.outstanding == 0
+
+
+class LaterRun(FakeRun):
+    """A scheduler reached through a flaky network: ``outcomes`` by Submit call number say
+    ``"lost"`` (queued, then the answer ran past its deadline) or ``"down"`` (not reached);
+    a group submitted again is refused as taken (ALREADY_EXISTS)."""
+
+    def __init__(self, durations: dict[str, float | None], outcomes: dict[int, str]) -> None:
+        super().__init__(durations)
+        self.outcomes = outcomes
+        self.calls = 0
+
+    def submit(self, groups: Sequence[PromptGroup]) -> int:
+        self.calls += 1
+        outcome = self.outcomes.get(self.calls)
+        if outcome == "down":
+            raise SchedulerUnavailable("Submit: failed to connect (UNAVAILABLE)")
+        taken = {g.group_id for g in self.submitted}
+        if any(g.group_id in taken for g in groups):
+            raise AlreadySubmitted("Submit: group already submitted (ALREADY_EXISTS)")
+        accepted = super().submit(groups)
+        if outcome == "lost":
+            raise SchedulerUnavailable("Submit: Deadline Exceeded (DEADLINE_EXCEEDED)")
+        return accepted
+
+
+def test_a_replacement_whose_submit_timed_out_is_taken_when_its_entry_comes() -> None:
+    """The Submit of g4 (in the place of g1, turned away) was queued though it timed out,
+    and the retries cannot reach the scheduler: g4's entry is this batcher's, launched at
+    step 0 (it was acknowledged unused as another's, and the batch waited for it forever)."""
+    run = LaterRun({"g3": 5.0}, outcomes={2: "lost", 3: "down"})
+    batcher = StepBatcher(
+        run,
+        prompt_groups(),
+        batch_size=4,
+        keep=lambda result: result.group_id != "g1",
+        unknown_groups="discard",
+        batch_timeout_s=30.0,
+    )
+    batch = next(batcher)
+    assert [(g.group_id, g.launch_step) for g in batch.groups] == [
+        ("g0", 0),
+        ("g2", 0),
+        ("g4", 0),
+        ("g3", 0),
+    ]
+    assert run.acked == ["g1"]
+    batcher.ack(batch)
+    assert ids(next(batcher)) == ["g5", "g6", "g7", "g8"]
+    assert [g.group_id for g in run.submitted].count("g4") == 1
+
+
+def test_a_group_found_taken_after_a_submit_timed_out_keeps_the_step_of_that_submit() -> None:
+    run = LaterRun({"g3": 10.0}, outcomes={2: "lost"})
+    batcher = StepBatcher(
+        run,
+        prompt_groups(),
+        batch_size=2,
+        oversample=0.5,
+        max_staleness=1,
+        keep=lambda result: result.group_id != "g1",
+    )
+    assert ids(next(batcher)) == ["g0", "g2"]
+    late = next(batcher)
+    assert (late.groups[0].group_id, late.groups[0].launch_step) == ("g3", 0)
+    assert late.groups[0].due and late.groups[0].staleness == 1
+
+
+@pytest.mark.parametrize("count", [5, 6])
+def test_groups_whose_launch_failed_are_retried_while_the_batch_waits(count: int) -> None:
+    """keep turns the first three groups away while the scheduler restarts: their
+    replacements' Submits fail, and with nothing outstanding the wait retries them (the
+    batcher ended without launching them, or waited forever)."""
+    run = LaterRun({}, outcomes={2: "down", 3: "down", 4: "down", 5: "down"})
+    batcher = StepBatcher(
+        run,
+        prompt_groups(count),
+        batch_size=2,
+        oversample=0.5,
+        keep=lambda result: result.group_id not in ("g0", "g1", "g2"),
+    )
+    batches = [ids(b) for b in batcher]
+    assert batches == [["g3", "g4"], ["g5"]][: count - 4]
+    assert sorted(g.group_id for g in run.submitted) == [f"g{i}" for i in range(count)]
+
+
+async def test_the_async_batcher_retries_a_failed_launch_while_it_waits() -> None:
+    run = LaterRun({}, outcomes={2: "down", 3: "down", 4: "down", 5: "down"})
+    batcher = AsyncStepBatcher(
+        AsyncFakeRun(run),
+        prompt_groups(5),
+        batch_size=2,
+        oversample=0.5,
+        keep=lambda result: result.group_id not in ("g0", "g1", "g2"),
+    )
+    assert [ids(b) async for b in batcher] == [["g3", "g4"]]
 
 
 def test_a_scheduler_that_cannot_take_a_replacement_does_not_end_the_wait() -> None:

@@ -15,6 +15,7 @@ from rollserve.client.consumer import (
     HeartbeatReply,
     RawEntry,
     ReadNew,
+    ReadPending,
     heartbeat_chunks,
     parse_heartbeat,
 )
@@ -82,7 +83,12 @@ def test_read_ahead_and_handed_out_entries_are_beaten_until_acked() -> None:
     assert not state.needs_heartbeat
 
 
-def test_entries_read_and_not_handed_out_are_let_go_when_the_iteration_ends() -> None:
+def test_entries_read_and_not_handed_out_stay_claimed_when_the_iteration_ends() -> None:
+    """An iterator closed with entries read ahead (a step batcher closes it once its batch
+    is complete): they stay this consumer's, beaten, and the next iteration's read of the
+    pending list hands them out, not counted as deliveries. (They were no longer beaten:
+    another trainer of the consumer group took the carried-over groups while this one
+    trained, and its batcher then waited for them forever.)"""
     state = make_state()
     iteration = state.restart()
     batch = state.on_read(ReadNew(64, 1), [entry("1-0", "a"), entry("2-0", "b")], NOW)
@@ -90,7 +96,29 @@ def test_entries_read_and_not_handed_out_are_let_go_when_the_iteration_ends() ->
     assert isinstance(first, Deliver)
     assert state.handed_out(first.entry_id, first.result.group_id)
     state.stop_reading(iteration)
-    assert state.beat_ids() == ["1-0"]  # the one in the caller's hands only
+    assert sorted(state.beat_ids()) == ["1-0", "2-0"]
+    state.restart()
+    again = state.on_read(ReadPending("0", 64), [entry("1-0", "a"), entry("2-0", "b")], NOW)
+    (second,) = again.items  # the one in the caller's hands is not handed out twice
+    assert isinstance(second, Deliver) and second.entry_id == "2-0"
+    assert second.delivery_count(pending_count=2) == 1
+    assert state.handed_out(second.entry_id, second.result.group_id)
+    state.acked("1-0")
+    state.acked("2-0")
+    assert state.beat_ids() == []
+
+
+def test_an_entry_left_read_ahead_is_no_longer_beaten_once_lost_or_dropped() -> None:
+    state = make_state()
+    iteration = state.restart()
+    state.on_read(ReadNew(64, 1), [entry("1-0", "a"), entry("2-0", "b")], NOW)
+    state.stop_reading(iteration)
+    state.on_heartbeat(["1-0", "2-0"], HeartbeatReply(claimed=["2-0"], taken={"1-0": "other"}))
+    assert state.beat_ids() == ["2-0"]
+    hand_out_all(state, read(state, entry("3-0", "b")))  # b's second entry goes first
+    state.acked("3-0")
+    batch = state.on_read(ReadPending("0", 64), [entry("2-0", "b")], NOW)
+    assert batch.drop_ids == ["2-0"] and state.beat_ids() == []
 
 
 def test_a_late_stop_of_an_old_iteration_keeps_the_new_ones_read_ahead() -> None:

@@ -55,6 +55,7 @@ from rollserve.client.consumer import (
     default_consumer_name,
     deletes_count,
     heartbeat_chunks,
+    heartbeat_error,
     heartbeat_refused,
     is_busygroup,
     is_nogroup,
@@ -68,11 +69,12 @@ from rollserve.client.consumer import (
 )
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.client.errors import (
-    REDIS_DOWN,
+    ClientClosed,
     InvalidArgument,
     RunDeleted,
-    StreamUnavailable,
     error_from_rpc,
+    refuses_scripting,
+    stream_error,
 )
 from rollserve.client.types import (
     CancelResult,
@@ -202,6 +204,7 @@ class AsyncRolloutClient:
     async def submit(self, groups: Sequence[PromptGroup]) -> int:
         """Queues the groups; all or none. Returns how many the scheduler accepted."""
         request = submit_request(self.run_id, groups)
+        self._check_open("Submit")
         try:
             response = await self._stub.Submit(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -213,6 +216,7 @@ class AsyncRolloutClient:
     async def cancel(self, group_ids: Sequence[str]) -> CancelResult:
         """Cancels queued or running groups; cancelled groups are never delivered."""
         request = cancel_request(self.run_id, group_ids)
+        self._check_open("Cancel")
         try:
             response = await self._stub.Cancel(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -225,6 +229,7 @@ class AsyncRolloutClient:
         """Ends the run for good; see ``RolloutClient.delete_run``."""
         check_run_id(self.run_id)
         request = pb.DeleteRunRequest(run_id=self.run_id)
+        self._check_open("DeleteRun")
         try:
             response = await self._stub.DeleteRun(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -240,6 +245,7 @@ class AsyncRolloutClient:
         engine first when given; see ``RolloutClient.publish_version``."""
         request = publish_version_request(self.run_id, version, weights_path)
         timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
+        self._check_open("PublishVersion")
         try:
             response = await self._stub.PublishVersion(
                 request, timeout=timeout, metadata=self._metadata
@@ -249,6 +255,7 @@ class AsyncRolloutClient:
         return PublishResult.from_proto(response)
 
     async def status(self) -> SchedulerStatus:
+        self._check_open("Status")
         try:
             response = await self._stub.Status(
                 pb.StatusRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -288,9 +295,10 @@ class AsyncRolloutClient:
         iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
+                self._check_open("reading the stream")  # (a read would open a connection)
                 refused, self._heartbeat_refused = self._heartbeat_refused, None
                 if refused is not None:  # (said once: a later refusal is said again)
-                    raise StreamUnavailable(heartbeat_refused(refused))
+                    raise heartbeat_error(refused, self.stream)
                 batch = await self._read(self._state.next_read(now, budget))
                 self._ensure_heartbeat()
                 counts = await self._delivery_counts(batch)
@@ -309,10 +317,11 @@ class AsyncRolloutClient:
         if not received:
             return 0
         ids = [r.entry_id for r in received]
+        self._check_open("XACK")
         try:
             acked = int(await self._redis.xack(self.stream, self.config.consumer_group, *ids))
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XACK {self.stream}") from exc
         for entry_id in ids:
             self._state.acked(entry_id)
         return acked
@@ -324,16 +333,21 @@ class AsyncRolloutClient:
 
     async def discard(self, entry_id: str) -> bool:
         """Acknowledges an entry without reading it (an :class:`UndecodableEntry`)."""
+        self._check_open("XACK")
         try:
             acked = await self._redis.xack(self.stream, self.config.consumer_group, entry_id)
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XACK {self.stream}") from exc
         return int(acked) == 1
 
     @property
     def in_hand(self) -> int:
         """Groups handed out by ``groups()`` and not yet acknowledged."""
         return self._state.in_hand
+
+    def _check_open(self, doing: str) -> None:
+        if self._closed:
+            raise ClientClosed(f"{doing}: this client is closed; make a new one")
 
     async def _read(self, op: NextRead) -> Batch:
         """Runs one read; returns what to do with its entries (duplicates acked already)."""
@@ -370,11 +384,9 @@ class AsyncRolloutClient:
                     raise RunDeleted(run_deleted(config))
                 await self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
             await self._park()
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
-        except redis.ResponseError as exc:
+        except redis.RedisError as exc:
             if not is_nogroup(exc):
-                raise
+                raise stream_error(exc, f"reading {config.stream}") from exc
             self._state.group_lost()
             return Batch([], [])
         return batch
@@ -388,13 +400,11 @@ class AsyncRolloutClient:
             return
         try:
             await self._park_script(keys=[self.config.stream], args=self._state.park_args(ids))
-        except REDIS_DOWN:
-            self._state.park_failed(ids)
-            raise
-        except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
-            if is_nogroup(exc):
+        except redis.RedisError as exc:
+            if not refuses_scripting(exc):  # (an outage, a read-only replica: retried)
+                self._state.park_failed(ids)
                 raise
-            park_refused(self.config.stream, len(ids), exc)
+            park_refused(self.config.stream, len(ids), exc)  # taken over once idle instead
 
     async def _ensure_group(self) -> None:
         if self._state.group_ready:
@@ -419,6 +429,8 @@ class AsyncRolloutClient:
             try:
                 await self._redis.script_load(HEARTBEAT_SCRIPT)
             except redis.ResponseError as exc:
+                if not refuses_scripting(exc):
+                    raise
                 raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
 
@@ -432,8 +444,8 @@ class AsyncRolloutClient:
             pipe.xpending_range(self.stream, self.config.consumer_group, entry_id, entry_id, 1)
         try:
             replies = await pipe.execute()
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XPENDING {self.stream}") from exc
         return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
 
     # ------------------------------------------------------------ heartbeat

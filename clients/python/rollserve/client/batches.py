@@ -52,6 +52,14 @@ turns away (for GRPO, one whose samples all got the same reward) is acknowledged
 arrives and leaves the outstanding groups, and the batcher launches another in its place at
 once; batches then hold ``B`` groups it kept. It is asked only of the groups the batcher
 launched. When the iterator runs out, the last batches hold the kept groups that are left.
+An error of ``keep`` reaches the trainer, and the next call asks it again about the same group
+(the client hands each entry out once: the batcher keeps what it has not settled).
+
+A launch the scheduler cannot take now (a replacement while it restarts) stays in a backlog
+that counts as outstanding: the wait for a batch retries it every ``RETRY_LAUNCH_S``, and so
+does the next step. A group whose Submit may have gone through (it ran out of time) is
+launched, at the step of that Submit, when its entry arrives or when a retry is told it is
+taken already.
 
 Bounds: ``0 <= oversample <= 1`` (more would carry over more than ``B`` groups, and the due
 ones could not fit in one batch) and ``max_staleness >= 1`` when ``oversample > 0`` (with 0,
@@ -68,6 +76,8 @@ import dataclasses
 import enum
 import logging
 import math
+import numbers
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar, cast
@@ -99,6 +109,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+# While groups a failed launch left wait for a retry, the wait for a batch reads the stream
+# this long at a time and tries the launch again in between.
+RETRY_LAUNCH_S = 1.0
 
 R = TypeVar("R", bound=ReceivedBase)
 
@@ -198,16 +211,33 @@ class _Finished(Generic[R]):
     launch_step: int
 
 
+def _integer(name: str, value: int) -> int:
+    """``value`` as an int (numpy's integers pass), or InvalidArgument naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgument(f"{name} ({value!r}) must be an int")
+    return int(value)
+
+
+def _number(name: str, value: float) -> float:
+    """``value`` as a float, or InvalidArgument naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} ({value!r}) must be a number")
+    return float(value)
+
+
 class BatcherState(Generic[R]):
     """The step batcher's bookkeeping, without I/O (see the module's docstring)."""
 
     def __init__(
         self, batch_size: int, oversample: float, max_staleness: int, start_step: int = 0
     ) -> None:
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        batch_size = _integer("batch_size", batch_size)
+        max_staleness = _integer("max_staleness", max_staleness)
+        if _integer("start_step", start_step) < 0:
             raise InvalidArgument(f"start_step ({start_step!r}) must be an integer >= 0")
         if batch_size < 1:
             raise InvalidArgument(f"batch_size ({batch_size}) must be >= 1")
+        oversample = _number("oversample", oversample)
         if not (math.isfinite(oversample) and 0 <= oversample <= 1):
             raise InvalidArgument(
                 f"oversample ({oversample}) must be in [0, 1]: more would carry over more "
@@ -227,12 +257,20 @@ class BatcherState(Generic[R]):
         # The step being assembled: start_step plus the batches handed out so far
         self.step = start_step
         self.source_done = False  # the trainer's iterator is exhausted
+        # Groups taken from the iterator and not launched yet: a Submit of them failed, and
+        # the batcher tries again (the launcher's backlog).
+        self.backlog = 0
         self.launched_now = 0  # groups launched at the current step
         self.filtered_now = 0  # groups filtered out at the current step
         self.filtered = 0  # groups filtered out, in all
         self._turned_away: set[str] = set()  # filtered out, their entries not yet acked
         self._running: dict[str, int] = {}  # group id -> launch step; not finished yet
         self._finished: dict[str, _Finished[R]] = {}  # in finish order; not handed out yet
+        # The client hands an entry out once: what an error left undone with one is done
+        # again from here, before the next read. Entry id -> entry: handed to the batcher and
+        # not yet judged by ``keep`` (it raised); to be acknowledged unused (its XACK failed).
+        self._unjudged: dict[str, R] = {}
+        self._to_discard: dict[str, R] = {}
 
     # ------------------------------------------------------------ launching
 
@@ -249,10 +287,11 @@ class BatcherState(Generic[R]):
         if group_id in self._running or group_id in self._finished:
             raise InvalidArgument(f"group {group_id!r} is outstanding already; ids must be unique")
 
-    def launched(self, group_id: str) -> None:
-        """The group was submitted (with ``priority = step``)."""
+    def launched(self, group_id: str, step: int | None = None) -> None:
+        """The group was submitted (with ``priority = step``, the current step by default:
+        an earlier one for a Submit found out later to have gone through)."""
         self.check_new(group_id)
-        self._running[group_id] = self.step
+        self._running[group_id] = self.step if step is None else step
         self.launched_now += 1
 
     # ------------------------------------------------------------ finishing
@@ -261,11 +300,21 @@ class BatcherState(Generic[R]):
         """Launched by this batcher and not finished yet."""
         return group_id in self._running
 
+    def judging(self, received: R) -> None:
+        """``keep`` is asked about the entry now: until ``on_finished`` it is unjudged, and
+        an error of ``keep`` leaves it so (:meth:`unjudged`: judged again at the next call)."""
+        self._unjudged[received.entry_id] = received
+
+    def unjudged(self) -> list[R]:
+        """The entries whose ``keep`` raised, in the order they came."""
+        return list(self._unjudged.values())
+
     def on_finished(self, received: R, keep: bool = True) -> Arrival:
         """An entry of the stream; ``keep`` False: the group, if it is one of the running,
         is turned away (dynamic sampling): it leaves the outstanding groups, and the next
         top-up launches another in its place."""
         group_id = received.group_id
+        self._unjudged.pop(received.entry_id, None)
         if group_id in self._turned_away:  # read again: its ack did not go through
             return Arrival.FILTERED
         launch_step = self._running.pop(group_id, None)
@@ -281,9 +330,20 @@ class BatcherState(Generic[R]):
             return Arrival.DUPLICATE
         return Arrival.UNKNOWN
 
-    def turned_away_acked(self, group_id: str) -> None:
-        """The entry of a group filtered out was acknowledged."""
-        self._turned_away.discard(group_id)
+    def discarding(self, received: R) -> None:
+        """The entry is to be acknowledged unused (turned away, a duplicate, not this
+        batcher's, the tail): it is in :meth:`to_discard` until :meth:`discarded`."""
+        self._to_discard[received.entry_id] = received
+
+    def to_discard(self) -> list[R]:
+        """The entries to acknowledge unused whose XACK has not gone through yet."""
+        return list(self._to_discard.values())
+
+    def discarded(self, received: Sequence[R]) -> None:
+        """These entries were acknowledged unused."""
+        for r in received:
+            self._to_discard.pop(r.entry_id, None)
+            self._turned_away.discard(r.group_id)
 
     def is_due(self, launch_step: int) -> bool:
         """A group of this launch step must be in the current step's batch."""
@@ -299,12 +359,12 @@ class BatcherState(Generic[R]):
             return False
         if len(self._finished) >= self.batch_size:
             return True
-        return self.source_done and not self._running and bool(self._finished)
+        return self.source_done and not self.backlog and not self._running and bool(self._finished)
 
     @property
     def exhausted(self) -> bool:
         """Nothing left to launch or to hand out: iteration ends."""
-        return self.source_done and not self.outstanding
+        return self.source_done and not self.backlog and not self.outstanding
 
     def take_batch(self) -> StepBatch[R]:
         """Hands out the current step's batch and moves to the next step."""
@@ -342,14 +402,18 @@ class BatcherState(Generic[R]):
         return StepCounts(self.step, self.launched_now, self.filtered_now)
 
     def outstanding_groups(self) -> tuple[list[str], list[R]]:
-        """Every outstanding group: (ids still running, finished entries held)."""
-        return list(self._running), [f.received for f in self._finished.values()]
+        """Every outstanding group: (ids still running, finished entries held, those not
+        judged yet included)."""
+        judging = {r.group_id for r in self._unjudged.values()}
+        running = [g for g in self._running if g not in judging]
+        return running, [f.received for f in self._finished.values()] + self.unjudged()
 
     def drop_outstanding(self) -> tuple[list[str], list[R]]:
         """Forgets every outstanding group: (ids still running, finished entries held)."""
         running, held = self.outstanding_groups()
         self._running.clear()
         self._finished.clear()
+        self._unjudged.clear()
         return running, held
 
 
@@ -409,14 +473,16 @@ class _Launcher(Generic[R]):
 
     Submit is all or none: when the scheduler refuses a launch as invalid, its groups are
     sent one by one, those it takes are launched and those it refuses dropped (kept, the
-    same launch was refused at every step). A group it says is taken already, whose earlier
-    Submit ran out of time, was accepted then: it is launched."""
+    same launch was refused at every step). A group whose earlier Submit failed in a way that
+    may have queued it (it ran out of time) was accepted then if the scheduler says it is
+    taken already, or if its entry arrives: it is launched, at the step of that Submit."""
 
     def __init__(self, state: BatcherState[R], groups: Iterable[PromptGroup]) -> None:
         self._state = state
         self._source = iter(groups)
         self._backlog: list[PromptGroup] = []  # taken from the iterator, not submitted yet
-        self._unsure: set[str] = set()  # ids of the backlog a Submit may have queued
+        # Ids of the backlog a Submit may have queued -> the step (priority) of the first.
+        self._unsure: dict[str, int] = {}
         self._refused: list[tuple[PromptGroup, RolloutError]] = []  # not said yet
 
     def next_launch(self) -> list[PromptGroup]:
@@ -431,14 +497,28 @@ class _Launcher(Generic[R]):
             if any(g.group_id == group.group_id for g in self._backlog):
                 raise InvalidArgument(f"group {group.group_id!r} repeats; ids must be unique")
             self._backlog.append(group)
+        state.backlog = len(self._backlog)
         return [_with_priority(g, state.step) for g in self._backlog]
 
     def submitted(self, groups: Sequence[PromptGroup]) -> None:
         for group in groups:
             self._state.launched(group.group_id)
         self._backlog.clear()
+        self._state.backlog = 0
         self._unsure.clear()
         self.say_refused()  # (refused groups of an earlier launch, cut off part way)
+
+    def landed(self, group_id: str) -> None:
+        """An entry of ``group_id`` arrived. If it is of the backlog, a Submit that failed
+        queued it after all: it is launched at that Submit's step, not submitted again (it
+        was taken as another trainer's and let go, and its next Submit, told it was taken,
+        had the batch wait for it forever)."""
+        step = self._unsure.pop(group_id, None)
+        if step is None:
+            return
+        self._backlog = [g for g in self._backlog if g.group_id != group_id]
+        self._state.backlog = len(self._backlog)
+        self._state.launched(group_id, step)
 
     def failed(self, launch: Sequence[PromptGroup], exc: BaseException) -> bool:
         """A Submit of ``launch`` failed with ``exc``; True when the groups are to be sent one
@@ -448,17 +528,21 @@ class _Launcher(Generic[R]):
         if isinstance(exc, InvalidArgument):
             return True
         if not isinstance(exc, ResourceExhausted):
-            self._unsure.update(g.group_id for g in launch)
+            for group in launch:
+                self._unsure.setdefault(group.group_id, group.priority)
         return False
 
     def sent_alone(self, group: PromptGroup, exc: InvalidArgument | None) -> None:
         """A group of a refused launch, sent alone, was taken (``exc`` None) or refused."""
         self._backlog = [g for g in self._backlog if g.group_id != group.group_id]
-        if exc is None or (isinstance(exc, AlreadySubmitted) and group.group_id in self._unsure):
+        self._state.backlog = len(self._backlog)
+        unsure_step = self._unsure.pop(group.group_id, None)
+        if exc is None:
             self._state.launched(group.group_id)
+        elif isinstance(exc, AlreadySubmitted) and unsure_step is not None:
+            self._state.launched(group.group_id, unsure_step)  # queued by the earlier Submit
         else:
             self._refused.append((group, exc))
-        self._unsure.discard(group.group_id)
 
     def say_refused(self) -> None:
         """Raises GroupsRefused for the groups refused since it last did."""
@@ -524,6 +608,30 @@ async def _aclose(stream: AsyncIterator[R]) -> None:
         await aclose()
 
 
+def _discards(arrival: Arrival, unknown: UnknownGroups) -> bool:
+    """Whether the entry is acknowledged unused."""
+    if arrival is Arrival.UNKNOWN:
+        return unknown == "discard"
+    return arrival is Arrival.FILTERED or arrival is Arrival.DUPLICATE
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _passed(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _read_time(deadline: float | None, retrying: bool) -> float | None:
+    """How long the next read of the stream may take: what is left of the wait, or, while
+    a launch waits for a retry, ``RETRY_LAUNCH_S`` at most."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if not retrying:
+        return left
+    return RETRY_LAUNCH_S if left is None else min(left, RETRY_LAUNCH_S)
+
+
 def _timeout(state: BatcherState[R], timeout_s: float | None) -> BatchTimeout:
     waiting = state.waiting_for()
     return BatchTimeout(
@@ -587,6 +695,7 @@ class StepBatcher(Generic[R]):
         return self
 
     def __next__(self) -> StepBatch[R]:
+        self._settle()
         self._top_up()
         if self.state.exhausted:
             raise StopIteration
@@ -604,14 +713,18 @@ class StepBatcher(Generic[R]):
         unused, those that finished, reading the stream up to ``drain_timeout_s`` for the
         entries of groups that finished before the cancel reached the scheduler. If the
         cancel fails, nothing is forgotten (call it again); the finished groups it holds are
-        acknowledged whatever the drain meets, and entries not its own are let go."""
-        running, held = self.state.outstanding_groups()
+        acknowledged whatever the drain meets (an ack that fails is tried again at the next
+        call), and entries not its own are let go."""
+        state = self.state
+        running, held = state.outstanding_groups()
         cancelled: Sequence[str] = ()
         unread: set[str] = set()
         if running:
             result = self._client.cancel(running)
             cancelled, unread = result.cancelled, set(result.unknown)
-        self.state.drop_outstanding()
+        state.drop_outstanding()
+        for received in held:
+            state.discarding(received)
         try:
             if unread and drain_timeout_s > 0:
                 stream = self._client.groups(timeout_s=drain_timeout_s)
@@ -620,8 +733,9 @@ class StepBatcher(Generic[R]):
                         if received.group_id in unread:
                             unread.discard(received.group_id)
                             held.append(received)
+                            state.discarding(received)
                         elif self._unknown == "discard":
-                            self._client.ack(received)
+                            state.discarding(received)
                         else:  # another trainer's: its own takes it over
                             _release(self._client, received)
                         if not unread:
@@ -629,8 +743,7 @@ class StepBatcher(Generic[R]):
                 finally:
                     _close(stream)
         finally:
-            if held:
-                self._client.ack(*held)
+            self._ack_discards()
         return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
 
     def _top_up(self) -> None:
@@ -658,7 +771,8 @@ class StepBatcher(Generic[R]):
 
     def _replace(self) -> None:
         """Launches a group in the place of one filtered out; a scheduler that cannot take it
-        now does not end the wait (the batch may fill without it): the next step retries."""
+        now does not end the wait (the batch may fill without it): the wait tries again
+        every ``RETRY_LAUNCH_S``, and so does the next step."""
         try:
             self._top_up()
         except GroupsRefused:
@@ -667,29 +781,60 @@ class StepBatcher(Generic[R]):
             log.warning("launching in the place of a group filtered out: %s; retried later", exc)
 
     def _wait_ready(self) -> None:
+        """Reads the stream until the batch is ready. While a failed launch waits for a
+        retry, it reads ``RETRY_LAUNCH_S`` at a time and retries in between (nothing else
+        does while it waits: with nothing outstanding it waited forever)."""
         state = self.state
-        if state.ready():
-            return
-        stream = self._client.groups(timeout_s=self._timeout_s)
-        try:
-            for received in stream:
-                arrival = state.on_finished(received, _kept(state, self._keep, received))
-                _note(arrival, received, self._unknown)
-                if arrival is Arrival.FILTERED:
-                    self._client.ack(received)
-                    state.turned_away_acked(received.group_id)
-                    self._replace()
-                elif arrival is Arrival.DUPLICATE or (
-                    arrival is Arrival.UNKNOWN and self._unknown == "discard"
-                ):
-                    self._client.ack(received)
-                elif arrival is Arrival.UNKNOWN:
-                    _release(self._client, received)
-                if state.ready() or state.exhausted:
-                    return
-        finally:
-            _close(stream)
-        raise _timeout(state, self._timeout_s)
+        deadline = _deadline(self._timeout_s)
+        while not (state.ready() or state.exhausted):
+            retrying = state.backlog > 0
+            stream = self._client.groups(timeout_s=_read_time(deadline, retrying))
+            try:
+                for received in stream:
+                    self._arrive(received)
+                    if state.ready() or state.exhausted or (state.backlog and not retrying):
+                        break
+                else:  # the read ran its time: all that was left, or the deadline passed
+                    if not retrying or _passed(deadline):
+                        raise _timeout(state, self._timeout_s)
+            finally:
+                _close(stream)
+            if state.backlog and not (state.ready() or state.exhausted):
+                self._replace()
+
+    def _arrive(self, received: R) -> None:
+        """What the batcher does with an entry the client handed it."""
+        state = self.state
+        self._launcher.landed(received.group_id)
+        state.judging(received)
+        arrival = state.on_finished(received, _kept(state, self._keep, received))
+        _note(arrival, received, self._unknown)
+        if _discards(arrival, self._unknown):
+            self._discard(received)
+            if arrival is Arrival.FILTERED:
+                self._replace()
+        elif arrival is Arrival.UNKNOWN:
+            _release(self._client, received)
+
+    def _discard(self, received: R) -> None:
+        self.state.discarding(received)
+        self._ack_discards()
+
+    def _ack_discards(self) -> None:
+        """Acknowledges the entries to discard (one XACK); if it fails, the next call of the
+        batcher tries again (the client hands them out no more)."""
+        discard = self.state.to_discard()
+        if discard:
+            self._client.ack(*discard)
+            self.state.discarded(discard)
+
+    def _settle(self) -> None:
+        """Finishes what an error left undone with entries the client handed out, which it
+        hands out once (they were lost, and the batch waited for them forever): acknowledges
+        those to discard, and asks ``keep`` again of those it raised on."""
+        self._ack_discards()
+        for received in self.state.unjudged():
+            self._arrive(received)
 
 
 class AsyncStepBatcher(Generic[R]):
@@ -723,6 +868,7 @@ class AsyncStepBatcher(Generic[R]):
         return self
 
     async def __anext__(self) -> StepBatch[R]:
+        await self._settle()
         await self._top_up()
         if self.state.exhausted:
             raise StopAsyncIteration
@@ -737,13 +883,16 @@ class AsyncStepBatcher(Generic[R]):
 
     async def cancel_outstanding(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Dropped:
         """See :meth:`StepBatcher.cancel_outstanding`."""
-        running, held = self.state.outstanding_groups()
+        state = self.state
+        running, held = state.outstanding_groups()
         cancelled: Sequence[str] = ()
         unread: set[str] = set()
         if running:
             result = await self._client.cancel(running)
             cancelled, unread = result.cancelled, set(result.unknown)
-        self.state.drop_outstanding()
+        state.drop_outstanding()
+        for received in held:
+            state.discarding(received)
         try:
             if unread and drain_timeout_s > 0:
                 stream = self._client.groups(timeout_s=drain_timeout_s)
@@ -752,8 +901,9 @@ class AsyncStepBatcher(Generic[R]):
                         if received.group_id in unread:
                             unread.discard(received.group_id)
                             held.append(received)
+                            state.discarding(received)
                         elif self._unknown == "discard":
-                            await self._client.ack(received)
+                            state.discarding(received)
                         else:  # another trainer's: its own takes it over
                             _release(self._client, received)
                         if not unread:
@@ -761,8 +911,7 @@ class AsyncStepBatcher(Generic[R]):
                 finally:
                     await _aclose(stream)
         finally:
-            if held:
-                await self._client.ack(*held)
+            await self._ack_discards()
         return Dropped(tuple(cancelled), tuple(r.group_id for r in held), tuple(sorted(unread)))
 
     async def _top_up(self) -> None:
@@ -798,26 +947,52 @@ class AsyncStepBatcher(Generic[R]):
             log.warning("launching in the place of a group filtered out: %s; retried later", exc)
 
     async def _wait_ready(self) -> None:
+        """See :meth:`StepBatcher._wait_ready`."""
         state = self.state
-        if state.ready():
-            return
-        stream = self._client.groups(timeout_s=self._timeout_s)
-        try:
-            async for received in stream:
-                arrival = state.on_finished(received, _kept(state, self._keep, received))
-                _note(arrival, received, self._unknown)
-                if arrival is Arrival.FILTERED:
-                    await self._client.ack(received)
-                    state.turned_away_acked(received.group_id)
-                    await self._replace()
-                elif arrival is Arrival.DUPLICATE or (
-                    arrival is Arrival.UNKNOWN and self._unknown == "discard"
-                ):
-                    await self._client.ack(received)
-                elif arrival is Arrival.UNKNOWN:
-                    _release(self._client, received)
-                if state.ready() or state.exhausted:
-                    return
-        finally:
-            await _aclose(stream)
-        raise _timeout(state, self._timeout_s)
+        deadline = _deadline(self._timeout_s)
+        while not (state.ready() or state.exhausted):
+            retrying = state.backlog > 0
+            stream = self._client.groups(timeout_s=_read_time(deadline, retrying))
+            try:
+                async for received in stream:
+                    await self._arrive(received)
+                    if state.ready() or state.exhausted or (state.backlog and not retrying):
+                        break
+                else:  # the read ran its time: all that was left, or the deadline passed
+                    if not retrying or _passed(deadline):
+                        raise _timeout(state, self._timeout_s)
+            finally:
+                await _aclose(stream)
+            if state.backlog and not (state.ready() or state.exhausted):
+                await self._replace()
+
+    async def _arrive(self, received: R) -> None:
+        """See :meth:`StepBatcher._arrive`."""
+        state = self.state
+        self._launcher.landed(received.group_id)
+        state.judging(received)
+        arrival = state.on_finished(received, _kept(state, self._keep, received))
+        _note(arrival, received, self._unknown)
+        if _discards(arrival, self._unknown):
+            await self._discard(received)
+            if arrival is Arrival.FILTERED:
+                await self._replace()
+        elif arrival is Arrival.UNKNOWN:
+            _release(self._client, received)
+
+    async def _discard(self, received: R) -> None:
+        self.state.discarding(received)
+        await self._ack_discards()
+
+    async def _ack_discards(self) -> None:
+        """See :meth:`StepBatcher._ack_discards`."""
+        discard = self.state.to_discard()
+        if discard:
+            await self._client.ack(*discard)
+            self.state.discarded(discard)
+
+    async def _settle(self) -> None:
+        """See :meth:`StepBatcher._settle`."""
+        await self._ack_discards()
+        for received in self.state.unjudged():
+            await self._arrive(received)

@@ -49,6 +49,7 @@ from rollserve.client.consumer import (
     default_consumer_name,
     deletes_count,
     heartbeat_chunks,
+    heartbeat_error,
     heartbeat_refused,
     is_busygroup,
     is_nogroup,
@@ -62,11 +63,12 @@ from rollserve.client.consumer import (
 )
 from rollserve.client.credentials import NO_CREDENTIALS, SchedulerCredentials
 from rollserve.client.errors import (
-    REDIS_DOWN,
+    ClientClosed,
     InvalidArgument,
     RunDeleted,
-    StreamUnavailable,
     error_from_rpc,
+    refuses_scripting,
+    stream_error,
 )
 from rollserve.client.types import (
     CancelResult,
@@ -218,6 +220,7 @@ class RolloutClient:
     def submit(self, groups: Sequence[PromptGroup]) -> int:
         """Queues the groups; all or none. Returns how many the scheduler accepted."""
         request = submit_request(self.run_id, groups)
+        self._check_open("Submit")
         try:
             response = self._stub.Submit(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -229,6 +232,7 @@ class RolloutClient:
     def cancel(self, group_ids: Sequence[str]) -> CancelResult:
         """Cancels queued or running groups; cancelled groups are never delivered."""
         request = cancel_request(self.run_id, group_ids)
+        self._check_open("Cancel")
         try:
             response = self._stub.Cancel(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -244,6 +248,7 @@ class RolloutClient:
         history, kept by prompt_key across runs, stays."""
         check_run_id(self.run_id)
         request = pb.DeleteRunRequest(run_id=self.run_id)
+        self._check_open("DeleteRun")
         try:
             response = self._stub.DeleteRun(
                 request, timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -278,6 +283,7 @@ class RolloutClient:
         error's ``code`` is FAILED_PRECONDITION."""
         request = publish_version_request(self.run_id, version, weights_path)
         timeout = publish_timeout_s(self._rpc_timeout_s, weights_path, timeout_s)
+        self._check_open("PublishVersion")
         try:
             response = self._stub.PublishVersion(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -285,6 +291,7 @@ class RolloutClient:
         return PublishResult.from_proto(response)
 
     def status(self) -> SchedulerStatus:
+        self._check_open("Status")
         try:
             response = self._stub.Status(
                 pb.StatusRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata
@@ -304,7 +311,10 @@ class RolloutClient:
         Reads this consumer's own unacknowledged entries first, then takes over
         entries idle longer than ``claim_idle_ms`` and reads new ones. Raises
         :class:`UndecodableEntry` for an entry this SDK cannot read (it stays
-        pending; see ``discard``) and :class:`StreamUnavailable` if Redis is down.
+        pending; see ``discard``), :class:`StreamUnavailable` if Redis is down
+        (:class:`StreamReadOnly` if it is a read-only replica), :class:`StreamRefused` if
+        Redis refuses the reads (the message says why) and :class:`ClientClosed` after
+        ``close()``.
         """
         self.config.check_reads("groups")
         with contextlib.closing(self._deliveries(limit, timeout_s)) as deliveries:
@@ -332,10 +342,11 @@ class RolloutClient:
             iteration = self._state.restart()
         try:
             while not budget.exhausted(now := time.monotonic()):
+                self._check_open("reading the stream")  # (a read would open a connection)
                 with self._lock:  # (the heartbeat's thread sets it)
                     refused, self._heartbeat_refused = self._heartbeat_refused, None
                 if refused is not None:  # (said once: a later refusal is said again)
-                    raise StreamUnavailable(heartbeat_refused(refused))
+                    raise heartbeat_error(refused, self.stream)
                 with self._lock:
                     op = self._state.next_read(now, budget)
                 batch = self._read(op)
@@ -358,10 +369,11 @@ class RolloutClient:
         if not received:
             return 0
         ids = [r.entry_id for r in received]
+        self._check_open("XACK")
         try:
             acked = int(self._redis.xack(self.stream, self.config.consumer_group, *ids))
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XACK {self.stream}") from exc
         with self._lock:
             for entry_id in ids:
                 self._state.acked(entry_id)
@@ -382,16 +394,21 @@ class RolloutClient:
         It stays readable in the stream with XRANGE for the scheduler's acked retention
         (``--acked-retention-s``, 300 s; always with ``--keep-acked-entries``); this group
         will not deliver it."""
+        self._check_open("XACK")
         try:
             return int(self._redis.xack(self.stream, self.config.consumer_group, entry_id)) == 1
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XACK {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XACK {self.stream}") from exc
 
     @property
     def in_hand(self) -> int:
         """Groups handed out by ``groups()`` and not yet acknowledged."""
         with self._lock:
             return self._state.in_hand
+
+    def _check_open(self, doing: str) -> None:
+        if self._closing.is_set():
+            raise ClientClosed(f"{doing}: this client is closed; make a new one")
 
     def _read(self, op: NextRead) -> Batch:
         """Runs one read; returns what to do with its entries (duplicates acked already)."""
@@ -431,11 +448,9 @@ class RolloutClient:
                     raise RunDeleted(run_deleted(config))
                 self._redis.xack(config.stream, config.consumer_group, *batch.drop_ids)
             self._park()
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"reading {config.stream}: {exc}") from exc
-        except redis.ResponseError as exc:
+        except redis.RedisError as exc:
             if not is_nogroup(exc):
-                raise
+                raise stream_error(exc, f"reading {config.stream}") from exc
             with self._lock:
                 self._state.group_lost()
             return Batch([], [])
@@ -451,14 +466,12 @@ class RolloutClient:
             return
         try:
             self._park_script(keys=[self.config.stream], args=self._state.park_args(ids))
-        except REDIS_DOWN:
-            with self._lock:
-                self._state.park_failed(ids)
-            raise
-        except redis.ResponseError as exc:  # (no scripting: taken over once idle instead)
-            if is_nogroup(exc):
+        except redis.RedisError as exc:
+            if not refuses_scripting(exc):  # (an outage, a read-only replica: retried)
+                with self._lock:
+                    self._state.park_failed(ids)
                 raise
-            park_refused(self.config.stream, len(ids), exc)
+            park_refused(self.config.stream, len(ids), exc)  # taken over once idle instead
 
     def _ensure_group(self) -> None:
         if self._state.group_ready:
@@ -483,6 +496,8 @@ class RolloutClient:
             try:
                 self._redis.script_load(HEARTBEAT_SCRIPT)
             except redis.ResponseError as exc:
+                if not refuses_scripting(exc):
+                    raise
                 raise InvalidArgument(heartbeat_refused(exc)) from exc
         self._state.group_ready = True
 
@@ -496,8 +511,8 @@ class RolloutClient:
             pipe.xpending_range(self.stream, self.config.consumer_group, entry_id, entry_id, 1)
         try:
             replies = pipe.execute()
-        except REDIS_DOWN as exc:
-            raise StreamUnavailable(f"XPENDING {self.stream}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise stream_error(exc, f"XPENDING {self.stream}") from exc
         return {i: max(1, parse_delivery_count(r)) for i, r in zip(ids, replies, strict=True)}
 
     # ------------------------------------------------------------ heartbeat

@@ -33,8 +33,9 @@ acknowledged, and step 2 of every other consumer takes it over once it has been 
 re-claim the entries this consumer holds every ``claim_idle_ms / 3``
 (:attr:`ConsumerConfig.heartbeat_interval_s`), which resets their idle time without
 raising their delivery count. Held are the entries handed to the caller and not yet
-acknowledged, and those a read returned for delivery that the iterator has not handed out
-yet (:meth:`~ConsumerState.beat_ids`). A beat runs :data:`HEARTBEAT_SCRIPT`:
+acknowledged, and those a read returned for delivery that no iterator has handed out yet
+(:meth:`~ConsumerState.beat_ids`), even after the iterator that read them ended: the next
+iteration's read of the pending list hands them out. A beat runs :data:`HEARTBEAT_SCRIPT`:
 ``XCLAIM key group me 0 ids... JUSTID`` on the ids still pending *for this consumer*
 (a plain XCLAIM would take an id back from a consumer that took it over while this
 process stalled). :meth:`~ConsumerState.on_heartbeat` reads its reply: an id held by
@@ -64,7 +65,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, cast
 
-from rollserve.client.errors import InvalidArgument, UndecodableEntry
+import redis
+from rollserve.client.errors import (
+    InvalidArgument,
+    RolloutError,
+    StreamUnavailable,
+    UndecodableEntry,
+    is_read_only,
+    is_wrong_type,
+    refuses_keys,
+    stream_error,
+)
 from rollserve.client.wire import (
     MAX_RUN_ID_LEN,
     RUN_ID_ALPHABET,
@@ -189,6 +200,16 @@ def heartbeat_refused(exc: Exception) -> str:
         "Give the Redis user scripting (SCRIPT LOAD, EVALSHA), or pass heartbeat=False with a "
         "claim_idle_ms above the longest time a group is held"
     )
+
+
+def heartbeat_error(exc: redis.RedisError, stream: str) -> RolloutError:
+    """What the reader raises for a heartbeat Redis refused (not an outage, which the next
+    beat retries): the groups held are no longer kept claimed. The advice is for the cause
+    Redis names (a read-only replica, no permission on the run's keys, a key of another
+    type); otherwise it is the usual one, an ACL without scripting."""
+    if is_read_only(exc) or refuses_keys(exc) or is_wrong_type(exc):
+        return stream_error(exc, f"heartbeat of {stream}")
+    return StreamUnavailable(heartbeat_refused(exc))
 
 
 def park_refused(stream: str, count: int, exc: Exception) -> None:
@@ -452,13 +473,15 @@ class ConsumerState:
         # own claim scan takes back is parked again, never handed out.
         self._released = _BoundedSet(config.dedupe_capacity)
         self._to_park: dict[str, None] = {}
-        # Read for delivery, not handed out yet (the iterator is suspended): entry -> group.
+        # Read for delivery, not handed out yet: entry -> group. Kept claimed until handed out,
+        # also when the iteration that read it ends first (a batcher closes its iterator once
+        # its batch is complete): the next iteration reads it again from our pending list.
         self._read_ahead: dict[str, str] = {}
         self._lost_ahead: set[str] = set()  # read ahead, then lost: never to be handed out
-        # Entry -> times read ahead and left unhanded when its iterator ended (the next
-        # iteration reads it again from our pending list, which counts a delivery).
+        # Entry -> times read and not handed out (each read counted a delivery in XPENDING
+        # that no trainer saw).
         self._unhanded: OrderedDict[str, int] = OrderedDict()
-        self._iteration = 0  # restart() count: which iteration the read-ahead belongs to
+        self._iteration = 0  # restart() count: which iteration is the current one
         self._pending_cursor: str | None = PENDING_START_ID  # None: pending list done
         self._claim_cursor = CLAIM_START_CURSOR
         self._next_claim_at = 0.0  # claim as soon as our own pending list is read
@@ -474,25 +497,17 @@ class ConsumerState:
         """
         self._pending_cursor = PENDING_START_ID
         self._iteration += 1
-        self._leave_read_ahead()
+        self._lost_ahead.clear()
         return self._iteration
 
     def stop_reading(self, iteration: int) -> None:
         """Iteration ``iteration`` ended: entries it read and did not hand out stay pending
-        for this consumer (the next iteration reads them again) and are no longer kept
-        claimed. A no-op if a later iteration has begun (the old one was collected late)."""
+        for this consumer, kept claimed (another consumer would take them over while this
+        process lives, and the trainer may be counting on them), and the next iteration
+        reads them again. A no-op if a later iteration has begun (the old one was collected
+        late)."""
         if iteration == self._iteration:
-            self._leave_read_ahead()
-
-    def _leave_read_ahead(self) -> None:
-        for entry_id in self._read_ahead:
-            if entry_id not in self._lost_ahead:
-                self._unhanded[entry_id] = self._unhanded.get(entry_id, 0) + 1
-                self._unhanded.move_to_end(entry_id)
-        while len(self._unhanded) > self.config.dedupe_capacity:
-            self._unhanded.popitem(last=False)
-        self._read_ahead.clear()
-        self._lost_ahead.clear()
+            self._lost_ahead.clear()
 
     def next_read(self, now: float, budget: Budget) -> NextRead:
         """The next read, within what the caller still wants (``budget``)."""
@@ -533,6 +548,8 @@ class ConsumerState:
             if isinstance(item, Deliver):
                 self._read_ahead[item.entry_id] = item.key
         for drop in batch.drop:
+            self._read_ahead.pop(drop.entry_id, None)
+            self._unhanded.pop(drop.entry_id, None)
             log.info(
                 "stream %s: acking entry %s unread: %s",
                 self.config.stream,
@@ -573,6 +590,7 @@ class ConsumerState:
         self.group_ready = False
         self._pending_cursor = PENDING_START_ID
         self._claim_cursor = CLAIM_START_CURSOR
+        self._read_ahead.clear()  # (pending no more, for anyone)
 
     # ------------------------------------------------------------- decisions
 
@@ -610,8 +628,18 @@ class ConsumerState:
                 continue
             in_batch.add(key)
             unhanded = self._unhanded.get(entry_id, 0)
+            if entry_id in self._read_ahead:  # read before, never handed out: not a delivery
+                unhanded = self._read_again(entry_id)
             items.append(Deliver(entry_id, result, key, source is not Source.NEW, unhanded))
         return Batch(items, drop)
+
+    def _read_again(self, entry_id: str) -> int:
+        """Counts one more read of an entry not handed out; returns the count."""
+        count = self._unhanded.pop(entry_id, 0) + 1
+        self._unhanded[entry_id] = count
+        while len(self._unhanded) > self.config.dedupe_capacity:
+            self._unhanded.popitem(last=False)
+        return count
 
     def handed_out(self, entry_id: str, group_id: str) -> bool:
         """The caller now holds the entry; call it just before giving it out. False: do

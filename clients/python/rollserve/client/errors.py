@@ -63,6 +63,22 @@ class StreamUnavailable(RolloutError):
     """Redis, which carries the finished groups, cannot be reached."""
 
 
+class StreamReadOnly(StreamUnavailable):
+    """The Redis reached is a read-only replica: a failover is under way (the old primary
+    became a replica), or ``redis_url`` names a replica. Retry once the failover is done, or
+    point ``redis_url`` at the primary. Nothing the client holds was acknowledged."""
+
+
+class StreamRefused(RolloutError):
+    """Redis refused the reader's command for a reason a retry does not mend; the message
+    names it: the Redis user lacks a permission (its ACL: the commands or the keys of the
+    run's stream), or the stream's key holds another type (another program writes there)."""
+
+
+class ClientClosed(RolloutError):
+    """The client was closed (``close()``, or the end of its ``with`` block): make a new one."""
+
+
 class UndecodableEntry(RolloutError):
     """A stream entry this SDK cannot decode (a newer schema version, or a bad body).
 
@@ -80,6 +96,59 @@ class UndecodableEntry(RolloutError):
 
 # Redis errors that mean "cannot reach it" rather than "it said no".
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_SCRIPTING_COMMANDS = ("'evalsha'", "'eval'", "'script'")
+
+
+def stream_error(exc: redis.RedisError, doing: str) -> RolloutError:
+    """The SDK's error for a Redis error met while ``doing`` (e.g. ``"XACK <stream>"``)."""
+    text = str(exc)
+    if is_read_only(exc):
+        return StreamReadOnly(
+            f"{doing}: the Redis reached is a read-only replica ({text}): retry once a "
+            "failover is done, or point redis_url at the primary"
+        )
+    if not isinstance(exc, redis.ResponseError):  # unreachable, or a reply it cannot read
+        return StreamUnavailable(f"{doing}: {text}")
+    if isinstance(exc, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
+        return StreamRefused(
+            f"{doing}: the Redis user has no permission ({text}): its ACL must allow the "
+            "stream commands (XREADGROUP, XAUTOCLAIM, XACK, XPENDING, XGROUP), EVALSHA and "
+            "SCRIPT LOAD on the keys of the run"
+        )
+    if is_wrong_type(exc):
+        return StreamRefused(
+            f"{doing}: the key holds another type than a stream ({text}): something other "
+            "than rollserve's scheduler writes to the run's keys; check the run id and the "
+            "Redis database in redis_url"
+        )
+    return StreamRefused(f"{doing}: Redis refused it ({text})")
+
+
+def is_read_only(exc: redis.RedisError) -> bool:
+    """The Redis reached is a replica (redis-py drops the READONLY code from its message;
+    a script's error keeps only the text)."""
+    return isinstance(exc, redis.exceptions.ReadOnlyError) or "read only replica" in str(exc)
+
+
+def is_wrong_type(exc: redis.RedisError) -> bool:
+    return "WRONGTYPE" in str(exc)
+
+
+def refuses_keys(exc: redis.RedisError) -> bool:
+    """The user's ACL does not cover the keys used (Redis 6: "... to access one of the keys
+    used as arguments"; 7: "No permissions to access a key")."""
+    text = str(exc).lower()
+    return "no permissions to access" in text and "key" in text
+
+
+def refuses_scripting(exc: redis.RedisError) -> bool:
+    """Redis refused EVALSHA or SCRIPT: the user's ACL leaves scripting out, or the commands
+    were renamed away."""
+    text = str(exc).lower()
+    return any(command in text for command in _SCRIPTING_COMMANDS) and (
+        "no permissions" in text or "unknown command" in text
+    )
+
 
 _BY_CODE: dict[grpc.StatusCode, type[RolloutError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
