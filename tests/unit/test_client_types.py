@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from grpc import StatusCode
+from grpc.aio import AioRpcError, Metadata
 from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
+from rollserve.client.errors import ResourceExhausted, error_from_rpc
 from rollserve.client.types import (
     WEIGHTS_TIMEOUT_S,
     publish_timeout_s,
@@ -148,3 +151,21 @@ def test_a_value_of_the_wrong_type_is_refused_with_its_argument_named(
 ) -> None:
     with pytest.raises(InvalidArgument, match=message):
         make(**given)
+
+
+def test_a_message_too_large_for_the_scheduler_is_invalid_not_a_full_queue() -> None:
+    """RESOURCE_EXHAUSTED is a full queue, retried later, except where gRPC refuses a message
+    over the server's size limit: the same call would be refused every time. Faked: the
+    refused call (gRPC's own error object, as a channel raises it)."""
+    too_large = AioRpcError(
+        StatusCode.RESOURCE_EXHAUSTED,
+        Metadata(),
+        Metadata(),
+        "SERVER: Received message larger than max (262144022 vs. 67108864)",
+        None,
+    )
+    error = error_from_rpc(too_large, "Submit")
+    assert isinstance(error, InvalidArgument) and not isinstance(error, ResourceExhausted)
+    assert "(262144022 vs. 67108864)" in str(error) and "send fewer groups a call" in str(error)
+    full = AioRpcError(StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), "queue full", None)
+    assert isinstance(error_from_rpc(full, "Submit"), ResourceExhausted)

@@ -170,4 +170,13 @@ def error_from_rpc(exc: grpc.RpcError, method: str) -> RolloutError:
         details = exc.details() or code.name
     cls = _BY_CODE.get(code, RolloutError) if code is not None else RolloutError
     name = code.name if code is not None else "error"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+        # Not a full queue, which a retry passes: the same call is refused every time (and a
+        # StepBatcher sends a launch refused as invalid one group a call).
+        return InvalidArgument(
+            f"{method}: {details} ({name}): the call's message is larger than the scheduler "
+            "reads (its --max-grpc-message-bytes, 64 MiB by default); send fewer groups a "
+            "call",
+            code=code,
+        )
     return cls(f"{method}: {details} ({name})", code=code)
