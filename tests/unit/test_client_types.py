@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.exceptions
 from grpc import StatusCode
 from grpc.aio import AioRpcError, Metadata
 from rollserve.client import InvalidArgument, PromptGroup, SamplingParams
-from rollserve.client.errors import ResourceExhausted, error_from_rpc
+from rollserve.client.errors import ResourceExhausted, error_from_rpc, refuses_scripting
 from rollserve.client.types import (
     WEIGHTS_TIMEOUT_S,
     publish_timeout_s,
@@ -169,3 +170,17 @@ def test_a_message_too_large_for_the_scheduler_is_invalid_not_a_full_queue() -> 
     assert "(262144022 vs. 67108864)" in str(error) and "send fewer groups a call" in str(error)
     full = AioRpcError(StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), "queue full", None)
     assert isinstance(error_from_rpc(full, "Submit"), ResourceExhausted)
+
+
+def test_a_scripting_refusal_is_told_apart_in_each_redis_wording() -> None:
+    """Redis 6.2 names the command ('evalsha'), Redis 7 a subcommand ('script|load'); both
+    are an ACL without scripting (the heartbeat's advice), not a refusal of the keys.
+    Faked: the errors, as redis-py raises them (a Redis 7 server is not at hand here)."""
+    for text in (
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "NOPERM User u has no permissions to run the 'script|load' command",
+        "unknown command 'EVALSHA', with args beginning with: ",
+    ):
+        assert refuses_scripting(redis.exceptions.ResponseError(text)), text
+    keys = "NOPERM No permissions to access a key"
+    assert not refuses_scripting(redis.exceptions.ResponseError(keys))

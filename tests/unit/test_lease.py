@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -105,6 +106,63 @@ async def test_a_holder_that_stalled_past_its_margin_goes_on_if_the_lease_is_sti
     with pytest.raises(LeaseLost, match=r"no renewal .* no longer held by me"):
         await lease.renew()
     assert await client.get(LEASE_KEY) == b"someone else"
+
+
+async def test_a_late_renewal_holds_the_holder_in_doubt_until_redis_answers(
+    client: aioredis.Redis,
+) -> None:
+    """While the late renewal waits for Redis, the holder is in doubt and ``sure()`` waits:
+    the scheduler starts no work on the engines then (another may have taken over). Faked:
+    the lease's clock, and the renewal's script (held until the test lets it run)."""
+    clock = VirtualTime()
+    lease = SchedulerLease(
+        client, ttl_s=LONG_TTL_S, wait_s=0, holder="me", clock=clock.monotonic, sleep=clock.sleep
+    )
+    await lease.take()
+    script, answer = lease._renew, asyncio.Event()
+
+    async def held(**kwargs: Any) -> Any:
+        await answer.wait()
+        return await script(**kwargs)
+
+    lease._renew = held  # type: ignore[assignment]
+    assert not lease.in_doubt
+    await lease.sure()  # (at once)
+    clock.now += lease.valid_s + 1
+    renewal = asyncio.create_task(lease.renew())
+    await asyncio.sleep(0.05)
+    assert lease.in_doubt
+    waiting = asyncio.create_task(lease.sure())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    answer.set()
+    await asyncio.wait_for(renewal, WAIT_S)
+    await asyncio.wait_for(waiting, WAIT_S)
+    assert not lease.in_doubt
+
+
+async def test_a_renewal_answered_after_its_deadline_is_asked_again(
+    client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewal sent just before a stall, its answer read after the deadline: cut off, it
+    gave the lease up although Redis had extended it. It is asked again, and the holder goes
+    on. Faked: the first renewal's script (its answer comes 2.2 s late, past the 2 s the
+    holder counts on of its 3 s ttl); the clock is real."""
+    lease = SchedulerLease(client, ttl_s=3.0, wait_s=0, holder="me")
+    await lease.take()
+    script, calls = lease._renew, list[object]()
+
+    async def slow_first(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        if len(calls) == 1:
+            await asyncio.sleep(lease.valid_s + 0.2)
+        return await script(**kwargs)
+
+    lease._renew = slow_first  # type: ignore[assignment]
+    with caplog.at_level("WARNING"):
+        await lease.renew()
+    assert len(calls) == 2 and "the lease was still its own" in caplog.text
+    assert await client.get(LEASE_KEY) == b"me"
 
 
 async def test_keep_renews_until_the_lease_is_taken_away(client: aioredis.Redis) -> None:

@@ -225,3 +225,28 @@ async def test_a_publish_under_way_when_the_lease_is_found_taken_answers_lease_l
         await runtime.stop()
         await engine.stop()
         await client.aclose()
+
+
+async def test_no_work_starts_while_the_lease_is_in_doubt(other_redis_url: str) -> None:
+    """While a late renewal asks Redis whether the lease is still this scheduler's (it
+    stalled past the part of the ttl it counts on), nothing is sent to the engines: another
+    scheduler may be running the same groups there. Faked: the engine; and the doubt itself,
+    set on the runtime's lease as a late renewal sets it."""
+    engine = await FakeEngine("e0").start()
+    runtime = await make_runtime(
+        other_redis_url, [engine], lease_ttl_s=LEASE_TTL_S, lease_wait_s=LEASE_TTL_S
+    )
+    run = new_run()
+    lease = runtime._lease
+    assert lease is not None
+    doubt = lease._doubt = asyncio.Event()
+    try:
+        await runtime.submit(run, specs(run, 2))
+        await asyncio.sleep(0.3)
+        assert engine.requests == [] and runtime.status().inflight_groups == 0
+        lease._doubt = None
+        doubt.set()  # (Redis said it is still its own)
+        assert len(await read_stream(other_redis_url, run, 2)) == 2
+    finally:
+        await runtime.stop()
+        await engine.stop()

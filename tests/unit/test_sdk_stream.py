@@ -246,3 +246,38 @@ async def test_a_closed_async_client_says_it_is_closed(redis_url: str) -> None:
         [g async for g in client.groups(timeout_s=0.1)]
     with pytest.raises(ClientClosed):
         await client.discard("1-0")
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_group_released_before_its_stream_went_does_not_wedge_the_reader(
+    redis_url: str, use_async: bool
+) -> None:
+    """A group given up (released) is parked at the next read; its stream deleted meanwhile,
+    the park script meets NOGROUP, which Redis 6.2 words inside a script error. Taken for
+    a refusal, every later read raised StreamRefused; it is the group lost: made again."""
+    run = new_run_id()
+    r = redis.Redis.from_url(redis_url)
+    publish(r, run, "g0")
+
+    async def scenario_async() -> list[list[str]]:
+        async with AsyncRolloutClient(SCHEDULER, redis_url, run, claim_idle_ms=CLAIM_IDLE_MS) as c:
+            got = [g async for g in c.groups(limit=1, timeout_s=WAIT_S)]
+            c.release(*got)
+            r.delete(stream_key(run))
+            reads = []
+            for _ in range(3):
+                reads.append([g.group_id async for g in c.groups(timeout_s=0.3)])
+            return reads
+
+    try:
+        if use_async:
+            reads = asyncio.run(scenario_async())
+        else:
+            with RolloutClient(SCHEDULER, redis_url, run, claim_idle_ms=CLAIM_IDLE_MS) as c:
+                got = list(c.groups(limit=1, timeout_s=WAIT_S))
+                c.release(*got)
+                r.delete(stream_key(run))
+                reads = [[g.group_id for g in c.groups(timeout_s=0.3)] for _ in range(3)]
+        assert reads == [[], [], []]
+    finally:
+        r.close()

@@ -270,3 +270,21 @@ def test_a_sample_started_over_forgets_the_versions_of_its_lost_tokens() -> None
     [sample] = record.to_samples()
     assert sample.token_ids == [3]
     assert [(v.version, v.length) for v in sample.versions] == [(2, 1)]
+
+
+@pytest.mark.parametrize("end", ["cancel", "fail"])
+def test_a_group_that_ends_before_any_sample_ran_makes_its_samples_only_if_read(
+    end: str,
+) -> None:
+    """A group's samples are made when first read: a Submit of 10,000 groups of 64 spent
+    2.3 s of the event loop making them, and cancelling (a DeleteRun of a deep queue) made
+    them all again for nothing. Ended untouched, they are made in the state it ended in."""
+    record = GroupRecord.new(spec("g", n=64), seq=1)
+    assert record.untouched and record.state == SampleState.QUEUED
+    assert record.pending == tuple(range(64)) and record.pending_count == 64
+    assert record._samples is None  # (none made by any of those)
+    getattr(record, end)()
+    assert record._samples is None and not record.untouched
+    ended = SampleState.CANCELLED if end == "cancel" else SampleState.FAILED
+    assert record.state == ended and record.pending == () and record.pending_count == 0
+    assert {s.state for s in record.samples} == {ended} and len(record.samples) == 64

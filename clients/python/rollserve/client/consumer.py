@@ -591,6 +591,7 @@ class ConsumerState:
         self._pending_cursor = PENDING_START_ID
         self._claim_cursor = CLAIM_START_CURSOR
         self._read_ahead.clear()  # (pending no more, for anyone)
+        self._to_park.clear()  # (nothing left to give up: the entries went with the group)
 
     # ------------------------------------------------------------- decisions
 
@@ -841,8 +842,11 @@ def _ceil_ms(seconds: float) -> int:
 
 
 def is_nogroup(exc: Exception) -> bool:
-    """A read found no stream or no consumer group (someone deleted them)."""
-    return str(exc).startswith("NOGROUP")
+    """A read found no stream or no consumer group (someone deleted them); also where a
+    script met it (Redis 6.2 words that "Error running script (...): @user_script:4: NOGROUP
+    ...")."""
+    text = str(exc)
+    return text.startswith("NOGROUP") or ": NOGROUP " in text
 
 
 def is_busygroup(exc: Exception) -> bool:

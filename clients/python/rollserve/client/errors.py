@@ -96,7 +96,8 @@ class UndecodableEntry(RolloutError):
 
 # Redis errors that mean "cannot reach it" rather than "it said no".
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-_SCRIPTING_COMMANDS = ("'evalsha'", "'eval'", "'script'")
+# As Redis names them refusing one (Redis 7 names a subcommand: 'script|load').
+_SCRIPTING_COMMANDS = ("'evalsha'", "'eval'", "'script'", "'script|")
 
 
 def stream_error(exc: redis.RedisError, doing: str) -> RolloutError:

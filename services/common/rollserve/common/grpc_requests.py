@@ -6,7 +6,9 @@ truncated message, bytes that are no protobuf) with UNKNOWN, logging an ERROR wi
 traceback: a wrong status, and a log any client could fill. :class:`RequestCheck`, the
 first interceptor of every rollserve server, hands the servicer such a request's decode
 error instead, and the call is refused with INVALID_ARGUMENT and protobuf's message, which
-names the message type. Client-streaming methods (only reflection's) go through unchanged.
+names the message type. Client-streaming methods (only reflection's), and handlers that are
+plain functions (which gRPC runs on a thread pool; rollserve registers none), go through
+unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class RequestCheck(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None or handler.request_streaming:
             return handler
+        behaviour = handler.unary_unary or handler.unary_stream
+        if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
+            return handler  # (a plain function runs on gRPC's thread pool: left as it is)
         return _checked(handler)
 
 
@@ -61,8 +66,7 @@ def _checked(handler: Any) -> grpc.RpcMethodHandler[Any, Any]:
         async def answer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
-            result = unary(request, context)
-            return await result if inspect.isawaitable(result) else result
+            return await unary(request, context)
 
         return handler._replace(request_deserializer=decode, unary_unary=answer)  # type: ignore[no-any-return]
 
@@ -80,11 +84,9 @@ def _checked(handler: Any) -> grpc.RpcMethodHandler[Any, Any]:
         return handler._replace(request_deserializer=decode, unary_stream=answers)  # type: ignore[no-any-return]
 
     async def writes(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        # (a streaming servicer that writes with context.write, or a plain function)
+        # (a streaming servicer that writes with context.write)
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
-        result = stream(request, context)
-        if inspect.isawaitable(result):
-            await result
+        await stream(request, context)
 
     return handler._replace(request_deserializer=decode, unary_stream=writes)  # type: ignore[no-any-return]

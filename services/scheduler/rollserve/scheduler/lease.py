@@ -16,9 +16,12 @@ never seen by the other until it restarts). The lease makes that impossible:
   that hangs: each is cut off at that deadline): the holder gives up a third of the ttl
   before the lease can end in Redis, so it has stopped before another scheduler can take
   over. A renewal that comes later than that because the process stalled (its event loop
-  busy, the machine paused) is still tried: if the lease still names this holder, no other
-  scheduler held it meanwhile, and the holder goes on; if not, or if Redis does not answer,
-  the lease is lost. On loss the caller must stop acting at once.
+  busy, the machine paused), or one that did not answer by then, is still tried: if the
+  lease still names this holder, no other scheduler held it meanwhile, and the holder goes
+  on; if not, or if Redis does not answer within the rest of the ttl, the lease is lost.
+  While such a renewal is under way the holder is in doubt (``in_doubt``, ``sure()``): it
+  starts no new work, since another scheduler may be running the same groups. On loss the
+  caller must stop acting at once.
 - **release**: at a clean stop, ``DEL`` (only while still this holder's), so the next
   scheduler starts without waiting.
 
@@ -98,6 +101,7 @@ class SchedulerLease:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._renewed_at = 0.0  # monotonic time of the last successful take or renewal
+        self._doubt: asyncio.Event | None = None  # set when the late renewal under way ends
 
     @property
     def _ttl_ms(self) -> int:
@@ -142,10 +146,22 @@ class SchedulerLease:
             log.info("scheduler lease held by %s; waiting up to %.1f s for it to end", name, left)
             await self._sleep(min(self.interval_s, left))
 
+    @property
+    def in_doubt(self) -> bool:
+        """A late renewal is under way: whether the lease is still this holder's is not
+        known until it ends."""
+        return self._doubt is not None
+
+    async def sure(self) -> None:
+        """Returns once no late renewal is under way (at once when none is)."""
+        while (doubt := self._doubt) is not None:
+            await doubt.wait()
+
     async def renew(self) -> None:
         """Extends the lease; LeaseLost if it is another's or none, or if no renewal has
-        succeeded for ``valid_s`` (a renewal that has not answered by then is cut off). A
-        Redis error before that is logged and tolerated."""
+        succeeded for ``valid_s`` and a late one does not either (a renewal that has not
+        answered by ``valid_s`` is cut off, and tried late). A Redis error before that is
+        logged and tolerated."""
         started = self._clock()
         left = self._renewed_at + self.valid_s - started
         if left <= 0:
@@ -155,7 +171,15 @@ class SchedulerLease:
             renewed = await asyncio.wait_for(
                 self._renew(keys=[LEASE_KEY], args=[self.holder, self._ttl_ms]), timeout=left
             )
-        except (redis.exceptions.RedisError, TimeoutError) as e:
+        except TimeoutError:
+            # Its answer may have come during a stall, after the deadline had passed: asked
+            # again, Redis says whether the lease is still this holder's.
+            if self._clock() - self._renewed_at >= self.valid_s:
+                await self._renew_late(started)
+                return
+            log.warning("a renewal of the scheduler lease did not answer in time; will retry")
+            return
+        except redis.exceptions.RedisError as e:
             if self._clock() - self._renewed_at >= self.valid_s:
                 raise LeaseLost(
                     f"could not renew {LEASE_KEY} for {self.valid_s:g} s ({e!r}); its "
@@ -173,12 +197,13 @@ class SchedulerLease:
         and been taken; it counts only if Redis says at once that it is still this
         holder's, in the script that extends it (then no other scheduler held it: the key
         names whoever took it last)."""
-        since = started - self._renewed_at
+        since = self._clock() - self._renewed_at
         why = (
             f"no renewal of {LEASE_KEY} for {since:.1f} s (the holder gives up after "
             f"{self.valid_s:g} s of its {self.ttl_s:g} s ttl unless Redis says it is still "
             "its own)"
         )
+        doubt = self._doubt = asyncio.Event()
         try:
             renewed = await asyncio.wait_for(
                 self._renew(keys=[LEASE_KEY], args=[self.holder, self._ttl_ms]),
@@ -186,6 +211,9 @@ class SchedulerLease:
             )
         except (redis.exceptions.RedisError, TimeoutError) as e:
             raise LeaseLost(f"{why}, and the renewal now failed ({e!r})") from e
+        finally:
+            self._doubt = None
+            doubt.set()
         if not renewed:
             raise LeaseLost(f"{why}, and it is no longer held by {self.holder}")
         log.warning(

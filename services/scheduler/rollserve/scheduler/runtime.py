@@ -555,6 +555,14 @@ class SchedulerRuntime:
         if self._lost is not None:
             raise LeaseLost(f"this scheduler lost its lease and is stopping: {self._lost}")
 
+    async def _lease_sure(self) -> None:
+        """Waits while a late renewal of the lease is under way (the process stalled past
+        the part of the ttl it counts on): until Redis says the lease is still this
+        scheduler's, no new work starts on the engines, which another scheduler may be
+        driving by now. (Redis's writes are fenced by the lease; the engines' calls are not.)"""
+        if self._lease is not None and self._lease.in_doubt:
+            await self._lease.sure()
+
     @property
     def predictor(self) -> LengthPredictor:
         """The length predictor (read it; only the runtime teaches it)."""
@@ -966,6 +974,7 @@ class SchedulerRuntime:
         """Loads the weights into every healthy engine and makes them the fleet's; returns
         how many engines loaded them and why the others did not. The caller holds
         ``_weights_lock``."""
+        await self._lease_sure()
         before = self._stamping
         since = before[1] if before is not None and before[0] == run_id else version
         # An engine that has loaded them makes tokens of this version while the others
@@ -1516,6 +1525,7 @@ class SchedulerRuntime:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            await self._lease_sure()
             if not self._queue:
                 self._share.active(())  # (no run waits: those that come start level)
             # A policy that moves running work plans whenever something runs: a finished
@@ -1543,6 +1553,7 @@ class SchedulerRuntime:
                     # meanwhile (a group cancelled, an engine down) is not started.
                     spent += time.perf_counter() - began
                     await asyncio.sleep(0)
+                    await self._lease_sure()
                     began = time.perf_counter()
                 for assign in plan.assignments[first : first + _STARTS_PER_TURN]:
                     self._carry_out(assign, planned_now=not first)

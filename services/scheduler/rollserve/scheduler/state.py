@@ -217,6 +217,9 @@ class GroupRecord:
     # Its samples, made when first read (``samples``): most of a deep queue never is until
     # it runs, and a Submit of 10,000 groups of 64 spent 2.3 s of the event loop making them.
     _samples: list[SampleRecord] | None = None
+    # The state its samples are made in: QUEUED, or how the group ended if it ended before
+    # any was made (cancelling a deep queue made them all for nothing).
+    _made_as: SampleState = SampleState.QUEUED
     last_error: str = ""
     # Bumped by every change of a sample's state (the methods below are the only ways to
     # change one): the queued samples and their kept tokens are the same while it is.
@@ -237,7 +240,8 @@ class GroupRecord:
     def samples(self) -> list[SampleRecord]:
         samples = self._samples
         if samples is None:
-            samples = self._samples = [SampleRecord(i) for i in range(self.spec.n)]
+            state = self._made_as
+            samples = self._samples = [SampleRecord(i, state) for i in range(self.spec.n)]
         return samples
 
     @property
@@ -317,13 +321,17 @@ class GroupRecord:
         return running
 
     def cancel(self) -> None:
-        for s in self.samples:
-            s.end(SampleState.CANCELLED)
-        self.revision += 1
+        self._end_all(SampleState.CANCELLED)
 
     def fail(self) -> None:
-        for s in self.samples:
-            s.end(SampleState.FAILED)
+        self._end_all(SampleState.FAILED)
+
+    def _end_all(self, state: SampleState) -> None:
+        if self._samples is None:  # none made (none ever left the queue): made so if read
+            self._made_as = state
+        else:
+            for s in self._samples:
+                s.end(state)
         self.revision += 1
 
     def add_tokens(
