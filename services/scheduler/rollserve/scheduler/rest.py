@@ -77,9 +77,9 @@ class RestApi:
         self._api = api
         self.serving = True
         self._openapi = openapi_document(_version())
-        # One body decoded at a time: json.loads and protobuf hold the interpreter's lock
-        # for a large body's whole decode (about a second at 32 MiB), and sixteen at once
-        # on the worker threads left the event loop none for 7 s, past the scheduler's
+        # One large body decoded at a time: json.loads and protobuf hold the interpreter's
+        # lock for a large body's whole decode (about a second at 32 MiB), and sixteen at
+        # once on the worker threads left the event loop none for 7 s, past the scheduler's
         # lease; one at a time, it runs between them.
         self._decoding = asyncio.Semaphore(1)
 
@@ -186,8 +186,15 @@ async def _parse(
         raise web.HTTPBadRequest(text=status_details(f"the body cannot be read: {why}")) from exc
     except ConnectionResetError as exc:  # (no bug of the server's: nobody hears the answer)
         raise web.HTTPBadRequest(text="the client went away before its body was read") from exc
+    run_id = request.match_info["run_id"]
+    if len(body) < _LARGE_BODY_BYTES:  # (a Cancel waits for no large Submit's decode)
+        return await asyncio.to_thread(_decode, body, message, run_id)
     async with decoding:
-        return await asyncio.to_thread(_decode, body, message, request.match_info["run_id"])
+        return await asyncio.to_thread(_decode, body, message, run_id)
+
+
+# A body from which on decodes go one at a time (1 MiB: some 150,000 prompt tokens, 30 ms).
+_LARGE_BODY_BYTES = 1 << 20
 
 
 class _DuplicateKey(ValueError):
