@@ -175,7 +175,7 @@ async def _parse(
 ) -> _Request:
     """The request's JSON body as ``message``, its ``run_id`` the path's, decoded on a
     worker thread (a large Submit takes a second or more, which the event loop, renewing
-    the scheduler's lease, does not wait for), one body at a time (``decoding``). Raises
+    the scheduler's lease, does not wait for), a large body at a time (``decoding``). Raises
     Refused (INVALID_ARGUMENT) for JSON the message cannot take, and the HTTP error itself
     for a body that is no JSON (400) or too large (413)."""
     try:
