@@ -311,7 +311,7 @@ def _check_fields(document: dict[str, Any], message: Descriptor, where: str) -> 
             if field.cpp_type == FieldDescriptor.CPPTYPE_BOOL or field.cpp_type in _TEXT:
                 continue
             values = value if isinstance(value, list) else [value]
-            if any(isinstance(v, bool) for v in values):
+            if bool in set(map(type, values)):  # (50 ms a million tokens; a generator: 65)
                 raise Refused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the body: {path} is a number, not {json.dumps(value)[:80]}",
@@ -349,7 +349,7 @@ def _plain_token_ids(document: dict[str, Any]) -> dict[int, list[int]]:
         if (
             isinstance(ids, list)
             and "promptTokenIds" not in group
-            and all(type(t) is int for t in ids)
+            and set(map(type, ids)) <= {int}
             and (not ids or (min(ids) >= _INT32_MIN and max(ids) <= _INT32_MAX))
         ):
             taken[index] = group.pop("prompt_token_ids")
