@@ -165,7 +165,7 @@ class SchedulerLease:
         started = self._clock()
         left = self._renewed_at + self.valid_s - started
         if left <= 0:
-            await self._renew_late(started)
+            await self._renew_late()
             return
         try:
             renewed = await asyncio.wait_for(
@@ -175,7 +175,7 @@ class SchedulerLease:
             # Its answer may have come during a stall, after the deadline had passed: asked
             # again, Redis says whether the lease is still this holder's.
             if self._clock() - self._renewed_at >= self.valid_s:
-                await self._renew_late(started)
+                await self._renew_late()
                 return
             log.warning("a renewal of the scheduler lease did not answer in time; will retry")
             return
@@ -191,13 +191,14 @@ class SchedulerLease:
             raise LeaseLost(f"{LEASE_KEY} is no longer held by {self.holder}")
         self._renewed_at = started
 
-    async def _renew_late(self, started: float) -> None:
+    async def _renew_late(self) -> None:
         """A renewal past ``valid_s``: the process stalled (a Submit's work on the event
         loop, a paused machine), or Redis did not answer in time. The lease may have ended
         and been taken; it counts only if Redis says at once that it is still this
         holder's, in the script that extends it (then no other scheduler held it: the key
-        names whoever took it last)."""
-        since = self._clock() - self._renewed_at
+        names whoever took it last). The lease then runs from when it was asked."""
+        asked = self._clock()
+        since = asked - self._renewed_at
         why = (
             f"no renewal of {LEASE_KEY} for {since:.1f} s (the holder gives up after "
             f"{self.valid_s:g} s of its {self.ttl_s:g} s ttl unless Redis says it is still "
@@ -223,7 +224,7 @@ class SchedulerLease:
             since,
             self.valid_s,
         )
-        self._renewed_at = started
+        self._renewed_at = asked
 
     async def keep(self) -> None:
         """Renews every ``interval_s`` until cancelled or the lease is lost (LeaseLost)."""
