@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from rollserve.sim.settings import SimSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -18,6 +19,7 @@ from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
 from tests.unit.test_access import SECRET, TOKEN, scheduler, sim_engine
 
 TIMEOUT_S = 10.0
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 # Bytes that are no message: a string field (1) of bad UTF-8, a field cut short, a varint
 # that never ends.
@@ -57,6 +59,19 @@ async def test_the_scheduler_refuses_undecodable_requests_as_invalid(
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call(UNDECODABLE[0], timeout=TIMEOUT_S)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Reflection (open without a token) takes a stream of requests: refused at the
+        # first that does not decode; a good one is answered.
+        reflect = channel.stream_stream(REFLECTION, None, None)
+        for raw in UNDECODABLE:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in reflect(iter([raw]), timeout=TIMEOUT_S)]
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "ServerReflectionRequest" in (refused.value.details() or "")
+        ask = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+        [raw_answer] = [r async for r in reflect(iter([ask]), timeout=TIMEOUT_S)]
+        answer = reflection_pb2.ServerReflectionResponse.FromString(raw_answer)
+        names = {s.name for s in answer.list_services_response.service}
+        assert "rollserve.v1.Scheduler" in names
         # It serves on.
         stub = pb_grpc.SchedulerStub(channel)
         status = await stub.Status(

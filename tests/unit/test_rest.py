@@ -230,6 +230,12 @@ async def test_cancel_and_publish_over_http(other_redis_url: str) -> None:
         ("/v1/runs/r/groups", {"groups": []}, 422, "groups"),
         ("/v1/runs/r/groups", {"run_id": "other", "groups": [group("a")]}, 422, "not the path's"),
         ("/v1/runs/r/groups", {"run_id": "r", "runId": "x", "groups": [group("a")]}, 422, "runId"),
+        (
+            "/v1/runs/r/groups",
+            {"run_id": "r", "runId": "r", "groups": [group("a")]},
+            422,
+            "SubmitRequest.run_id is given twice, also as runId",
+        ),
         ("/v1/runs/r/groups", [group("a")], 422, "must be a JSON object"),
         ("/v1/runs/r/groups", b"{not json", 400, "not JSON"),
         ("/v1/runs/r/groups", b"\xff\xfe", 400, "not JSON"),

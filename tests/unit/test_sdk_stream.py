@@ -234,6 +234,8 @@ def test_a_closed_client_says_it_is_closed(redis_url: str) -> None:
         list(client.groups(timeout_s=0.1))
     with pytest.raises(ClientClosed):
         client.status()
+    with pytest.raises(ClientClosed):  # (it returned None, as if it had)
+        client.release()
 
 
 async def test_a_closed_async_client_says_it_is_closed(redis_url: str) -> None:
@@ -246,6 +248,8 @@ async def test_a_closed_async_client_says_it_is_closed(redis_url: str) -> None:
         [g async for g in client.groups(timeout_s=0.1)]
     with pytest.raises(ClientClosed):
         await client.discard("1-0")
+    with pytest.raises(ClientClosed):
+        client.release()
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])

@@ -328,6 +328,7 @@ class AsyncRolloutClient:
 
     def release(self, *received: AsyncReceivedGroup | AsyncReceivedSample) -> None:
         """Stops keeping these groups claimed; see ``RolloutClient.release``. No I/O."""
+        self._check_open("release")
         for r in received:
             self._state.release(r.entry_id)
 

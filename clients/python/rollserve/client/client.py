@@ -385,6 +385,7 @@ class RolloutClient:
         hand them out again). For groups this trainer will not use, such as another
         trainer's in a shared consumer group. No I/O: the next read of ``groups()`` gives
         them up, at once claimable."""
+        self._check_open("release")  # (closed, it reads no more: nothing would give them up)
         with self._lock:
             for r in received:
                 self._state.release(r.entry_id)

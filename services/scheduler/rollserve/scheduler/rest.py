@@ -239,6 +239,12 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
             f"the body must be a JSON object (a {message.DESCRIPTOR.name}), not a "
             f"{type(document).__name__}",
         )
+    if document.get("run_id") is not None and document.get("runId") is not None:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body: {message.DESCRIPTOR.name}.run_id is given twice, also as runId; give "
+            "it once (or not: the path names the run)",
+        )
     for name in ("run_id", "runId"):
         given = document.pop(name, None)  # (null is the default, as protobuf reads it)
         if given is not None and given != run_id:
