@@ -37,6 +37,7 @@ from rollserve.scheduler.api import SchedulerApi
 from rollserve.scheduler.metrics import status_registry
 from rollserve.scheduler.openapi import openapi_document
 from rollserve.scheduler.rest import RestApi, json_errors
+from rollserve.scheduler.server import serve
 from rollserve.scheduler.settings import EngineEndpoint, SchedulerSettings
 from rollserve.v1 import rollserve_pb2 as pb
 from rollserve.v1 import rollserve_pb2_grpc as pb_grpc
@@ -568,3 +569,41 @@ async def test_a_grpc_message_over_the_limit_is_refused_unparsed(other_redis_url
             ],
         )
         assert (await api.stub.Submit(small, timeout=TIMEOUT_S)).accepted == 1
+
+
+async def test_a_call_whose_body_arrives_as_the_scheduler_stops_is_answered(
+    other_redis_url: str,
+) -> None:
+    """A Cancel whose body is still arriving when the scheduler begins to stop (within its
+    grace): aiohttp's shutdown read no more of the connection, and the call was closed
+    unanswered at the end of the grace. Now the server stops listening, lets the handler
+    read its body and answer, then closes."""
+    http_port = free_port()
+    settings = SchedulerSettings(
+        port=0,
+        http_port=http_port,
+        redis_url=other_redis_url,
+        predictor_namespace=f"ns-{uuid.uuid4().hex[:10]}",
+        shutdown_grace_s=TIMEOUT_S,
+    )
+    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+    serving = asyncio.create_task(serve(settings, ready=ready.set_result, stop=stop))
+    await asyncio.wait_for(ready, TIMEOUT_S)
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+    try:
+        body = b'{"group_ids": ["a"]}'
+        head = b"POST /v1/runs/r/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        writer.write(head % len(body) + body[:5])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # (its handler has begun: it reads the body)
+        stop.set()
+        await asyncio.sleep(0.2)
+        writer.write(body[5:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), TIMEOUT_S)
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:200]
+        assert answer.endswith(b'{"unknown": ["a"], "cancelled": []}'), answer[-200:]
+        await asyncio.wait_for(serving, TIMEOUT_S)
+    finally:
+        writer.close()
+        stop.set()

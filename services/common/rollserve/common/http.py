@@ -16,7 +16,7 @@ import asyncio
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -74,7 +74,14 @@ class HttpServer:
         self._snapshot = snapshot
         self.host = host
         self.wanted_port = port  # (0: a free one)
-        app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+        # Handlers running (their requests' bodies may still be arriving) -> their tasks.
+        self._running: dict[asyncio.Task[object], None] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._drain_s = drain_s
+        app = web.Application(
+            middlewares=(self._counted, *middlewares), client_max_size=max_body_bytes
+        )
         app.router.add_get("/metrics", self._metrics)
         app.router.add_routes(routes)
         # (aiohttp takes a timeout of 0 as none at all: "no grace" is the least it waits)
@@ -112,7 +119,34 @@ class HttpServer:
         return self.port
 
     async def stop(self) -> None:
+        """Stops taking connections, waits ``drain_s`` at most for the handlers running
+        (a request whose body is still arriving among them), cancels those left, and closes
+        every connection. (aiohttp's own shutdown reads nothing more of a connection once it
+        begins: a body still arriving was never read, and its call went unanswered.)"""
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._running:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self._drain_s)
+            except TimeoutError:
+                for task in list(self._running):
+                    task.cancel()
         await self._runner.cleanup()
+
+    @web.middleware
+    async def _counted(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[task] = None
+        self._idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            del self._running[task]
+            if not self._running:
+                self._idle.set()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self._snapshot())
