@@ -253,8 +253,9 @@ def _decode(body: bytes, message: type[_Request], run_id: str) -> _Request:
                 f"{name} {given!r} in the body is not the path's ({run_id!r}); give it once",
             )
     document["run_id"] = run_id
-    _check_fields(document, cast(Descriptor, message.DESCRIPTOR), message.DESCRIPTOR.name)
+    # (the plain token lists out first: they hold no bool, and are not read twice)
     token_ids = _plain_token_ids(document)
+    _check_fields(document, cast(Descriptor, message.DESCRIPTOR), message.DESCRIPTOR.name)
     parsed = message()
     try:
         json_format.ParseDict(document, parsed)
